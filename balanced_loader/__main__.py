@@ -1,0 +1,3 @@
+from balanced_loader.cli import main
+
+raise SystemExit(main())

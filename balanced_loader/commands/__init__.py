@@ -1,0 +1,1 @@
+"""One module per ``balanced-loader`` subcommand: ``add_arguments(parser)`` and ``run(args)``."""

@@ -1,0 +1,304 @@
+"""Contract 2: the cost model (time and memory of a group), read from a YAML cost file.
+
+Times are whole-model forward+backward on one lane, in milliseconds::
+
+    group_ms = microbatch_ms + sum_s ((q*s^2 + l*s) / d + [d > 1] * comm_bytes_per_token*s / d / (bw(d)*1e6))
+
+Execution: each lane runs its groups in microbatch order; a group starts when all its
+lanes are free and occupies them for ``group_ms / pp``. A pool's time is its last lane's
+finish plus ``(pp - 1) * max_g group_ms / pp``; a step's time is the max over pools.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from balanced_loader.plan import Pool, StepPlan
+
+_BASE_KEYS = ("quadratic_ms", "linear_ms", "microbatch_ms", "comm_bytes_per_token", "max_tokens_per_lane")
+_OPTIONAL_KEYS = ("gpus_per_node", "strategies", "name", "bandwidth_gbs")
+_STRATEGY_KEYS = {"tp", "pp", *_BASE_KEYS, "bandwidth_gbs"}
+
+
+def _num(d: dict[str, Any], key: str, where: str, *, integer: bool = False, minimum: float = 0.0) -> float:
+    if key not in d:
+        raise ValueError(f"{where}: missing key '{key}'")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{where}: '{key}' must be a number, got {v!r}")
+    if integer and float(v) != int(v):
+        raise ValueError(f"{where}: '{key}' must be an integer, got {v!r}")
+    if v < minimum or not math.isfinite(v):
+        raise ValueError(f"{where}: '{key}' must be >= {minimum}, got {v!r}")
+    return int(v) if integer else float(v)
+
+
+def _bandwidth(d: Any, where: str) -> tuple[tuple[int, float], ...]:
+    if not isinstance(d, dict) or not d:
+        raise ValueError(f"{where}: 'bandwidth_gbs' must be a non-empty mapping degree -> GB/s")
+    out = []
+    for k, v in d.items():
+        try:
+            deg = int(k)
+            bw = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: bandwidth_gbs entry {k!r}: {v!r} is not degree: GB/s") from None
+        if deg < 2 or bw <= 0:
+            raise ValueError(f"{where}: bandwidth_gbs entry {k}: {v} needs degree >= 2 and GB/s > 0")
+        out.append((deg, bw))
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShapeCost:
+    """Coefficients of one ``(tp, pp)`` shape (whole-model fwd+bwd on one lane)."""
+
+    tp: int = 1
+    pp: int = 1
+    quadratic_ms: float
+    linear_ms: float
+    microbatch_ms: float
+    comm_bytes_per_token: float
+    bandwidth_gbs: tuple[tuple[int, float], ...]  # [(min degree, GB/s per device)], sorted
+    max_tokens_per_lane: int
+
+    @property
+    def usable(self) -> bool:
+        return self.max_tokens_per_lane > 0
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    def bandwidth(self, d: int) -> float:
+        """GB/s per device for a group of ``d`` lanes: the largest key <= d (the smallest key below it)."""
+        bw = self.bandwidth_gbs[0][1]
+        for deg, v in self.bandwidth_gbs:
+            if deg <= d:
+                bw = v
+            else:
+                break
+        return bw
+
+    def compute_ms(self, s: float | np.ndarray) -> float | np.ndarray:
+        """Work of a segment of ``s`` tokens on one lane: ``q*s^2 + l*s``."""
+        return self.quadratic_ms * s * s + self.linear_ms * s
+
+    def comm_ms(self, s: float | np.ndarray, d: int) -> float | np.ndarray:
+        """Per-lane CP/SP communication of a segment spread over ``d`` lanes (0 for d == 1)."""
+        if d <= 1:
+            return 0.0 * s
+        return self.comm_bytes_per_token * s / d / (self.bandwidth(d) * 1e6)
+
+    def segment_ms(self, s: float | np.ndarray, d: int) -> float | np.ndarray:
+        """Time a segment adds to a group of ``d`` lanes."""
+        return self.compute_ms(s) / d + self.comm_ms(s, d)
+
+    def group_ms(self, lengths: Iterable[int] | np.ndarray, d: int) -> float:
+        """Contract-2 time of one group: segments of ``lengths`` tokens on ``d`` lanes."""
+        arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
+        return float(self.microbatch_ms + np.sum(self.segment_ms(arr, d)))
+
+    def fits(self, tokens: int, d: int) -> bool:
+        return tokens <= self.max_tokens_per_lane * d
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """The cost file: base coefficients (tp = pp = 1) plus optional per-shape overrides."""
+
+    quadratic_ms: float
+    linear_ms: float
+    microbatch_ms: float
+    comm_bytes_per_token: float
+    bandwidth_gbs: tuple[tuple[int, float], ...]
+    max_tokens_per_lane: int
+    gpus_per_node: int = 8
+    strategies: tuple[ShapeCost, ...] = ()
+    name: str = ""
+    _shapes: dict[tuple[int, int], ShapeCost] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        base = ShapeCost(tp=1, pp=1, **{k: getattr(self, k) for k in (*_BASE_KEYS, "bandwidth_gbs")})
+        table = {(1, 1): base}
+        for s in self.strategies:
+            table[(s.tp, s.pp)] = s
+        self._shapes.clear()
+        self._shapes.update(table)
+
+    # ---- reading and writing -------------------------------------------
+    @staticmethod
+    def from_dict(d: dict[str, Any], where: str = "cost file") -> CostModel:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a mapping of cost keys")
+        unknown = set(d) - set(_BASE_KEYS) - set(_OPTIONAL_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: "
+                             f"{sorted((*_BASE_KEYS, *_OPTIONAL_KEYS))}")
+        if "bandwidth_gbs" not in d:
+            raise ValueError(f"{where}: missing key 'bandwidth_gbs'")
+        base = dict(
+            quadratic_ms=_num(d, "quadratic_ms", where),
+            linear_ms=_num(d, "linear_ms", where),
+            microbatch_ms=_num(d, "microbatch_ms", where),
+            comm_bytes_per_token=_num(d, "comm_bytes_per_token", where),
+            bandwidth_gbs=_bandwidth(d["bandwidth_gbs"], where),
+            max_tokens_per_lane=_num(d, "max_tokens_per_lane", where, integer=True),
+        )
+        gpn = _num(d, "gpus_per_node", where, integer=True, minimum=1) if "gpus_per_node" in d else 8
+        strategies = []
+        raw = d.get("strategies") or []
+        if not isinstance(raw, list):
+            raise ValueError(f"{where}: 'strategies' must be a list of {{tp, pp, ...}} entries")
+        for i, s in enumerate(raw):
+            sw = f"{where}: strategies[{i}]"
+            if not isinstance(s, dict):
+                raise ValueError(f"{sw}: expected a mapping")
+            bad = set(s) - _STRATEGY_KEYS
+            if bad:
+                raise ValueError(f"{sw}: unknown key(s) {sorted(bad)}; allowed: {sorted(_STRATEGY_KEYS)}")
+            tp = _num(s, "tp", sw, integer=True, minimum=1)
+            pp = _num(s, "pp", sw, integer=True, minimum=1)
+            merged = dict(base)
+            for k in _BASE_KEYS:
+                if k in s:
+                    merged[k] = _num(s, k, sw, integer=(k == "max_tokens_per_lane"))
+            if "bandwidth_gbs" in s:
+                merged["bandwidth_gbs"] = _bandwidth(s["bandwidth_gbs"], sw)
+            if any(x.tp == tp and x.pp == pp for x in strategies):
+                raise ValueError(f"{sw}: shape tp={tp}, pp={pp} is listed twice")
+            strategies.append(ShapeCost(tp=tp, pp=pp, **merged))
+        return CostModel(**base, gpus_per_node=gpn, strategies=tuple(strategies), name=str(d.get("name", "")))
+
+    @staticmethod
+    def from_file(path: str) -> CostModel:
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read cost file {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"cost file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        return CostModel.from_dict(data, where=f"cost file {path}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        if self.name:
+            d["name"] = self.name
+        for k in _BASE_KEYS:
+            d[k] = getattr(self, k)
+        d["bandwidth_gbs"] = {deg: bw for deg, bw in self.bandwidth_gbs}
+        d["gpus_per_node"] = self.gpus_per_node
+        if self.strategies:
+            base = self.shape(1, 1)
+            out = []
+            for s in self.strategies:
+                e: dict[str, Any] = {"tp": s.tp, "pp": s.pp}
+                for k in _BASE_KEYS:
+                    if getattr(s, k) != getattr(base, k):
+                        e[k] = getattr(s, k)
+                if s.bandwidth_gbs != base.bandwidth_gbs:
+                    e["bandwidth_gbs"] = {deg: bw for deg, bw in s.bandwidth_gbs}
+                out.append(e)
+            d["strategies"] = out
+        return d
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_yaml())
+
+    def replace(self, **changes: Any) -> CostModel:
+        """A copy with base keys changed (strategies keep their own overrides)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_shapes"}
+        kw.update(changes)
+        return CostModel(**kw)
+
+    def with_base(self, **changes: Any) -> CostModel:
+        """A copy with keys changed for every shape (strategies too)."""
+        strategies = tuple(replace(s, **changes) for s in self.strategies)
+        return self.replace(strategies=strategies, **changes)
+
+    # ---- shapes ----------------------------------------------------------
+    def shape(self, tp: int = 1, pp: int = 1) -> ShapeCost:
+        try:
+            return self._shapes[(tp, pp)]
+        except KeyError:
+            listed = ", ".join(f"tp={a} pp={b}" for a, b in sorted(self._shapes))
+            raise ValueError(f"shape tp={tp}, pp={pp} is not in the cost file (listed: {listed}); "
+                             f"add it under 'strategies'") from None
+
+    def shapes(self, usable_only: bool = True) -> list[ShapeCost]:
+        """Shapes in the file, sorted by (tp*pp, tp)."""
+        out = [s for s in self._shapes.values() if s.usable or not usable_only]
+        return sorted(out, key=lambda s: (s.gpus, s.tp, s.pp))
+
+    @property
+    def base(self) -> ShapeCost:
+        return self._shapes[(1, 1)]
+
+    # ---- contract-2 timing ---------------------------------------------
+    def group_ms(self, lengths: Iterable[int] | np.ndarray, d: int, tp: int = 1, pp: int = 1) -> float:
+        return self.shape(tp, pp).group_ms(lengths, d)
+
+    def lane_finish_ms(self, pool: Pool) -> tuple[np.ndarray, float]:
+        """Per-lane finish times ([num_lanes] ms, one stage's share) and the largest group time."""
+        sc = self.shape(pool.tp, pool.pp)
+        finish = np.zeros(pool.num_lanes, dtype=np.float64)  # [num_lanes]
+        gmax = 0.0
+        for mb in pool.microbatches:
+            for g in mb:
+                t = sc.group_ms([s[2] for s in g.segments], len(g.lanes))
+                gmax = max(gmax, t)
+                lanes = list(g.lanes)
+                start = finish[lanes].max()
+                finish[lanes] = start + t / pool.pp
+        return finish, gmax
+
+    def pool_ms(self, pool: Pool) -> float:
+        """Contract-2 time of a pool: last lane's finish plus pipeline fill and drain."""
+        if not pool.microbatches:
+            return 0.0
+        finish, gmax = self.lane_finish_ms(pool)
+        if gmax == 0.0:
+            return 0.0
+        return float(finish.max() + (pool.pp - 1) * gmax / pool.pp)
+
+    def step_ms(self, plan: StepPlan) -> float:
+        """Contract-2 step time: the slowest pool."""
+        return max((self.pool_ms(p) for p in plan.pools), default=0.0)
+
+    # ---- helpers used by planners --------------------------------------
+    def memory_fit_degree(self, s: int, allowed: Sequence[int], tp: int = 1, pp: int = 1) -> int:
+        """Smallest allowed degree whose lanes hold ``s`` tokens; ValueError when none does."""
+        cap = self.shape(tp, pp).max_tokens_per_lane
+        for d in sorted(allowed):
+            if s <= cap * d:
+                return d
+        raise ValueError(f"a {s}-token doc does not fit: max_tokens_per_lane {cap} x largest degree "
+                         f"{max(allowed)} = {cap * max(allowed)} tokens")
+
+
+def allowed_degrees(num_lanes: int, *, powers_of_two: bool = True) -> list[int]:
+    """Group sizes the runtime pre-creates for a pool of ``num_lanes`` lanes (aligned blocks)."""
+    if num_lanes < 1:
+        return []
+    if powers_of_two:
+        out, d = [], 1
+        while d <= num_lanes:
+            out.append(d)
+            d *= 2
+        return out
+    return [d for d in range(1, num_lanes + 1) if num_lanes % d == 0]

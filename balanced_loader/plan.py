@@ -1,0 +1,308 @@
+"""Contract 1: the step plan (JSON format ``balanced-loader/plan`` version 1).
+
+A :class:`StepPlan` says, for one optimizer step, which pools (rank sets of one
+``(tp, pp)`` shape) exist, and for each pool which groups of lanes run which
+segments in which microbatch. Planning is pure; these types are plain data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from balanced_loader.cost import CostModel
+
+PLAN_FORMAT = "balanced-loader/plan"
+PLAN_VERSION = 1
+
+Segment = tuple[int, int, int]  # (doc_id, start, length)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Group:
+    """Lanes that work together on some segments in one microbatch."""
+
+    lanes: tuple[int, ...]  # [degree] lane indices inside the pool
+    segments: tuple[Segment, ...]  # [num_segments] (doc_id, start, length)
+
+    @property
+    def degree(self) -> int:
+        return len(self.lanes)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s[2] for s in self.segments)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lanes": list(self.lanes), "segments": [list(s) for s in self.segments]}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Group:
+        return Group(
+            lanes=tuple(int(x) for x in d["lanes"]),
+            segments=tuple((int(a), int(b), int(c)) for a, b, c in d["segments"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pool:
+    """Ranks sharing one ``(tp, pp)`` shape for this step, as a grid ``[pp][lanes][tp]``."""
+
+    tp: int
+    pp: int
+    ranks: tuple[tuple[int, ...], ...]  # [pp][num_lanes * tp]; lane l, tp index t -> ranks[s][l*tp+t]
+    microbatches: tuple[tuple[Group, ...], ...]  # [num_microbatches][groups]
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self.ranks[0]) // self.tp if self.ranks else 0
+
+    @property
+    def num_ranks(self) -> int:
+        return sum(len(r) for r in self.ranks)
+
+    def rank(self, stage: int, lane: int, tp_index: int = 0) -> int:
+        return self.ranks[stage][lane * self.tp + tp_index]
+
+    def lane_ranks(self, lane: int, stage: int = 0) -> tuple[int, ...]:
+        """The ``tp`` ranks of one lane at one stage (its TP group)."""
+        return self.ranks[stage][lane * self.tp : (lane + 1) * self.tp]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "ranks": [list(r) for r in self.ranks],
+            "microbatches": [[g.to_json() for g in mb] for mb in self.microbatches],
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Pool:
+        return Pool(
+            tp=int(d["tp"]),
+            pp=int(d["pp"]),
+            ranks=tuple(tuple(int(x) for x in r) for r in d["ranks"]),
+            microbatches=tuple(tuple(Group.from_json(g) for g in mb) for mb in d["microbatches"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepPlan:
+    """The plan of one optimizer step."""
+
+    step: int
+    world_size: int
+    pools: tuple[Pool, ...]
+    plan_seconds: float = 0.0
+    predicted_ms: float = 0.0
+    notes: tuple[str, ...] = ()  # e.g. "solver time-out: greedy fallback"
+
+    # ---- derived views -------------------------------------------------
+    def doc_ids(self) -> np.ndarray:
+        """Sorted unique doc_ids of this step."""  # [num_docs]
+        ids = [s[0] for p in self.pools for mb in p.microbatches for g in mb for s in g.segments]
+        return np.unique(np.asarray(ids, dtype=np.int64))
+
+    @property
+    def tokens(self) -> int:
+        return sum(g.tokens for p in self.pools for mb in p.microbatches for g in mb)
+
+    @property
+    def num_groups(self) -> int:
+        return sum(len(mb) for p in self.pools for mb in p.microbatches)
+
+    def with_timing(self, *, plan_seconds: float | None = None, predicted_ms: float | None = None,
+                    notes: tuple[str, ...] | None = None) -> StepPlan:
+        return StepPlan(
+            step=self.step,
+            world_size=self.world_size,
+            pools=self.pools,
+            plan_seconds=self.plan_seconds if plan_seconds is None else plan_seconds,
+            predicted_ms=self.predicted_ms if predicted_ms is None else predicted_ms,
+            notes=self.notes if notes is None else notes,
+        )
+
+    def with_step(self, step: int) -> StepPlan:
+        return StepPlan(step=step, world_size=self.world_size, pools=self.pools,
+                        plan_seconds=self.plan_seconds, predicted_ms=self.predicted_ms, notes=self.notes)
+
+    # ---- serialization -------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "step": self.step,
+            "plan_seconds": round(float(self.plan_seconds), 6),
+            "predicted_ms": round(float(self.predicted_ms), 4),
+            "pools": [p.to_json() for p in self.pools],
+        }
+        if self.notes:
+            d["notes"] = list(self.notes)
+        return d
+
+    @staticmethod
+    def from_json(d: dict[str, Any], world_size: int) -> StepPlan:
+        return StepPlan(
+            step=int(d["step"]),
+            world_size=int(world_size),
+            pools=tuple(Pool.from_json(p) for p in d["pools"]),
+            plan_seconds=float(d.get("plan_seconds", 0.0)),
+            predicted_ms=float(d.get("predicted_ms", 0.0)),
+            notes=tuple(d.get("notes", ())),
+        )
+
+    def fingerprint(self) -> str:
+        """Hash of what every rank must agree on (step, world, pools); timings excluded."""
+        body = json.dumps(
+            {"step": self.step, "world_size": self.world_size, "pools": [p.to_json() for p in self.pools]},
+            separators=(",", ":"),
+            sort_keys=True,
+        )
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    # ---- validation ----------------------------------------------------
+    def validate(self, lengths: Sequence[int] | np.ndarray, cost: CostModel | None = None,
+                 doc_ids: Iterable[int] | None = None) -> None:
+        """Check every contract-1 invariant; raise ``ValueError`` naming step, pool, microbatch and doc.
+
+        ``lengths`` is indexed by doc_id. ``doc_ids`` (optional) is the exact set of docs
+        this step must hold. ``cost`` (optional) enables the shape and memory-cap checks.
+        """
+        where = f"step {self.step}"
+        if self.world_size < 1:
+            raise ValueError(f"{where}: world_size must be >= 1, got {self.world_size}")
+        seen_ranks: set[int] = set()
+        pieces: dict[int, list[tuple[int, int, str]]] = {}
+        for pi, pool in enumerate(self.pools):
+            pw = f"{where}, pool {pi} (tp={pool.tp}, pp={pool.pp})"
+            if pool.tp < 1 or pool.pp < 1:
+                raise ValueError(f"{pw}: tp and pp must be >= 1")
+            if len(pool.ranks) != pool.pp:
+                raise ValueError(f"{pw}: ranks has {len(pool.ranks)} stages, expected pp={pool.pp}")
+            widths = {len(r) for r in pool.ranks}
+            if len(widths) != 1 or next(iter(widths)) % pool.tp or next(iter(widths)) == 0:
+                raise ValueError(f"{pw}: every stage must list the same positive multiple of tp ranks")
+            for r in (x for stage in pool.ranks for x in stage):
+                if not 0 <= r < self.world_size:
+                    raise ValueError(f"{pw}: rank {r} outside 0..{self.world_size - 1}")
+                if r in seen_ranks:
+                    raise ValueError(f"{pw}: rank {r} appears twice")
+                seen_ranks.add(r)
+            cap = None
+            if cost is not None:
+                cap = cost.shape(pool.tp, pool.pp).max_tokens_per_lane
+                if cap <= 0:
+                    raise ValueError(f"{pw}: shape is marked unusable (max_tokens_per_lane: 0)")
+            nl = pool.num_lanes
+            for k, mb in enumerate(pool.microbatches):
+                used: set[int] = set()
+                for gi, g in enumerate(mb):
+                    gw = f"{pw}, microbatch {k}, group {gi}"
+                    if not g.lanes:
+                        raise ValueError(f"{gw}: a group needs at least one lane")
+                    for lane in g.lanes:
+                        if not 0 <= lane < nl:
+                            raise ValueError(f"{gw}: lane {lane} outside 0..{nl - 1}")
+                        if lane in used:
+                            raise ValueError(f"{gw}: lane {lane} is in two groups of one microbatch")
+                        used.add(lane)
+                    if not g.segments:
+                        raise ValueError(f"{gw}: a group needs at least one segment")
+                    for doc, start, length in g.segments:
+                        if length <= 0 or start < 0:
+                            raise ValueError(f"{gw}, doc {doc}: segment ({doc}, {start}, {length}) is empty")
+                        pieces.setdefault(doc, []).append((start, length, gw))
+                    if cap is not None and g.tokens > cap * g.degree:
+                        raise ValueError(
+                            f"{gw}: {g.tokens} tokens on {g.degree} lane(s) exceed max_tokens_per_lane "
+                            f"{cap} (x{g.degree}); use a larger degree or a larger shape"
+                        )
+        if len(seen_ranks) != self.world_size:
+            missing = sorted(set(range(self.world_size)) - seen_ranks)[:8]
+            raise ValueError(f"{where}: pools do not cover the world; missing ranks {missing}")
+        lengths_arr = np.asarray(lengths)
+        for doc, segs in pieces.items():
+            if not 0 <= doc < len(lengths_arr):
+                raise ValueError(f"{where}, {segs[0][2]}: doc {doc} is not in the length index")
+            segs.sort()
+            pos = 0
+            for start, length, gw in segs:
+                if start != pos:
+                    what = "overlaps" if start < pos else "leaves a gap before"
+                    raise ValueError(f"{where}, {gw}: doc {doc} segment at {start} {what} token {pos}")
+                pos = start + length
+            if pos != int(lengths_arr[doc]):
+                raise ValueError(f"{where}: doc {doc} covers {pos} of its {int(lengths_arr[doc])} tokens")
+        if doc_ids is not None:
+            expected = {int(d) for d in doc_ids}
+            got = set(pieces)
+            if expected != got:
+                miss = sorted(expected - got)[:8]
+                extra = sorted(got - expected)[:8]
+                raise ValueError(f"{where}: docs missing from the plan {miss}, docs not in the batch {extra}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A plan file: several steps under one policy and world size."""
+
+    policy: str
+    world_size: int
+    steps: tuple[StepPlan, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "policy": self.policy,
+            "world_size": self.world_size,
+            "steps": [s.to_json() for s in self.steps],
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Plan:
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            raise ValueError(f"not a plan file: expected \"format\": \"{PLAN_FORMAT}\"")
+        if d.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {d.get('version')} is not supported (this reader knows {PLAN_VERSION})")
+        try:
+            ws = int(d["world_size"])
+            return Plan(policy=str(d["policy"]), world_size=ws,
+                        steps=tuple(StepPlan.from_json(s, ws) for s in d["steps"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed plan file: {type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def load(path: str) -> Plan:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read plan file {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan file {path} is not JSON: {e}") from None
+        return Plan.from_json(data)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.dumps())
+            f.write("\n")
+
+
+def single_pool_ranks(world_size: int, tp: int = 1, pp: int = 1, offset: int = 0) -> tuple[tuple[int, ...], ...]:
+    """Rank grid of a pool covering ``world_size`` consecutive ranks from ``offset``.
+
+    Stage-major: stage ``s`` holds ranks ``offset + s*W/pp ... offset + (s+1)*W/pp - 1``,
+    so lane ``l``'s TP group is contiguous (TP inside a node) and PP crosses nodes.
+    """
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp * pp}")
+    per_stage = world_size // pp
+    return tuple(tuple(range(offset + s * per_stage, offset + (s + 1) * per_stage)) for s in range(pp))
