@@ -1,0 +1,98 @@
+"""Contract 1: plan types, JSON round trip, fingerprint, and every validate() invariant."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from balanced_loader.cost import CostModel
+from balanced_loader.plan import Group, Plan, Pool, StepPlan, single_pool_ranks
+
+COST = CostModel.from_dict({
+    "quadratic_ms": 1e-3, "linear_ms": 0.1, "microbatch_ms": 1.0, "comm_bytes_per_token": 1e6,
+    "bandwidth_gbs": {2: 100.0, 8: 10.0}, "max_tokens_per_lane": 100,
+    "strategies": [{"tp": 2, "pp": 2, "max_tokens_per_lane": 400}],
+})
+LENGTHS = np.array([150, 40, 60, 30])
+
+
+def make(microbatches, tp=1, pp=1, world=4) -> StepPlan:
+    pool = Pool(tp=tp, pp=pp, ranks=single_pool_ranks(world, tp, pp), microbatches=microbatches)
+    return StepPlan(step=3, world_size=world, pools=(pool,))
+
+
+def good() -> StepPlan:
+    return make((
+        (Group(lanes=(0, 1), segments=((0, 0, 150),)), Group(lanes=(2,), segments=((1, 0, 40), (2, 0, 60)))),
+        (Group(lanes=(3,), segments=((3, 0, 30),)),),
+    ))
+
+
+def test_valid_plan_passes_and_round_trips():
+    p = good()
+    p.validate(LENGTHS, COST, doc_ids=range(4))
+    text = Plan(policy="x", world_size=4, steps=(p,)).dumps()
+    d = json.loads(text)
+    assert d["format"] == "balanced-loader/plan" and d["version"] == 1 and d["world_size"] == 4
+    back = Plan.from_json(d).steps[0]
+    assert back == p
+    assert back.fingerprint() == p.fingerprint()
+
+
+def test_fingerprint_ignores_timing_but_not_content():
+    p = good()
+    assert p.with_timing(plan_seconds=9.0, predicted_ms=1.0).fingerprint() == p.fingerprint()
+    other = make(((Group(lanes=(0, 1), segments=((0, 0, 150),)),),))
+    assert other.fingerprint() != p.fingerprint()
+
+
+@pytest.mark.parametrize("mbs, world, message", [
+    ((((Group(lanes=(0, 1), segments=((0, 0, 150),)), Group(lanes=(1,), segments=((1, 0, 40),))),)), 4,
+     "lane 1 is in two groups of one microbatch"),
+    ((((Group(lanes=(5,), segments=((1, 0, 40),)),),)), 4, "lane 5 outside"),
+    ((((Group(lanes=(0,), segments=((1, 0, 20),)),),)), 4, "doc 1 covers 20 of its 40 tokens"),
+    ((((Group(lanes=(0,), segments=((1, 0, 40),)), Group(lanes=(1,), segments=((1, 10, 30),))),)), 4,
+     "overlaps"),
+    ((((Group(lanes=(0,), segments=((0, 0, 150),)),),)), 4, "exceed max_tokens_per_lane 100"),
+    ((((Group(lanes=(0,), segments=((9, 0, 10),)),),)), 4, "doc 9 is not in the length index"),
+])
+def test_invalid_plans_name_the_problem(mbs, world, message):
+    with pytest.raises(ValueError, match=message) as e:
+        make(mbs, world=world).validate(LENGTHS, COST)
+    assert "step 3" in str(e.value)
+
+
+def test_missing_docs_and_ranks():
+    p = make(((Group(lanes=(0,), segments=((1, 0, 40),)),),))
+    with pytest.raises(ValueError, match=r"docs missing from the plan \[0, 2, 3\]"):
+        p.validate(LENGTHS, COST, doc_ids=range(4))
+    pool = Pool(tp=1, pp=1, ranks=((0, 1, 2),), microbatches=())
+    with pytest.raises(ValueError, match=r"missing ranks \[3\]"):
+        StepPlan(step=0, world_size=4, pools=(pool,)).validate(LENGTHS)
+
+
+def test_shape_must_be_in_cost_file_and_tp_pp_grid():
+    p = make(((Group(lanes=(0,), segments=((0, 0, 150),)),),), tp=2, pp=2, world=8)
+    p.validate(LENGTHS, COST)  # tp=2, pp=2 holds 400 tokens per lane
+    assert p.pools[0].num_lanes == 2 and p.pools[0].rank(1, 1, 1) == 7
+    with pytest.raises(ValueError, match="shape tp=4, pp=1 is not in the cost file"):
+        make(((Group(lanes=(0,), segments=((1, 0, 40),)),),), tp=4, world=8).validate(LENGTHS, COST)
+
+
+def test_plan_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="not a plan file"):
+        Plan.from_json({"steps": []})
+    bad = tmp_path / "p.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        Plan.load(str(bad))
+    with pytest.raises(ValueError, match="cannot read plan file"):
+        Plan.load(str(tmp_path / "missing.json"))
+
+
+def test_empty_step_is_valid():
+    p = make(())
+    p.validate(LENGTHS, COST, doc_ids=[])
+    assert COST.step_ms(p) == 0.0
