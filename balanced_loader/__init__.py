@@ -27,7 +27,7 @@ _EXPORTS = {
     "BalancedLoader": "balanced_loader.loader",
     "StepBatch": "balanced_loader.loader",
     "Microbatch": "balanced_loader.materialize",
-    "wrap": "balanced_loader.wrap",
+    "wrap": "balanced_loader.wrapping",
     "pack": "balanced_loader.packing",
     "cp_positions": "balanced_loader.layout",
 }

@@ -109,19 +109,29 @@ def epoch_order(num_docs: int, *, seed: int, epoch: int, shuffle: bool = True,
     return order
 
 
-def batch_bounds(item_lengths: np.ndarray, budget: int | None) -> np.ndarray:
+def batch_bounds(item_lengths: np.ndarray, budget: int | None, starts: np.ndarray | None = None) -> np.ndarray:
     """Cut consecutive items into global batches of at most ``budget`` tokens.
 
-    Returns ``[num_steps + 1]`` offsets into the items. A batch closes before the item that
-    would exceed the budget; an item larger than the budget is a batch of its own. The last
-    batch may be partial (nothing is dropped). ``budget=None``: one batch.
+    Returns ``[num_steps + 1]`` offsets into the items. A batch closes before the doc that
+    would exceed the budget; a doc larger than the budget is a batch of its own. With
+    ``starts`` (``[n]``, from :func:`to_items`), batches are cut only where a doc begins
+    (``start == 0``), so a split doc's segments stay in one step (contract 1 tiles each doc
+    within its step). The last batch may be partial (nothing is dropped). ``budget=None``:
+    one batch.
     """
     n = len(item_lengths)
     if budget is None or n == 0:
         return np.asarray([0, n] if n else [0], dtype=np.int64)
     if budget < 1:
         raise ValueError(f"global_batch_tokens must be >= 1, got {budget}")
-    return _batch_bounds_py(np.asarray(item_lengths, dtype=np.int64), int(budget))
+    item_lengths = np.asarray(item_lengths, dtype=np.int64)
+    if starts is None:
+        return _batch_bounds_py(item_lengths, int(budget))
+    first = np.flatnonzero(np.asarray(starts) == 0)  # [num_docs] first item of each doc
+    assert len(first) and first[0] == 0, "items must begin with the first segment of a doc"
+    doc_tokens = np.add.reduceat(item_lengths, first)  # [num_docs]
+    doc_bounds = _batch_bounds_py(doc_tokens, int(budget))
+    return np.append(first, n)[doc_bounds].astype(np.int64)
 
 
 def _batch_bounds_py(lengths: np.ndarray, budget: int) -> np.ndarray:

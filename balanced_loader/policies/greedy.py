@@ -36,7 +36,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         if d == 1:
             short.append(int(i))
             continue
-        blocks = load.reshape(-1, d).max(axis=1)  # [lanes // d]
+        blocks = load[: lanes // d * d].reshape(-1, d).max(axis=1)  # [lanes // d] aligned blocks
         b = int(np.argmin(blocks))
         block = list(range(b * d, (b + 1) * d))
         mbs.add(block, [items.segment(i)])

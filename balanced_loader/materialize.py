@@ -1,0 +1,217 @@
+"""Materialization: one rank's microbatches of a step plan, as flat (THD) numpy arrays.
+
+For every group that includes the rank's lane, in microbatch order, each segment of the
+group is laid out for this lane by :func:`balanced_loader.layout.cp_positions`: the per-doc
+zigzag over the group's ``d`` lanes (with ``cp_inner`` Ulysses ranks nested inside; a group
+whose degree is not a multiple of ``cp_inner`` uses ``gcd(cp_inner, d)``). A segment of
+``L`` tokens takes ``padded_length(L, d) / d`` positions on each lane (``L`` when d == 1).
+
+* ``input_ids``: the tokens; padding gets ``pad_id``.
+* ``labels``: the next token of the same segment, ``-100`` at each segment's last token and
+  on padding (a doc split at the context limit trains as independent sequences).
+* ``position_ids``: position inside the (padded) segment; padding continues the count, so
+  every lane's positions are exactly the layout's positions of the padded segment.
+* ``cu_seqlens``: offsets of the segments in this lane's arrays (int32).
+* ``segments``: the runs ``(doc_id, start, length)`` making up ``input_ids`` in order, with
+  ``doc_id == -1`` for padding runs.
+
+Ranks of tp index > 0 get the same data as tp index 0 of their lane. Pipeline stages other
+than the first and the last read no tokens: their ``input_ids`` are ``pad_id`` and their
+``labels`` ``-100`` (``has_tokens`` is False); positions, ``cu_seqlens`` and segments are filled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from balanced_loader.layout import padded_length
+from balanced_loader.plan import Group, StepPlan
+
+if TYPE_CHECKING:
+    from balanced_loader.sources import Source
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Microbatch:
+    """This rank's share of one group of one microbatch."""
+
+    input_ids: np.ndarray  # [T] int64
+    labels: np.ndarray  # [T] int64
+    position_ids: np.ndarray  # [T] int64
+    cu_seqlens: np.ndarray  # [num_segments + 1] int32, over per-lane padded segment lengths
+    segments: tuple[tuple[int, int, int], ...]  # [num_runs] (doc_id, start, length); doc_id -1 = padding
+    seq_lengths: tuple[int, ...]  # [num_segments] the group's segment lengths, unpadded, in order
+    k: int  # microbatch index in the pool's microbatch list
+    pool: int  # pool index in the plan
+    stage: int  # pipeline stage of this rank
+    lane: int  # this rank's lane in the pool
+    tp_index: int  # this rank's index in its lane's TP group
+    lanes: tuple[int, ...]  # [degree] the group's lanes
+    cp_rank: int  # position of this lane in the group's lanes
+    cp_inner: int  # Ulysses size used for this group's layout
+    has_tokens: bool = True  # False on middle pipeline stages (no tokens read)
+
+    @property
+    def degree(self) -> int:
+        return len(self.lanes)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_valid_tokens(self) -> int:
+        """Label tokens of this lane that count in the loss."""
+        return int(np.count_nonzero(self.labels != IGNORE_INDEX))
+
+    def as_tensors(self) -> dict[str, Any]:
+        """``input_ids``, ``labels``, ``position_ids`` (int64) and ``cu_seqlens`` (int32) as torch tensors."""
+        import torch
+
+        return {"input_ids": torch.from_numpy(self.input_ids), "labels": torch.from_numpy(self.labels),
+                "position_ids": torch.from_numpy(self.position_ids),
+                "cu_seqlens": torch.from_numpy(self.cu_seqlens)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankPlace:
+    """Where a rank sits in a step plan."""
+
+    pool: int
+    stage: int
+    lane: int
+    tp_index: int
+    pp: int
+
+
+def rank_place(plan: StepPlan, rank: int) -> RankPlace:
+    for pi, pool in enumerate(plan.pools):
+        for s, stage_ranks in enumerate(pool.ranks):
+            if rank in stage_ranks:
+                idx = stage_ranks.index(rank)
+                return RankPlace(pool=pi, stage=s, lane=idx // pool.tp, tp_index=idx % pool.tp, pp=pool.pp)
+    raise ValueError(f"rank {rank} is in no pool of step {plan.step} (world size {plan.world_size})")
+
+
+def num_valid_tokens(plan: StepPlan) -> int:
+    """Global number of label tokens of a step (each segment's last token has no label)."""
+    return sum(s[2] - 1 for p in plan.pools for mb in p.microbatches for g in mb for s in g.segments)
+
+
+def lane_runs(length: int, degree: int, cp_rank: int, inner: int = 1) -> list[tuple[int, int, bool]]:
+    """One lane's share of a segment as runs ``(first position, count, real)`` of consecutive positions.
+
+    The runs are :func:`~balanced_loader.layout.cp_positions` of the padded segment, row
+    ``cp_rank``, written analytically (no ``[degree][positions]`` matrix): the lane
+    ``(j, i) = divmod(cp_rank, inner)`` holds sub-chunk ``i`` of chunks ``j`` and
+    ``2*outer - 1 - j``, each ``padded_length / (2 * degree)`` positions. A run is cut where
+    real tokens (position < length) turn into padding. Tests check it against ``cp_positions``.
+    """
+    if degree == 1:
+        return [(0, length, True)]
+    total = padded_length(length, degree)
+    outer = degree // inner
+    half = total // (2 * degree)
+    chunk = inner * half
+    j, i = divmod(cp_rank, inner)
+    runs: list[tuple[int, int, bool]] = []
+    for c in (j, 2 * outer - 1 - j):
+        a = c * chunk + i * half
+        real = min(max(length - a, 0), half)
+        if real:
+            runs.append((a, real, True))
+        if real < half:
+            runs.append((a + real, half - real, False))
+    return runs
+
+
+_IOTA = np.arange(1 << 16, dtype=np.int64)  # shared 0, 1, 2, ... for position ids (read-only use)
+
+
+def _iota(n: int) -> np.ndarray:
+    global _IOTA
+    if len(_IOTA) < n:
+        _IOTA = np.arange(max(n, 2 * len(_IOTA)), dtype=np.int64)
+    return _IOTA[:n]
+
+
+def materialize_group(group: Group, lane: int, source: Source | None, *, cp_inner: int = 1, pad_id: int = 0
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """``input_ids, labels, position_ids, cu_seqlens, runs`` of one lane of a group.
+
+    ``source=None`` reads no tokens (middle pipeline stages): ids are ``pad_id``, labels -100.
+    Every position is written once (the arrays start uninitialized).
+    """
+    d = len(group.lanes)
+    j = group.lanes.index(lane)
+    inner = math.gcd(cp_inner, d)
+    offsets = list(accumulate((padded_length(s[2], d) // d for s in group.segments), initial=0))
+    cu = np.array(offsets, dtype=np.int32)  # [num_segments + 1]
+    total = offsets[-1]
+    if source is None:
+        ids = np.full(total, pad_id, dtype=np.int64)  # [T]
+        labels = np.full(total, IGNORE_INDEX, dtype=np.int64)  # [T]
+    else:
+        ids = np.empty(total, dtype=np.int64)
+        labels = np.empty(total, dtype=np.int64)
+    pos_ids = np.empty(total, dtype=np.int64)  # [T]
+    runs: list[tuple[int, int, int]] = []
+    for si, (doc, start, length) in enumerate(group.segments):
+        o = offsets[si]
+        for first, count, real in lane_runs(length, d, j, inner):
+            np.add(_iota(count), first, out=pos_ids[o:o + count])
+            if real:
+                runs.append((doc, start + first, count))
+                if source is not None:
+                    stop = min(first + count + 1, length)  # one more token for the last label
+                    toks = source.read(doc, start + first, stop - first)
+                    ids[o:o + count] = toks[:count]
+                    labels[o:o + stop - first - 1] = toks[1:]
+                    if stop - first == count:  # the segment ends here: no next token
+                        labels[o + count - 1] = IGNORE_INDEX
+            else:
+                if source is not None:
+                    ids[o:o + count] = pad_id
+                    labels[o:o + count] = IGNORE_INDEX
+                if runs and runs[-1][0] == -1:
+                    runs[-1] = (-1, 0, runs[-1][2] + count)
+                else:
+                    runs.append((-1, 0, count))
+            o += count
+    return ids, labels, pos_ids, cu, runs
+
+
+def materialize_rank(plan: StepPlan, rank: int, source: Source | None, *, cp_inner: int = 1,
+                     pad_id: int = 0) -> list[Microbatch]:
+    """This rank's microbatches of a step, in execution order (microbatch index ``k``)."""
+    if cp_inner < 1:
+        raise ValueError(f"cp_inner must be >= 1, got {cp_inner}")
+    place = rank_place(plan, rank)
+    pool = plan.pools[place.pool]
+    reads = source is not None and place.stage in (0, place.pp - 1)
+    out: list[Microbatch] = []
+    for k, mb in enumerate(pool.microbatches):
+        for g in mb:
+            if place.lane not in g.lanes:
+                continue
+            ids, labels, pos, cu, runs = materialize_group(g, place.lane, source if reads else None,
+                                                           cp_inner=cp_inner, pad_id=pad_id)
+            out.append(Microbatch(
+                input_ids=ids, labels=labels, position_ids=pos, cu_seqlens=cu, segments=tuple(runs),
+                seq_lengths=tuple(s[2] for s in g.segments), k=k, pool=place.pool, stage=place.stage,
+                lane=place.lane, tp_index=place.tp_index, lanes=g.lanes, cp_rank=g.lanes.index(place.lane),
+                cp_inner=math.gcd(cp_inner, len(g.lanes)), has_tokens=reads))
+            break
+    return out
+
+
+def needed_token_count(microbatches: list[Microbatch]) -> int:
+    """Real tokens in a rank's microbatches (what it must read at least)."""
+    return sum(n for mb in microbatches if mb.has_tokens for doc, _, n in mb.segments if doc >= 0)

@@ -1,0 +1,119 @@
+"""``balanced_loader.wrap``: an existing torch ``DataLoader`` or map-style ``Dataset`` as a BalancedLoader.
+
+The dataset keeps its samples; the BalancedLoader takes over ordering, batching and the
+split across ranks (the DataLoader's own sampler, batch size and collate function are not
+used, so nothing is sharded twice). Lengths come from ``lengths=`` (fastest), a
+``length_fn(sample)``, or the length of each sample's tokens (one pass over the dataset).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from balanced_loader.sources import Source, as_lengths
+
+
+def default_tokens(sample: Any) -> np.ndarray:
+    """Token ids of a sample: an array, tensor or list; a dict's ``input_ids``; a tuple's first item."""
+    if isinstance(sample, dict):
+        if "input_ids" not in sample:
+            raise ValueError(f"sample dict has no 'input_ids' (keys {sorted(sample)}); pass tokens_fn=")
+        sample = sample["input_ids"]
+    elif isinstance(sample, tuple) and sample:
+        sample = sample[0]
+    if hasattr(sample, "detach") and hasattr(sample, "cpu"):  # a torch tensor, without importing torch
+        sample = sample.detach().cpu().numpy()
+    arr = np.asarray(sample)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"a sample's tokens must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}; "
+                         f"pass tokens_fn= to extract them")
+    return arr
+
+
+class DatasetSource(Source):
+    """A map-style dataset (``len`` and ``__getitem__``) whose samples hold token ids."""
+
+    def __init__(self, dataset: Any, *, lengths: Any = None, length_fn: Callable[[Any], int] | None = None,
+                 tokens_fn: Callable[[Any], Any] | None = None, cache_docs: int = 8) -> None:
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ValueError(f"{type(dataset).__name__} is not a map-style dataset (needs __len__ and "
+                             f"__getitem__); for a stream, build shards with balanced-loader build-shards")
+        self.dataset = dataset
+        self.tokens_fn = tokens_fn or default_tokens
+        n = len(dataset)
+        if lengths is None:
+            if length_fn is not None:
+                lengths = [int(length_fn(dataset[i])) for i in range(n)]
+            else:
+                lengths = [len(self._tokens_of(dataset[i], i)) for i in range(n)]
+        self.lengths = as_lengths(lengths, where="dataset lengths")
+        if len(self.lengths) != n:
+            raise ValueError(f"{len(self.lengths)} lengths given for a dataset of {n} samples")
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache_docs = cache_docs
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def describe(self) -> str:
+        return f"dataset {type(self.dataset).__name__}"
+
+    def _tokens_of(self, sample: Any, i: int) -> np.ndarray:
+        toks = np.asarray(self.tokens_fn(sample))
+        if toks.ndim != 1:
+            raise ValueError(f"sample {i}: tokens_fn returned shape {toks.shape}; expected 1-D token ids")
+        return toks
+
+    def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
+        d, start, length = self._check_range(doc_id, start, length)
+        with self._lock:
+            toks = self._cache.get(d)
+            if toks is not None:
+                self._cache.move_to_end(d)
+        if toks is None:
+            toks = self._tokens_of(self.dataset[d], d)
+            if len(toks) != int(self.lengths[d]):
+                raise ValueError(f"sample {d} has {len(toks)} tokens but its length is {int(self.lengths[d])}; "
+                                 f"the lengths do not match the dataset")
+            with self._lock:
+                self.bytes_read += toks.nbytes
+                self._cache[d] = toks
+                while len(self._cache) > self._cache_docs:
+                    self._cache.popitem(last=False)
+        return toks[start:start + length]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_lock=None, _cache=OrderedDict())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def wrap(data: Any, *, lengths: Any = None, length_fn: Callable[[Any], int] | None = None,
+         tokens_fn: Callable[[Any], Any] | None = None, **loader_kwargs: Any):
+    """A :class:`~balanced_loader.loader.BalancedLoader` over a torch ``DataLoader``/``Dataset``.
+
+    ``loader_kwargs`` are the BalancedLoader's (``policy``, ``cost``, ``world_size``, ``rank``,
+    ``global_batch_tokens``, ...). A DataLoader contributes only its dataset, which must be
+    map-style (an ``IterableDataset`` has no random access; build shards instead).
+    """
+    from balanced_loader.loader import BalancedLoader
+
+    if isinstance(data, Source):
+        return BalancedLoader(data, **loader_kwargs)
+    if hasattr(data, "dataset") and hasattr(data, "batch_sampler"):  # a torch DataLoader
+        data = data.dataset
+    torch_data = sys.modules.get("torch.utils.data")  # not imported: data cannot be a torch dataset
+    if torch_data is not None and isinstance(data, torch_data.IterableDataset):
+        raise ValueError("wrap needs a map-style dataset; an IterableDataset has no random access "
+                         "(write it to shards with balanced-loader build-shards and open the folder)")
+    source = DatasetSource(data, lengths=lengths, length_fn=length_fn, tokens_fn=tokens_fn)
+    return BalancedLoader(source, **loader_kwargs)

@@ -1,0 +1,186 @@
+"""Loader throughput: shards -> materialized microbatches, against plain webdataset reading of the same shards.
+
+Both run in one process, alternating, ``--repeats`` times; medians are reported.
+
+* **plain webdataset**: ``webdataset.WebDataset(urls).decode()`` over every shard, summing
+  each sample's token count (the tokens decoded, nothing else done).
+* **loader, whole cluster**: one BalancedLoader (planning in its background thread) and
+  every rank's microbatches materialized in this process (``loader.microbatches(plan, r)``):
+  int64 ``input_ids``/``labels``/``position_ids`` and ``cu_seqlens`` for all ``--world``
+  ranks, i.e. every token of the epoch once, like the plain read.
+* **loader, one rank**: what one rank of a real job does: plan every step and materialize
+  only its own microbatches; compared with plain reading of ``1/world`` of the shards
+  (webdataset's split by node), i.e. plain time / world.
+
+Bytes read per rank (counted by the source) are reported against the bytes of that rank's
+own tokens: a rank reads only its segments (one ``pread`` per run, plus one token of look-ahead
+for the last label of a run cut by context parallelism), never the whole dataset.
+
+    python tools/bench_loader.py                  # stdlib corpus shards in .demo/ (built once)
+    python tools/bench_loader.py --shards DIR --world 16 --global-batch-tokens 524288
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from balanced_loader.corpus import stdlib_shards  # noqa: E402
+from balanced_loader.loader import BalancedLoader, resolve_cost  # noqa: E402
+from balanced_loader.materialize import needed_token_count  # noqa: E402
+from balanced_loader.shards import ShardSource  # noqa: E402
+
+
+def plain_read(urls: list[str]) -> tuple[int, float]:
+    import webdataset as wds
+
+    t0 = time.perf_counter()
+    tokens = 0
+    for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode():
+        tokens += len(sample["npy"])
+    return tokens, time.perf_counter() - t0
+
+
+def make_loader(src: ShardSource, args: argparse.Namespace, rank: int = 0) -> BalancedLoader:
+    cost = resolve_cost(args.cost, args.world)
+    if args.lane_cap:
+        cost = cost.with_base(max_tokens_per_lane=args.lane_cap)
+    return BalancedLoader(src, policy=args.policy, cost=cost, world_size=args.world, rank=rank,
+                          global_batch_tokens=args.global_batch_tokens, seed=args.seed, epochs=1,
+                          prefetch_steps=args.prefetch_steps, planner_workers=args.planner_workers)
+
+
+def loader_cluster(src: ShardSource, args: argparse.Namespace) -> dict:
+    """Every rank's microbatches of one epoch, materialized in this process."""
+    world = args.world
+    read = [0] * world
+    needed = [0] * world
+    tokens = positions = steps = groups = cp_groups = 0
+    wait = plan_s = 0.0
+    t0 = time.perf_counter()
+    loader = make_loader(src, args)
+    while True:
+        before = src.bytes_read
+        batch = next(loader, None)  # materializes rank 0
+        if batch is None:
+            break
+        steps += 1
+        wait += batch.planner_wait_s
+        plan_s += batch.plan.plan_seconds
+        for r in range(world):
+            if r:
+                before = src.bytes_read
+            mbs = batch.microbatches if r == 0 else loader.microbatches(batch.plan, r)
+            read[r] += src.bytes_read - before
+            n = needed_token_count(mbs)
+            needed[r] += n * src.dtype.itemsize
+            tokens += n
+            positions += sum(m.num_tokens for m in mbs)
+        for p in batch.plan.pools:
+            for mb in p.microbatches:
+                groups += len(mb)
+                cp_groups += sum(g.degree > 1 for g in mb)
+    seconds = time.perf_counter() - t0
+    return {"tokens": tokens, "positions": positions, "seconds": seconds, "steps": steps, "planner_wait_s": wait,
+            "plan_seconds": plan_s,
+            "bytes_read": read, "bytes_needed": needed, "groups": groups, "cp_groups": cp_groups,
+            "max_seq_len": loader.max_seq_len}
+
+
+def loader_one_rank(src: ShardSource, args: argparse.Namespace, rank: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    tokens = sum(needed_token_count(list(b.microbatches)) for b in make_loader(src, args, rank))
+    return tokens, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shards", default=os.path.join(REPO, ".demo", "stdlib-shards"),
+                   help="shard folder (default: the stdlib corpus in .demo/, built if missing)")
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--policy", default="greedy")
+    p.add_argument("--cost", default="analytic:tiny@cpu", help="cost preset or cost file")
+    p.add_argument("--lane-cap", type=int, default=32768,
+                   help="max_tokens_per_lane override (0: the cost model's); long docs then use CP groups")
+    p.add_argument("--global-batch-tokens", type=int, default=262144)
+    p.add_argument("--prefetch-steps", type=int, default=2)
+    p.add_argument("--planner-workers", type=int, default=0, help="0: planner thread; N: N planner processes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", help="write the measurements here")
+    args = p.parse_args(argv)
+
+    if os.path.abspath(args.shards) == os.path.join(REPO, ".demo", "stdlib-shards"):
+        src = stdlib_shards(args.shards, progress=sys.stderr.isatty())
+    else:
+        src = ShardSource(args.shards)
+    urls = [src.shard_path(i) for i in range(len(src.shard_names))]
+    print(f"{src.describe()}: {src.num_docs} docs, {src.num_tokens} tokens ({src.dtype}), {len(urls)} shards; "
+          f"world {args.world}, policy {args.policy}, {args.global_batch_tokens} tokens/step, "
+          f"lane cap {args.lane_cap or 'from cost'}, {args.repeats} repeats", flush=True)
+
+    stats = make_loader(src, args).epoch_stats(0)
+    print(f"epoch 0 doc stats: {stats.to_json()}")
+    logging.getLogger("balanced_loader").setLevel(logging.ERROR)  # the same line for every loader below
+    plain_read(urls)  # warm the page cache for both
+    plain_t, cluster_t, rank_t = [], [], []
+    cluster = rank_tokens = plain_tokens = None
+    for i in range(args.repeats):  # alternate which path goes first, so drifting load hits both alike
+        if i % 2:
+            cluster = loader_cluster(src, args)
+            cluster_t.append(cluster["seconds"])
+        plain_tokens, t = plain_read(urls)
+        plain_t.append(t)
+        if i % 2 == 0:
+            cluster = loader_cluster(src, args)
+            cluster_t.append(cluster["seconds"])
+        rank_tokens, t = loader_one_rank(src, args, 0)
+        rank_t.append(t)
+    assert cluster is not None and plain_tokens is not None and rank_tokens is not None
+    plain_s, cluster_s, rank_s = (statistics.median(x) for x in (plain_t, cluster_t, rank_t))
+    plain_rate = plain_tokens / plain_s
+    cluster_rate = cluster["tokens"] / cluster_s
+    rank_rate = rank_tokens / rank_s
+    share_rate = plain_rate  # a rank reading 1/world of the shards reads at the same rate
+    ratios = [r / max(n, 1) for r, n in zip(cluster["bytes_read"], cluster["bytes_needed"])]
+    assert cluster["tokens"] == plain_tokens == src.num_tokens, "every token must be delivered exactly once"
+
+    print()
+    print("| path | tokens | seconds (median) | tokens/s | vs plain |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| plain webdataset read, all shards | {plain_tokens:,} | {plain_s:.3f} | {plain_rate / 1e6:.1f}M | 1.00 |")
+    print(f"| loader, whole cluster ({args.world} ranks materialized) | {cluster['tokens']:,} | {cluster_s:.3f} "
+          f"| {cluster_rate / 1e6:.1f}M | {cluster_rate / plain_rate:.2f} |")
+    print(f"| loader, one rank (plans every step, reads its share) | {rank_tokens:,} | {rank_s:.3f} "
+          f"| {rank_rate / 1e6:.1f}M | {rank_rate / share_rate:.2f} |")
+    print()
+    print(f"steps {cluster['steps']}, groups {cluster['groups']} ({cluster['cp_groups']} with CP > 1), "
+          f"max_seq_len {cluster['max_seq_len']}, planning {cluster['plan_seconds']:.3f} s in total "
+          f"(every rank plans every step; rank 0 waited {cluster['planner_wait_s']:.3f} s for plans), "
+          f"positions incl. CP padding {cluster['positions']:,}")
+    print("bytes read / bytes needed per rank: " + ", ".join(f"{x:.4f}" for x in ratios)
+          + f" (max {max(ratios):.4f}; each rank reads {sum(cluster['bytes_read']) / args.world / 2**20:.1f} MiB "
+            f"of the {sum(os.path.getsize(u) for u in urls) / 2**20:.1f} MiB of shards)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "plain_s": plain_t, "cluster_s": cluster_t, "rank_s": rank_t,
+                       "plain_tokens": plain_tokens, "rank_tokens": rank_tokens, "cluster": cluster,
+                       "ratio_cluster": cluster_rate / plain_rate, "ratio_rank": rank_rate / share_rate,
+                       "bytes_ratio_max": max(ratios)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as e:
+        print(f"bench_loader: error: {e}", file=sys.stderr)
+        sys.exit(2)
