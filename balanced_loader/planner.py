@@ -28,6 +28,7 @@ POLICIES: dict[str, str] = {
     "batch-ada": "batch_ada",
     "flexsp": "flexsp",
     "hydraulis": "hydraulis",
+    "pools": "pools",
 }
 
 
