@@ -1,0 +1,115 @@
+"""Spindle's wavefront planner: :func:`plan_waves` turns a multi-task graph into a :class:`WavePlan`.
+
+Per frontier (MetaOps whose predecessors have all finished): the allocator's bisection gives
+the common finish time ``C*`` (the frontier's continuous lower bound) and at most two slices
+per MetaOp; Spindle's greedy packer turns them into waves. The frontier keeps the shortest of
+several candidates (:func:`frontier_candidates`; Spindle's greedy wins ties), its waves are
+ordered so consecutive ones share (MetaOp, count) pairs, and placement assigns ranks wave by
+wave. The baselines (``all``, ``fixed_split``) are planned too, and the best of the three
+plans is returned (ties go to the wavefront plan), so the result is never worse than a
+baseline; ``lower_bound_ms`` is the sum of the frontiers' ``C*``, a lower bound of every plan
+here (each runs frontier by frontier on allowed counts).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from balanced_loader.spindle._kernels import warm
+from balanced_loader.spindle.allocator import allocate, integer_allocation
+from balanced_loader.spindle.baselines import PlacedWave, all_devices, fixed_split
+from balanced_loader.spindle.columns import column_waves
+from balanced_loader.spindle.graph import Graph
+from balanced_loader.spindle.placement import movement, place
+from balanced_loader.spindle.refine import refine
+from balanced_loader.spindle.schedule import Wave, WaveOp, WavePlan
+from balanced_loader.spindle.waves import Run, order_waves, pack, waves_ms
+
+CANDIDATES = ("packed+fill", "packed", "columns", "refined", "single-wave", "sequential")
+
+
+def frontier_candidates(graph: Graph, frontier: Sequence[int], gpus: int, *,
+                        columns: bool = True) -> tuple[float, dict[str, list[list[Run]]]]:
+    """``C*`` and the unplaced waves of every candidate schedule of one frontier.
+
+    ``packed+fill`` and ``packed``: Spindle's greedy packer with and without the idle-device
+    fill; ``columns``: the column-generation packer; ``refined``: the wave local search from
+    the best allowed-count candidate and from ``columns``; ``single-wave``: one allowed count
+    per MetaOp; ``sequential``: one MetaOp after another on all devices (largest allowed count).
+    """
+    ops = graph.metaops
+    alloc = allocate([ops[i] for i in frontier], frontier, gpus)
+    out: dict[str, list[list[Run]]] = {
+        "packed+fill": pack(ops, alloc.slices, gpus, fill=True),
+        "packed": pack(ops, alloc.slices, gpus, fill=False),
+    }
+    single = integer_allocation([ops[i] for i in frontier], gpus)
+    if single is not None:
+        out["single-wave"] = [[Run(op=i, n=n, layers=ops[i].layers) for i, n in zip(frontier, single[1])]]
+    out["sequential"] = [[Run(op=i, n=ops[i].best_count(gpus), layers=ops[i].layers)] for i in frontier]
+    start = min((k for k in ("packed+fill", "packed", "single-wave") if k in out),
+                key=lambda k: waves_ms(ops, out[k]))
+    refined = [refine(ops, out[start], gpus)]
+    if columns:
+        out["columns"] = column_waves(ops, frontier, gpus, [w for ws in out.values() for w in ws])
+        refined.append(refine(ops, out["columns"], gpus))
+    out["refined"] = min(refined, key=lambda ws: waves_ms(ops, ws))
+    return alloc.finish_ms, out
+
+
+def _to_waves(graph: Graph, placed: Sequence[tuple[int, PlacedWave]]) -> tuple[Wave, ...]:
+    ops = graph.metaops
+    done = [0] * len(ops)
+    waves = []
+    for f, entries in placed:
+        wops = []
+        for r, ranks in entries:
+            op = ops[r.op]
+            tp, dp = op.scaling.layout(len(ranks))
+            wops.append(WaveOp(op=op.name, ranks=tuple(ranks), first_layer=done[r.op], layers=r.layers,
+                               ms=r.layers * op.layer_ms(len(ranks)), tp=tp, dp=dp))
+            done[r.op] += r.layers
+        waves.append(Wave(ms=max(o.ms for o in wops), frontier=f, ops=tuple(wops)))
+    return tuple(waves)
+
+
+def plan_waves(graph: Graph, gpus: int | None = None, *, handover: bool = False, search: bool = True) -> WavePlan:
+    """Plan ``graph`` on ``gpus`` devices (default: the graph's) and return the best plan.
+
+    ``handover``: let placement also reduce the data moved from predecessors into a MetaOp's
+    first wave; ``search``: run placement's local search.
+    """
+    import scipy.optimize  # noqa: F401  (the column packer's LP solver, loaded before timing)
+
+    warm()
+    t0 = time.perf_counter()
+    if gpus is not None and gpus != graph.gpus:
+        graph = graph.with_gpus(gpus)
+    n_gpus, node, ops = graph.gpus, graph.gpus_per_node, graph.metaops
+    bounds: list[float] = []
+    chosen: list[tuple[int, list[Run]]] = []
+    for f, frontier in enumerate(graph.frontiers()):
+        c_star, cands = frontier_candidates(graph, frontier, n_gpus)
+        bounds.append(c_star)
+        best = min(cands, key=lambda k: (waves_ms(ops, cands[k]), CANDIDATES.index(k)))
+        chosen.extend((f, w) for w in order_waves(cands[best], chosen[-1][1] if chosen else ()))
+    ranks = place(ops, [w for _, w in chosen], n_gpus, node, handover=handover, search=search)
+    spindle = _to_waves(graph, [(f, list(zip(w, rk))) for (f, w), rk in zip(chosen, ranks)])
+    unified = _to_waves(graph, all_devices(graph))
+    split = fixed_split(graph)
+    decoupled = _to_waves(graph, split.waves) if split is not None else None
+
+    def total(ws: tuple[Wave, ...] | None) -> float:
+        return sum(w.ms for w in ws) if ws is not None else float("inf")
+
+    plans = {"spindle": spindle, "fixed_split": decoupled, "all": unified}
+    method = min(plans, key=lambda k: (total(plans[k]), list(plans).index(k)))
+    waves = plans[method]
+    assert waves is not None
+    index = {op.name: i for i, op in enumerate(ops)}
+    moved = movement(ops, [[(index[o.op], o.ranks) for o in w.ops] for w in waves])
+    return WavePlan(method=method, gpus=n_gpus, gpus_per_node=node, waves=waves, lower_bound_ms=sum(bounds),
+                    frontier_bounds_ms=tuple(bounds), spindle_ms=total(spindle), all_ms=total(unified),
+                    fixed_split_ms=total(decoupled), fixed_split=split.devices if split is not None else (),
+                    moved_samples=moved, plan_seconds=time.perf_counter() - t0)

@@ -1,0 +1,86 @@
+"""Benchmark of the Spindle wavefront planner (``balanced_loader.spindle``).
+
+Two tables, both from one run:
+
+1. Planning time of 64-MetaOp graphs on 1,024 devices (``synthetic.multitask_graph``: 16 tasks,
+   each two encoders -> backbone -> head), median over repeats after one warm-up call, with the
+   plan's gap to the continuous lower bound and the baselines.
+2. Every ``recipes/spindle-*.yaml``: per-frontier candidates summed over frontiers (Spindle's
+   greedy packer as released, with the fill pass, the column-generation packer, the wave local
+   search, one wave, one MetaOp after another), the chosen plan, the baselines, the bound, the gap.
+
+    .venv/bin/python tools/bench_spindle.py [--seeds 5] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from balanced_loader.spindle import graph_from_dict, load_graph, plan_waves  # noqa: E402
+from balanced_loader.spindle.planner import CANDIDATES, frontier_candidates  # noqa: E402
+from balanced_loader.spindle.synthetic import multitask_graph  # noqa: E402
+from balanced_loader.spindle.waves import waves_ms  # noqa: E402
+
+
+def bench_scale(seeds: int, repeats: int) -> None:
+    print("## 64 MetaOps on 1,024 devices (16 tasks x [2 encoders, backbone, head])\n")
+    print("| seed | plan s (median) | min s | max s | waves | total ms | bound ms | gap | all ms | fixed split ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    medians = []
+    for seed in range(seeds):
+        g = graph_from_dict(multitask_graph(seed))
+        assert len(g.metaops) == 64 and g.gpus == 1024
+        plan = plan_waves(g)  # warm-up (imports, caches)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            plan = plan_waves(g)
+            times.append(time.perf_counter() - t0)
+        plan.validate(g)
+        med = statistics.median(times)
+        medians.append(med)
+        print(f"| {seed} | {med:.3f} | {min(times):.3f} | {max(times):.3f} | {len(plan.waves)} | {plan.total_ms:.1f} "
+              f"| {plan.lower_bound_ms:.1f} | {100 * plan.gap:.2f}% | {plan.all_ms:.1f} | {plan.fixed_split_ms:.1f} |")
+    print(f"\nmedian over seeds: {statistics.median(medians):.3f} s per plan\n")
+
+
+def bench_recipes() -> None:
+    print("## Recipes: total ms of each per-frontier candidate, summed over frontiers\n")
+    cols = [c for c in CANDIDATES]
+    print("| recipe | bound C* | " + " | ".join(cols) + " | chosen | all | fixed split | gap | plan s |")
+    print("|---|" + "---|" * (len(cols) + 6))
+    for path in sorted((REPO / "recipes").glob("spindle-*.yaml")):
+        g = load_graph(str(path))
+        sums = dict.fromkeys(cols, 0.0)
+        for frontier in g.frontiers():
+            _, cands = frontier_candidates(g, frontier, g.gpus)
+            for k in cols:
+                sums[k] += waves_ms(g.metaops, cands[k]) if k in cands else float("inf")
+        t0 = time.perf_counter()
+        plan = plan_waves(g)
+        secs = time.perf_counter() - t0
+        plan.validate(g)
+        row = " | ".join(f"{sums[k]:.1f}" for k in cols)
+        print(f"| {path.name} | {plan.lower_bound_ms:.1f} | {row} | {plan.total_ms:.1f} ({plan.method}) "
+              f"| {plan.all_ms:.1f} | {plan.fixed_split_ms:.1f} | {100 * plan.gap:.2f}% | {secs:.3f} |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=5, help="synthetic 64-MetaOp graphs to time")
+    p.add_argument("--repeats", type=int, default=5, help="timed plans per graph (median reported)")
+    args = p.parse_args()
+    bench_scale(args.seeds, args.repeats)
+    bench_recipes()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
