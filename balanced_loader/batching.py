@@ -144,3 +144,28 @@ def _batch_bounds_py(lengths: np.ndarray, budget: int) -> np.ndarray:
         base = int(csum[j - 1])
         i = j
     return np.asarray(out, dtype=np.int64)
+
+
+def global_batches(lengths: np.ndarray, *, max_seq_len: int | None, long_docs: str = "split",
+                   global_batch_tokens: int | None = None, shuffle: bool = False, seed: int = 0,
+                   shard_bounds: np.ndarray | None = None, max_steps: int | None = None,
+                   ) -> tuple[list[BatchItems], DocStats]:
+    """The global batches of epoch 0 (at most ``max_steps``), as the loader and ``plan`` cut them."""
+    lengths = np.asarray(lengths, dtype=np.int64)  # [num_docs]
+    order = epoch_order(len(lengths), seed=seed, epoch=0, shuffle=shuffle, shard_bounds=shard_bounds)
+    items, stats = to_items(lengths[order], order, max_seq_len, long_docs)
+    bounds = batch_bounds(items.lengths, global_batch_tokens, items.starts)  # [num_steps + 1] over items
+    n = len(bounds) - 1 if max_steps is None else min(len(bounds) - 1, max_steps)
+    out = []
+    for i in range(n):
+        a, b = int(bounds[i]), int(bounds[i + 1])
+        out.append(BatchItems(doc_ids=items.doc_ids[a:b], starts=items.starts[a:b], lengths=items.lengths[a:b]))
+    return out, stats
+
+
+def validation_lengths(lengths: np.ndarray, max_seq_len: int | None, long_docs: str) -> np.ndarray:
+    """Lengths (by doc_id) that planned docs must cover: truncated docs end at ``max_seq_len``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if long_docs == "truncate" and max_seq_len is not None:
+        return np.minimum(lengths, max_seq_len)
+    return lengths

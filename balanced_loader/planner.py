@@ -115,4 +115,6 @@ def make_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: int 
     t0 = time.perf_counter()
     plan = fn(items, cost, config, step)
     dt = time.perf_counter() - t0
-    return plan.with_timing(plan_seconds=dt, predicted_ms=cost.step_ms(plan))
+    from balanced_loader.simulate import step_ms  # vectorised contract-2 step time (equals cost.step_ms)
+
+    return plan.with_timing(plan_seconds=dt, predicted_ms=step_ms(plan, cost))

@@ -102,6 +102,7 @@ class ModelShape:
     ffn: int
     vocab: int
     tied: bool = False
+    gated: bool = True  # SwiGLU MLP (3 matrices, LLaMA); False: GELU MLP (2 matrices, GPT)
 
     @property
     def head_dim(self) -> int:
@@ -111,7 +112,7 @@ class ModelShape:
     def params(self) -> int:
         h, d = self.hidden, self.head_dim
         attn = h * self.heads * d * 2 + h * self.kv_heads * d * 2
-        mlp = 3 * h * self.ffn
+        mlp = (3 if self.gated else 2) * h * self.ffn
         emb = self.vocab * h * (1 if self.tied else 2)
         return self.layers * (attn + mlp + 2 * h) + emb + h
 
@@ -134,9 +135,9 @@ class Hardware:
 
 
 MODELS: dict[str, ModelShape] = {
-    "gpt-7b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=16384, vocab=50257),
-    "gpt-13b": ModelShape(hidden=5120, layers=40, heads=40, kv_heads=40, ffn=20480, vocab=50257),
-    "gpt-30b": ModelShape(hidden=6656, layers=60, heads=52, kv_heads=52, ffn=26624, vocab=50257),
+    "gpt-7b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=16384, vocab=50257, gated=False),
+    "gpt-13b": ModelShape(hidden=5120, layers=40, heads=40, kv_heads=40, ffn=20480, vocab=50257, gated=False),
+    "gpt-30b": ModelShape(hidden=6656, layers=60, heads=52, kv_heads=52, ffn=26624, vocab=50257, gated=False),
     "llama2-7b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000),
     "llama2-13b": ModelShape(hidden=5120, layers=40, heads=40, kv_heads=40, ffn=13824, vocab=32000),
     "llama3-8b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256),

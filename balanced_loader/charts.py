@@ -1,0 +1,170 @@
+"""PNG charts of the standalone tool (matplotlib's Agg canvas, no pyplot state, no display needed).
+
+Every chart has a title, labelled axes with units, and a legend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+_DPI = 110
+
+
+def _figure(width: float, height: float, rows: int = 1, cols: int = 1, **kw):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False, **kw)
+    return fig, axes
+
+
+def _save(fig, path: str) -> str:
+    fig.savefig(path, dpi=_DPI)
+    return path
+
+
+def _kfmt(x: float, _pos: int | None = None) -> str:
+    for unit, k in (("M", 1e6), ("K", 1e3)):
+        if x >= k:
+            v = x / k
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def length_histogram(lengths: np.ndarray, path: str, *, title: str, lane_cap: int | None = None,
+                     marks: Mapping[str, float] | None = None) -> str:
+    """Two panels: docs per log-spaced length bin (log-log), and cumulative share of docs and tokens.
+
+    ``lengths`` ``[num_docs]`` (zeros are ignored); ``marks`` labels vertical lines (e.g. p50, p99).
+    """
+    from matplotlib.ticker import FuncFormatter, PercentFormatter
+
+    ln = np.asarray(lengths, dtype=np.int64)
+    ln = ln[ln > 0]
+    fig, ax = _figure(11.5, 4.4, 1, 2)
+    a, b = ax[0]
+    if ln.size == 0:
+        for x in (a, b):
+            x.text(0.5, 0.5, "no docs", ha="center", va="center", transform=x.transAxes)
+    else:
+        hi = max(int(ln.max()), 2)
+        edges = np.unique(np.round(np.logspace(0, np.log10(hi) + 1e-9, 60)).astype(np.int64))
+        edges = np.append(edges, edges[-1] + 1)
+        counts, _ = np.histogram(ln, bins=edges)
+        tokens, _ = np.histogram(ln, bins=edges, weights=ln.astype(np.float64))
+        a.stairs(counts, edges, fill=True, alpha=0.6, color="tab:blue", label="docs per bin")
+        a.set_xscale("log")
+        a.set_yscale("log")
+        a2 = a.twinx()
+        a2.stairs(tokens / tokens.sum(), edges, color="tab:orange", linewidth=1.5, label="share of tokens per bin")
+        a2.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=1))
+        a2.set_ylabel("share of all tokens in the bin")
+        a2.set_ylim(bottom=0)
+        a.set_xlabel("doc length (tokens, log scale)")
+        a.set_ylabel("docs per bin (log scale)")
+        a.set_title("Doc length histogram")
+        order = np.sort(ln)
+        cum_docs = np.arange(1, order.size + 1) / order.size
+        cum_tok = np.cumsum(order, dtype=np.float64) / float(order.sum())
+        step = max(1, order.size // 4000)
+        idx = np.r_[np.arange(0, order.size, step), order.size - 1]
+        b.plot(order[idx], cum_docs[idx], color="tab:blue", label="docs at most this long")
+        b.plot(order[idx], cum_tok[idx], color="tab:orange", label="tokens in docs at most this long")
+        b.set_xscale("log")
+        b.set_ylim(0, 1.01)
+        b.yaxis.set_major_formatter(PercentFormatter(1.0))
+        b.set_xlabel("doc length (tokens, log scale)")
+        b.set_ylabel("cumulative share")
+        b.set_title("Cumulative share of docs and tokens")
+        colors = ["tab:green", "tab:purple", "tab:brown", "tab:gray", "tab:olive"]
+        for i, (name, x) in enumerate((marks or {}).items()):
+            for axis in (a, b):
+                axis.axvline(x, color=colors[i % len(colors)], linestyle=":", linewidth=1.2,
+                             label=f"{name} = {_kfmt(x)}" if axis is b else None)
+        if lane_cap:
+            for axis in (a, b):
+                axis.axvline(lane_cap, color="tab:red", linestyle="--", linewidth=1.2,
+                             label=f"lane cap {lane_cap:,} tokens" if axis is b else None)
+        for axis in (a, b):
+            axis.xaxis.set_major_formatter(FuncFormatter(_kfmt))
+            axis.grid(True, which="major", alpha=0.3)
+        h1, l1 = a.get_legend_handles_labels()
+        h2, l2 = a2.get_legend_handles_labels()
+        a.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
+        b.legend(loc="lower right", fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def rank_load(busy_ms: Mapping[str, np.ndarray], step_ms: Mapping[str, float], path: str, *, title: str) -> str:
+    """Per-rank busy time of one step, one panel per policy, with that policy's step time as a dashed line."""
+    names = list(busy_ms)
+    n = max(len(names), 1)
+    fig, ax = _figure(11.0, 1.0 + 1.9 * n, n, 1, sharex=True, sharey=True)
+    ymax = max([float(np.max(v)) if len(v) else 0.0 for v in busy_ms.values()]
+               + [float(v) for v in step_ms.values()] + [1.0])
+    for i, name in enumerate(names):
+        a = ax[i][0]
+        v = np.asarray(busy_ms[name], dtype=np.float64)  # [world_size]
+        color = f"C{i % 10}"
+        x = np.arange(len(v) + 1)
+        a.stairs(v, x, fill=True, color=color, alpha=0.55, label=f"{name}: busy time per rank")
+        t = float(step_ms[name])
+        a.axhline(t, color=color, linestyle="--", linewidth=1.3, label=f"{name}: step time {t:,.0f} ms")
+        mean = float(v.mean()) if v.size else 0.0
+        a.axhline(mean, color="black", linestyle=":", linewidth=1.0, label=f"mean busy {mean:,.0f} ms")
+        a.set_ylim(0, ymax * 1.35)
+        a.set_xlim(0, max(len(v), 1))
+        a.set_ylabel("busy time (ms)")
+        a.legend(loc="upper right", fontsize=8, ncol=3)
+        a.grid(True, axis="y", alpha=0.3)
+    ax[-1][0].set_xlabel("rank")
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def step_times(times_ms: Mapping[str, Sequence[float]], path: str, *, title: str,
+               steps: Sequence[int] | None = None) -> str:
+    """Modeled step time per policy over steps (one line per policy)."""
+    fig, ax = _figure(9.0, 4.6)
+    a = ax[0][0]
+    for i, (name, t) in enumerate(times_ms.items()):
+        t = np.asarray(t, dtype=np.float64)
+        x = np.asarray(steps if steps is not None else np.arange(len(t)))
+        a.plot(x, t, marker="o", markersize=3.5, color=f"C{i % 10}",
+               label=f"{name} (mean {t.mean():,.0f} ms)" if t.size else name)
+    from matplotlib.ticker import MaxNLocator
+
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a.set_xlabel("step")
+    a.set_ylabel("modeled step time (ms)")
+    a.set_ylim(bottom=0)
+    a.grid(True, alpha=0.3)
+    a.legend(loc="best", fontsize=9)
+    a.set_title(title)
+    return _save(fig, path)
+
+
+def grouped_bars(categories: Sequence[str], series: Mapping[str, Sequence[float]], path: str, *, title: str,
+                 ylabel: str, xlabel: str) -> str:
+    """Bars grouped by category, one colour per series (used for speedup tables)."""
+    fig, ax = _figure(9.0, 4.6)
+    a = ax[0][0]
+    k = max(len(series), 1)
+    width = 0.8 / k
+    x = np.arange(len(categories))
+    for i, (name, vals) in enumerate(series.items()):
+        vals = np.asarray([np.nan if v is None else v for v in vals], dtype=np.float64)
+        bars = a.bar(x + (i - (k - 1) / 2) * width, vals, width, label=name, color=f"C{i % 10}")
+        a.bar_label(bars, labels=["" if np.isnan(v) else f"{v:.2f}" for v in vals], fontsize=8)
+    a.set_xticks(x, list(categories))
+    a.set_xlabel(xlabel)
+    a.set_ylabel(ylabel)
+    a.grid(True, axis="y", alpha=0.3)
+    a.legend(loc="best", fontsize=9)
+    a.set_title(title)
+    return _save(fig, path)

@@ -1,0 +1,119 @@
+"""``balanced-loader plan``: plan global batches with a policy and write the plan JSON (contract 3).
+
+The whole length file is one global batch in file order, unless ``--global-batch-tokens N``
+cuts consecutive batches between docs (``--shuffle --seed S`` shuffles the docs first, as the
+loader's epoch 0 does). Every step is validated against its batch (contract 1) before it is
+written; ``plan_seconds`` and ``predicted_ms`` (contract 2) are filled per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", metavar="FILE",
+                     help="length file: .txt (one length a line, also .txt.gz) or .npy; doc_id = line")
+    src.add_argument("--source", metavar="DIR", help="a shard folder (balanced-loader build-shards) or .jsonl")
+    p.add_argument("--world-size", type=int, required=True, metavar="R", help="number of ranks")
+    g = p.add_argument_group("cost model (one of)")
+    g.add_argument("--cost-file", metavar="COST.yaml", help="contract-2 cost file")
+    g.add_argument("--cost", metavar="PRESET", help="cost preset name (see 'balanced-loader presets')")
+    p.add_argument("--policy", required=True, metavar="P",
+                   help="maxlen, static-sp, token-kk, mcore-dcp, hydra, batch-ada, flexsp, hydraulis, greedy")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (static shape; a shape of the cost file)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size (static shape; a shape of the cost file)")
+    p.add_argument("--cp", type=int, help="fixed CP/SP degree for maxlen, static-sp, token-kk")
+    p.add_argument("--global-batch-tokens", type=int, metavar="N",
+                   help="tokens per global batch, cut between docs (default: the whole input is one batch)")
+    p.add_argument("--shuffle", action="store_true", help="shuffle docs by --seed before batching")
+    p.add_argument("--seed", type=int, default=0, help="shuffle and planner seed (default 0)")
+    p.add_argument("--max-seq-len", type=int, metavar="N",
+                   help="context limit; longer docs are handled by --long-docs (default: none, a doc no "
+                        "degree can hold is an error)")
+    p.add_argument("--long-docs", default="split", choices=("split", "truncate", "drop", "error"),
+                   help="docs over --max-seq-len: split into segments (default), truncate, drop or error")
+    p.add_argument("--steps", type=int, metavar="K", help="plan only the first K steps")
+    p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
+                   help="solver time limit per call for flexsp / hydraulis (default 1 s)")
+    p.add_argument("--out", metavar="PLAN.json", help="write the plan here (default: JSON on stdout)")
+
+
+def _lengths(args: argparse.Namespace):
+    import numpy as np
+
+    if args.lengths:
+        from balanced_loader.lengths_io import read_lengths
+
+        lengths = read_lengths(args.lengths)
+        if lengths.size and int(lengths.min()) <= 0:
+            i = int(np.flatnonzero(lengths <= 0)[0])
+            raise ValueError(f"--lengths {args.lengths}: lengths must be positive; doc {i} (line {i + 1}) "
+                             f"has length {int(lengths[i])}")
+        return lengths, None, args.lengths
+    from balanced_loader.sources import open_source
+
+    src = open_source(args.source)
+    try:
+        bounds = None if src.shard_bounds is None else np.asarray(src.shard_bounds, dtype=np.int64)
+        return np.asarray(src.lengths, dtype=np.int64), bounds, args.source
+    finally:
+        src.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    import numpy as np
+
+    from balanced_loader.batching import global_batches, validation_lengths
+    from balanced_loader.packing import warm_up
+    from balanced_loader.plan import Plan
+    from balanced_loader.planner import BatchItems, PlanConfig, make_plan
+    from balanced_loader.presets import load_cost
+
+    for name in ("world_size", "global_batch_tokens", "max_seq_len", "steps"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    config = PlanConfig(policy=args.policy, world_size=args.world_size, tp=args.tp, pp=args.pp, cp=args.cp,
+                        seed=args.seed, time_limit_s=args.time_limit)
+    cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
+    lengths, shard_bounds, what = _lengths(args)
+    batches, stats = global_batches(lengths, max_seq_len=args.max_seq_len, long_docs=args.long_docs,
+                                    global_batch_tokens=args.global_batch_tokens, shuffle=args.shuffle,
+                                    seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps)
+    if not batches:  # nothing to plan: one empty step
+        z = np.zeros(0, dtype=np.int64)
+        batches = [BatchItems(doc_ids=z, starts=z, lengths=z)]
+    check = validation_lengths(lengths, args.max_seq_len, args.long_docs)
+    warm_up()  # load the compiled kernels and the policy first: plan_seconds is the step's own work
+    if len(batches[0]):
+        i = int(np.argmin(batches[0].lengths))
+        b0 = batches[0]
+        make_plan(BatchItems(doc_ids=b0.doc_ids[i:i + 1], starts=b0.starts[i:i + 1], lengths=b0.lengths[i:i + 1]),
+                  cost, config)
+    steps = []
+    for k, items in enumerate(batches):
+        plan = make_plan(items, cost, config, step=k)
+        plan.validate(check, cost, doc_ids=np.unique(items.doc_ids))
+        steps.append(plan)
+    out = Plan(policy=args.policy, world_size=args.world_size, steps=tuple(steps))
+    report = sys.stdout if args.out else sys.stderr
+    unusual = {k: v for k, v in stats.to_json().items() if k not in ("docs", "tokens") and v}
+    print(f"{what}: {len(steps)} step(s), {stats.docs:,} docs, {stats.tokens:,} tokens, policy {args.policy}, "
+          f"{args.world_size} ranks, cost {cost.name or args.cost_file}"
+          + (f" ({', '.join(f'{k} {v}' for k, v in unusual.items())})" if unusual else ""), file=report)
+    print(f"{'step':>5} {'sequences':>10} {'tokens':>12} {'microbatches':>12} {'groups':>7} "
+          f"{'plan_ms':>9} {'predicted_ms':>13}", file=report)
+    for items, s in zip(batches, steps):
+        mbs = max((len(p.microbatches) for p in s.pools), default=0)
+        print(f"{s.step:>5} {len(items):>10,} {int(items.lengths.sum()):>12,} {mbs:>12} {s.num_groups:>7} "
+              f"{s.plan_seconds * 1e3:>9.2f} {s.predicted_ms:>13.1f}", file=report)
+    if args.out:
+        out.save(args.out)
+        print(f"wrote {args.out}", file=report)
+    else:
+        sys.stdout.write(out.dumps() + "\n")
+    return 0

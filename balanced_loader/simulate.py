@@ -1,0 +1,366 @@
+"""Simulate a plan under the contract-2 cost model: step time, bubbles, skew, throughput, MFU.
+
+Definitions (all times in ms, one step, ``W`` = world size, ``T`` = step time):
+
+* **group time** ``t(g)``: contract 2, ``microbatch_ms + sum_s ((q*s^2 + l*s)/d + [d>1]*comm(s, d))``.
+* **lane busy time** ``b(l)``: the sum of ``t(g) / pp`` over the groups that include lane ``l``.
+  Every rank of a lane (its ``tp`` ranks at each of the ``pp`` stages) is busy for ``b(l)``.
+* **lane finish**: the contract-2 execution order (a group starts when all its lanes are free).
+* **pool makespan** ``M(p)`` = ``CostModel.pool_ms(pool)``: last lane finish plus pipeline fill
+  and drain ``(pp - 1) * max_g t(g) / pp``. **Step time** ``T = max_p M(p)`` = ``CostModel.step_ms``.
+* **pp_bubble of a pool** = ``1 - sum_{ranks r of p} busy(r) / (N(p) * M(p)) = 1 - mean_l b(l) / M(p)``
+  with ``N(p) = lanes * tp * pp`` ranks: the idle share inside the pool, from pipeline fill/drain
+  and from lanes of the pool finishing at different times. 0 for a pool with no work.
+* **step pp_bubble** = ``sum_p N(p) * pp_bubble(p) / W`` (rank-weighted mean over pools).
+* **dp_bubble** = ``1 - sum_p N(p) * M(p) / (W * T)``: the idle share from pools finishing before
+  the slowest pool (rank-weighted mean pool makespan over the step makespan).
+* **idle** = ``1 - sum_r busy(r) / (W * T)``: every idle rank-millisecond of the step.
+* **skew** = ``max_r busy(r) / mean_r busy(r)`` over all ``W`` ranks.
+* **tokens/s** = tokens of the step / ``T``.
+* **MFU** (with a model shape and hardware): ``(6 * matmul_params * tokens + 6 * layers * heads *
+  head_dim * sum_s s^2) / (T * W * peak)``; the second term is causal attention (half the square)
+  forward and backward. ``matmul_params`` excludes the input-embedding lookup.
+
+An empty step (no groups) has ``T = 0``, bubbles 0 and skew 1.
+
+The lane recurrence is a numba kernel (:func:`lane_schedule`) with a pure-Python reference
+(:func:`lane_schedule_py`); group times are vectorised over segments. Together they equal
+``CostModel.step_ms`` to rounding (tests check 1e-9 relative) and run 100 steps of a
+2,048-rank plan in well under a second after the plan is read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numba import njit
+
+from balanced_loader.cost import CostModel, ShapeCost
+from balanced_loader.plan import Plan, Pool, StepPlan
+
+if TYPE_CHECKING:
+    from balanced_loader.presets import Hardware, ModelShape
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def lane_schedule(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarray, pp: int,
+                  num_lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Contract-2 execution of one pool's groups in order.
+
+    ``lane_ptr`` ``[G + 1]`` offsets into ``lanes`` ``[sum of degrees]``; ``group_ms`` ``[G]``.
+    Returns ``(finish [num_lanes], busy [num_lanes])`` in ms (one stage's share).
+    """
+    finish = np.zeros(num_lanes, dtype=np.float64)
+    busy = np.zeros(num_lanes, dtype=np.float64)
+    for g in range(group_ms.shape[0]):
+        a = lane_ptr[g]
+        b = lane_ptr[g + 1]
+        start = 0.0
+        for j in range(a, b):
+            if finish[lanes[j]] > start:
+                start = finish[lanes[j]]
+        t = group_ms[g] / pp
+        for j in range(a, b):
+            finish[lanes[j]] = start + t
+            busy[lanes[j]] += t
+    return finish, busy
+
+
+def lane_schedule_py(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarray, pp: int,
+                     num_lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pure-Python reference of :func:`lane_schedule`."""
+    finish = [0.0] * num_lanes
+    busy = [0.0] * num_lanes
+    for g in range(len(group_ms)):
+        ls = [int(x) for x in lanes[lane_ptr[g]:lane_ptr[g + 1]]]
+        start = max([0.0] + [finish[x] for x in ls])
+        t = float(group_ms[g]) / pp
+        for x in ls:
+            finish[x] = start + t
+            busy[x] += t
+    return np.asarray(finish, dtype=np.float64), np.asarray(busy, dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# One pool as flat arrays
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PoolArrays:
+    """A pool's groups in execution order, flattened."""
+
+    degree: np.ndarray  # [G] lanes per group
+    lane_ptr: np.ndarray  # [G + 1] offsets into lanes
+    lanes: np.ndarray  # [sum degree] lane indices
+    seg_ptr: np.ndarray  # [G + 1] offsets into seg_len
+    seg_len: np.ndarray  # [S] float64 segment lengths (tokens)
+
+    @staticmethod
+    def from_pool(pool: Pool) -> PoolArrays:
+        groups = [g for mb in pool.microbatches for g in mb]
+        return PoolArrays._build([g.lanes for g in groups], [g.segments for g in groups])
+
+    @staticmethod
+    def from_json(pool: dict[str, Any]) -> PoolArrays:
+        """From a pool's plan-JSON mapping, without building dataclasses (the fast path)."""
+        groups = [g for mb in pool["microbatches"] for g in mb]
+        return PoolArrays._build([g["lanes"] for g in groups], [g["segments"] for g in groups])
+
+    @staticmethod
+    def _build(lanes_of: list[Sequence[int]], segments_of: list[Sequence[Sequence[int]]]) -> PoolArrays:
+        n = len(lanes_of)
+        degree = np.fromiter(map(len, lanes_of), dtype=np.int64, count=n)
+        nseg = np.fromiter(map(len, segments_of), dtype=np.int64, count=n)
+        lanes = np.fromiter(itertools.chain.from_iterable(lanes_of), dtype=np.int64, count=int(degree.sum()))
+        seg_len = np.fromiter((s[2] for segs in segments_of for s in segs), dtype=np.float64,
+                              count=int(nseg.sum()))
+        lane_ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(degree, out=lane_ptr[1:])
+        seg_ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(nseg, out=seg_ptr[1:])
+        return PoolArrays(degree=degree, lane_ptr=lane_ptr, lanes=lanes, seg_ptr=seg_ptr, seg_len=seg_len)
+
+    def group_ms(self, sc: ShapeCost) -> np.ndarray:
+        """Contract-2 time of every group, ``[G]`` ms (the same float operations as ``ShapeCost``)."""
+        n = len(self.degree)
+        nseg = np.diff(self.seg_ptr)  # [G]
+        d = np.repeat(self.degree, nseg).astype(np.float64)  # [S]
+        s = self.seg_len
+        seg = (sc.quadratic_ms * s * s + sc.linear_ms * s) / d  # [S]
+        multi = d > 1
+        if multi.any():
+            keys = np.asarray([k for k, _ in sc.bandwidth_gbs], dtype=np.float64)
+            vals = np.asarray([v for _, v in sc.bandwidth_gbs], dtype=np.float64)
+            idx = np.maximum(np.searchsorted(keys, d[multi], side="right") - 1, 0)
+            seg[multi] += sc.comm_bytes_per_token * s[multi] / d[multi] / (vals[idx] * 1e6)
+        group_of_seg = np.repeat(np.arange(n, dtype=np.int64), nseg)  # [S]
+        return sc.microbatch_ms + np.bincount(group_of_seg, weights=seg, minlength=n)
+
+    def attention_tokens2(self) -> float:
+        """Sum of squared segment lengths (for attention FLOPs)."""
+        return float(np.dot(self.seg_len, self.seg_len))
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PoolMetrics:
+    tp: int
+    pp: int
+    num_lanes: int
+    num_ranks: int
+    makespan_ms: float  # CostModel.pool_ms
+    pp_bubble: float
+    lane_busy_ms: np.ndarray  # [num_lanes]
+    lane_finish_ms: np.ndarray  # [num_lanes]
+    max_group_ms: float
+    tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        busy = self.lane_busy_ms
+        mean = float(busy.mean()) if busy.size else 0.0
+        return {"tp": self.tp, "pp": self.pp, "lanes": self.num_lanes, "ranks": self.num_ranks,
+                "makespan_ms": self.makespan_ms, "pp_bubble": self.pp_bubble,
+                "skew": float(busy.max() / mean) if mean > 0 else 1.0, "tokens": self.tokens}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepMetrics:
+    step: int
+    world_size: int
+    step_ms: float
+    pp_bubble: float
+    dp_bubble: float
+    idle: float
+    skew: float
+    tokens: int
+    tokens_per_s: float
+    mfu: float | None
+    plan_seconds: float
+    rank_busy_ms: np.ndarray  # [world_size]
+    pools: tuple[PoolMetrics, ...]
+
+    def to_json(self, *, pools: bool = True) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "step": self.step, "step_ms": self.step_ms, "pp_bubble": self.pp_bubble,
+            "dp_bubble": self.dp_bubble, "idle": self.idle, "skew": self.skew, "tokens": self.tokens,
+            "tokens_per_s": self.tokens_per_s, "plan_seconds": self.plan_seconds,
+        }
+        if self.mfu is not None:
+            d["mfu"] = self.mfu
+        if pools:
+            d["pools"] = [p.to_json() for p in self.pools]
+        return d
+
+
+def _pool_metrics(tp: int, pp: int, ranks: np.ndarray, arr: PoolArrays,
+                  cost: CostModel) -> tuple[PoolMetrics, float]:
+    """Metrics of one pool (rank grid ``[pp][lanes * tp]``) and its sum of squared segment lengths."""
+    sc = cost.shape(tp, pp)
+    nl = ranks.shape[1] // tp if ranks.size else 0
+    nranks = int(ranks.size)
+    if len(arr.degree) == 0:
+        z = np.zeros(nl, dtype=np.float64)
+        return PoolMetrics(tp=tp, pp=pp, num_lanes=nl, num_ranks=nranks, makespan_ms=0.0, pp_bubble=0.0,
+                           lane_busy_ms=z, lane_finish_ms=z.copy(), max_group_ms=0.0, tokens=0), 0.0
+    if int(arr.lanes.min()) < 0 or int(arr.lanes.max()) >= nl:
+        raise ValueError(f"pool tp={tp} pp={pp}: a group uses a lane outside 0..{nl - 1}")
+    gms = arr.group_ms(sc)  # [G]
+    finish, busy = lane_schedule(arr.lane_ptr, arr.lanes, gms, pp, nl)
+    gmax = float(gms.max())
+    makespan = float(finish.max() + (pp - 1) * gmax / pp) if gmax > 0 else 0.0
+    ppb = 1.0 - float(busy.mean()) / makespan if makespan > 0 else 0.0
+    pm = PoolMetrics(tp=tp, pp=pp, num_lanes=nl, num_ranks=nranks, makespan_ms=makespan, pp_bubble=ppb,
+                     lane_busy_ms=busy, lane_finish_ms=finish, max_group_ms=gmax, tokens=int(arr.seg_len.sum()))
+    return pm, arr.attention_tokens2()
+
+
+def model_flops(model: ModelShape, tokens: float, tokens2: float) -> float:
+    """Training FLOPs (fwd + bwd) of ``tokens`` tokens whose segment lengths square-sum to ``tokens2``."""
+    return 6.0 * model.matmul_params * tokens + 6.0 * model.layers * model.heads * model.head_dim * tokens2
+
+
+def _step_metrics(step: int, world_size: int, plan_seconds: float,
+                  pools_in: Sequence[tuple[int, int, np.ndarray, PoolArrays]], cost: CostModel,
+                  model: ModelShape | None, hardware: Hardware | None) -> StepMetrics:
+    w = world_size
+    pools: list[PoolMetrics] = []
+    rank_busy = np.zeros(w, dtype=np.float64)  # [world_size]
+    tokens2 = 0.0
+    for tp, pp, ranks, arr in pools_in:
+        pm, t2 = _pool_metrics(tp, pp, ranks, arr, cost)
+        pools.append(pm)
+        tokens2 += t2
+        if pm.num_lanes:
+            if int(ranks.min()) < 0 or int(ranks.max()) >= w:
+                raise ValueError(f"step {step}: pool tp={tp} pp={pp} has a rank outside 0..{w - 1}")
+            rank_busy[ranks] = np.repeat(pm.lane_busy_ms, tp)[None, :]
+    step_ms = max((p.makespan_ms for p in pools), default=0.0)
+    tokens = sum(p.tokens for p in pools)
+    if step_ms > 0:
+        pp_bubble = sum(p.num_ranks * p.pp_bubble for p in pools) / w
+        dp_bubble = 1.0 - sum(p.num_ranks * p.makespan_ms for p in pools) / (w * step_ms)
+        idle = 1.0 - float(rank_busy.sum()) / (w * step_ms)
+        skew = float(rank_busy.max()) / float(rank_busy.mean())
+        tps = tokens / (step_ms / 1e3)
+    else:
+        pp_bubble = dp_bubble = idle = 0.0
+        skew, tps = 1.0, 0.0
+    mfu = None
+    if model is not None and hardware is not None and step_ms > 0:
+        mfu = model_flops(model, tokens, tokens2) / (step_ms / 1e3 * w * hardware.peak_tflops * 1e12)
+    return StepMetrics(step=step, world_size=w, step_ms=step_ms, pp_bubble=pp_bubble, dp_bubble=dp_bubble,
+                       idle=idle, skew=skew, tokens=tokens, tokens_per_s=tps, mfu=mfu,
+                       plan_seconds=plan_seconds, rank_busy_ms=rank_busy, pools=tuple(pools))
+
+
+def _ranks(ranks: Sequence[Sequence[int]]) -> np.ndarray:
+    arr = np.asarray(ranks, dtype=np.int64)  # [pp][lanes * tp]
+    if arr.ndim != 2:
+        raise ValueError("every stage of a pool must list the same number of ranks")
+    return arr
+
+
+def simulate_step(plan: StepPlan, cost: CostModel, *, model: ModelShape | None = None,
+                  hardware: Hardware | None = None) -> StepMetrics:
+    """Metrics of one step (see the module docstring for the definitions)."""
+    pools = [(p.tp, p.pp, _ranks(p.ranks), PoolArrays.from_pool(p)) for p in plan.pools]
+    return _step_metrics(plan.step, plan.world_size, plan.plan_seconds, pools, cost, model, hardware)
+
+
+def simulate_step_json(step: dict[str, Any], world_size: int, cost: CostModel, *,
+                       model: ModelShape | None = None, hardware: Hardware | None = None) -> StepMetrics:
+    """:func:`simulate_step` straight from one step's plan-JSON mapping (no dataclasses: faster)."""
+    try:
+        pools = [(int(p["tp"]), int(p["pp"]), _ranks(p["ranks"]), PoolArrays.from_json(p)) for p in step["pools"]]
+        return _step_metrics(int(step["step"]), world_size, float(step.get("plan_seconds", 0.0)), pools, cost,
+                             model, hardware)
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"malformed plan step: {type(e).__name__}: {e}") from None
+
+
+def step_ms(plan: StepPlan, cost: CostModel) -> float:
+    """``CostModel.step_ms(plan)`` through the vectorised group times and the numba lane kernel (faster)."""
+    out = 0.0
+    for pool in plan.pools:
+        arr = PoolArrays.from_pool(pool)
+        if len(arr.degree) == 0:
+            continue
+        gms = arr.group_ms(cost.shape(pool.tp, pool.pp))  # [G]
+        finish, _ = lane_schedule(arr.lane_ptr, arr.lanes, gms, pool.pp, pool.num_lanes)
+        gmax = float(gms.max())
+        if gmax > 0:
+            out = max(out, float(finish.max() + (pool.pp - 1) * gmax / pool.pp))
+    return out
+
+
+def simulate_plan(plan: Plan | Sequence[StepPlan], cost: CostModel, *, model: ModelShape | None = None,
+                  hardware: Hardware | None = None) -> list[StepMetrics]:
+    steps = plan.steps if isinstance(plan, Plan) else plan
+    return [simulate_step(s, cost, model=model, hardware=hardware) for s in steps]
+
+
+def plan_lengths(plan: Plan | Sequence[StepPlan]) -> np.ndarray:
+    """Doc lengths implied by a plan, ``[max doc_id + 1]``: each doc's furthest segment end.
+
+    Used to validate a plan without its length file: ``validate`` then checks that every doc's
+    segments tile ``[0, end)`` without gaps or overlaps, that no group is empty and that
+    memory caps and the rank grid hold; a doc whose tail is missing goes unnoticed.
+    """
+    steps = plan.steps if isinstance(plan, Plan) else plan
+    docs: list[int] = []
+    ends: list[int] = []
+    for sp in steps:
+        for p in sp.pools:
+            for mb in p.microbatches:
+                for g in mb:
+                    for doc, start, length in g.segments:
+                        docs.append(doc)
+                        ends.append(start + length)
+    if not docs:
+        return np.zeros(0, dtype=np.int64)
+    d = np.asarray(docs, dtype=np.int64)
+    if d.min() < 0:
+        raise ValueError(f"plan has a negative doc_id {int(d.min())}")
+    out = np.zeros(int(d.max()) + 1, dtype=np.int64)
+    np.maximum.at(out, d, np.asarray(ends, dtype=np.int64))
+    return out
+
+
+def summarize(metrics: Sequence[StepMetrics]) -> dict[str, float]:
+    """Totals and means over steps: time-weighted throughput, arithmetic means of the ratios."""
+    if not metrics:
+        return {"steps": 0, "total_ms": 0.0, "mean_step_ms": 0.0, "pp_bubble": 0.0, "dp_bubble": 0.0,
+                "idle": 0.0, "skew": 1.0, "tokens_per_s": 0.0, "mean_plan_ms": 0.0}
+    total = sum(m.step_ms for m in metrics)
+    tokens = sum(m.tokens for m in metrics)
+    n = len(metrics)
+    out = {
+        "steps": n,
+        "total_ms": total,
+        "mean_step_ms": total / n,
+        "pp_bubble": sum(m.pp_bubble for m in metrics) / n,
+        "dp_bubble": sum(m.dp_bubble for m in metrics) / n,
+        "idle": sum(m.idle for m in metrics) / n,
+        "skew": sum(m.skew for m in metrics) / n,
+        "tokens_per_s": tokens / (total / 1e3) if total > 0 else 0.0,
+        "mean_plan_ms": 1e3 * sum(m.plan_seconds for m in metrics) / n,
+    }
+    mfus = [m.mfu for m in metrics if m.mfu is not None]
+    if mfus and total > 0:
+        # time-weighted: total FLOPs over total time
+        out["mfu"] = sum(m.mfu * m.step_ms for m in metrics if m.mfu is not None) / total
+    return out

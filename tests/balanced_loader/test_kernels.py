@@ -1,0 +1,113 @@
+"""Every numba kernel equals its pure-Python reference (same tie-breaking), on random inputs
+that include 1-token items, capacity-sized items and exact ties."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from balanced_loader import _kernels as K
+from balanced_loader import packing as P
+
+
+@st.composite
+def packing_case(draw):
+    cap = draw(st.integers(1, 64))
+    special = st.sampled_from([1, cap, max(1, cap // 2), max(1, cap // 3)])
+    lengths = draw(st.lists(st.one_of(st.integers(1, cap), special), max_size=80))
+    return np.asarray(lengths, dtype=np.int64), cap
+
+
+@given(packing_case())
+def test_ffd_equals_reference(case):
+    lengths, cap = case
+    bins, nb = P.ffd(lengths, cap)
+    ref, rnb = P.ffd_reference(lengths, cap)
+    assert nb == rnb
+    assert np.array_equal(bins, ref)
+    if len(lengths):
+        assert np.bincount(bins, weights=lengths).max() <= cap
+
+
+@given(packing_case())
+def test_bfd_equals_reference(case):
+    lengths, cap = case
+    bins, nb = P.bfd(lengths, cap)
+    ref, rnb = P.bfd_reference(lengths, cap)
+    assert nb == rnb
+    assert np.array_equal(bins, ref)
+
+
+@given(packing_case(), st.integers(0, 9), st.booleans(), st.randoms(use_true_random=False))
+def test_cost_pack_equals_reference(case, num_bins, integral, rnd):
+    tokens, cap = case
+    work = np.asarray([rnd.random() * 10 for _ in tokens])
+    if integral:
+        work = np.round(work)  # many exact ties
+    load = np.asarray([float(rnd.randint(0, 5)) for _ in range(num_bins)])
+    room = np.asarray([rnd.randint(0, cap) for _ in range(num_bins)], dtype=np.int64)
+    got = P.cost_pack(tokens, work, num_bins, cap, load, room)
+    ref = P.cost_pack_reference(tokens, work, num_bins, cap, load, room)
+    assert np.array_equal(got.bins, ref.bins)
+    assert np.array_equal(got.room, ref.room)
+    assert np.allclose(got.load, ref.load)
+    assert (got.room >= 0).all()
+
+
+@st.composite
+def block_case(draw):
+    lanes = draw(st.integers(1, 20))
+    nlev = lanes.bit_length()
+    n = draw(st.integers(0, 25))
+    vals = st.one_of(st.integers(0, 9).map(float), st.floats(0, 10), st.just(np.inf))
+    times = np.asarray(draw(st.lists(st.lists(vals, min_size=nlev, max_size=nlev), min_size=n, max_size=n)),
+                       dtype=np.float64).reshape(n, nlev)
+    pref = np.asarray(draw(st.lists(st.integers(0, nlev - 1), min_size=n, max_size=n)), dtype=np.int64)
+    load = np.asarray(draw(st.lists(st.integers(0, 4).map(float), min_size=lanes, max_size=lanes)))
+    target = draw(st.sampled_from([np.inf, 5.0, 12.0]))
+    return times, pref, lanes, load, target
+
+
+@given(block_case())
+def test_block_place_equals_reference(case):
+    times, pref, lanes, load, target = case
+    got = P.block_place(times, pref, lanes, load, target=target)
+    ref = P.block_place_reference(times, pref, lanes, load, target=target)
+    for name in got._fields:
+        assert np.array_equal(getattr(got, name), getattr(ref, name)), name
+    placed = got.level >= 0
+    # every placed item sits on an aligned block inside the lanes, at or above its preferred level
+    width = np.left_shift(1, got.level[placed])
+    assert (got.lane[placed] % width == 0).all()
+    assert (got.lane[placed] + width <= lanes).all()
+    assert (got.level[placed] >= pref[placed]).all()
+
+
+@given(packing_case(), st.integers(1, 12), st.sampled_from([0.0, 1.0, 3.0]), st.randoms(use_true_random=False))
+def test_fill_passes_equals_reference(case, lanes, beta, rnd):
+    tokens, cap = case
+    work = np.asarray([float(rnd.randint(0, 9)) for _ in tokens])
+    load = np.asarray([float(rnd.randint(0, 5)) for _ in range(lanes)])
+    got = P.fill_passes(tokens, work, load, cap, beta)
+    ref = P.fill_passes_reference(tokens, work, load, cap, beta)
+    for name in got._fields:
+        assert np.array_equal(getattr(got, name), getattr(ref, name)), name
+    if len(tokens):  # no pass over the token cap
+        key = got.lane * (int(got.passes.max()) + 1) + got.pass_
+        assert np.bincount(key, weights=tokens).max() <= cap
+
+
+@given(st.lists(st.one_of(st.integers(0, 6).map(float), st.floats(0, 100)), max_size=60), st.integers(1, 9))
+def test_karmarkar_karp_equals_reference(work, k):
+    w = np.asarray(work, dtype=np.float64)
+    assert np.array_equal(P.karmarkar_karp(w, k), P.karmarkar_karp_reference(w, k))
+
+
+@given(st.lists(st.integers(0, 50), max_size=60), st.booleans())
+def test_order_desc_is_a_stable_descending_sort(values, huge):
+    arr = np.asarray(values, dtype=np.int64)
+    if huge and len(arr):
+        arr = arr * 10**9  # above the counting-sort range: the merge sort path
+    assert K.order_desc(arr).tolist() == sorted(range(len(arr)), key=lambda i: (-arr[i], i))
+    assert np.array_equal(K.argsort_stable(arr.astype(np.float64)), np.argsort(arr, kind="stable"))

@@ -1,0 +1,297 @@
+"""Planning-core benchmark: packing speed, hydra against its lower bound and mcore-dcp, planner scaling.
+
+Sections (each prints a markdown table; ``--only`` picks some):
+
+* ``pack``: the 1M Wikipedia lengths (docs <= 32768), capacity 32768, one core. Our
+  ``pack(ffd)`` / ``pack(bfd)`` (median of ``--repeats`` after a warm-up) beside a
+  linear-scan first-fit-decreasing (numba, same sort, bins scanned in order; one run).
+* ``hydra``: ``--batches`` global batches of 512 lanes per context (32K and 256K): docs <= context
+  in a seeded shuffle of the Wikipedia lengths, each batch the next docs until
+  ``lanes x 8192 x --passes`` tokens (cut before the doc that would exceed it). Cost preset
+  ``hydra-gpt7b-a100``. Modeled (contract 2) step time of hydra, its lower bound, mcore-dcp,
+  token-kk and maxlen; hydra's planning time (median of ``--repeats``).
+* ``scaling``: hydra planning time for 64 .. 2048 lanes with batches of the same rule.
+* ``megatron``: mcore-dcp beside the real Megatron-Core ``BalancedCPScheduler`` (its plan
+  rebuilt from the scheduler's per-rank sample lists) on the first ``--megatron-batches``
+  batches per context; needs megatron-core importable (``--megatron-path DIR`` adds a folder,
+  e.g. an unpacked wheel: ``pip download --no-deps megatron-core`` then unzip).
+
+    python tools/bench_planner.py                        # everything but megatron
+    python tools/bench_planner.py --only megatron --megatron-path /tmp/mcore_pkg
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from numba import njit  # noqa: E402
+
+from balanced_loader import packing  # noqa: E402
+from balanced_loader._kernels import order_desc  # noqa: E402
+from balanced_loader.plan import Group, StepPlan  # noqa: E402
+from balanced_loader.planner import BatchItems, PlanConfig, get_policy, make_plan  # noqa: E402
+from balanced_loader.policies.common import one_pool_plan  # noqa: E402
+from balanced_loader.policies.hydra import LowerBound  # noqa: E402
+from balanced_loader.presets import cost_preset  # noqa: E402
+
+WIKI = os.path.join(os.path.dirname(REPO), "shared", "data", "wikipedia_lengths.txt.gz")
+COST = "hydra-gpt7b-a100"
+
+
+def wiki(path: str) -> np.ndarray:
+    with gzip.open(path) as f:
+        return np.loadtxt(f, dtype=np.int64)
+
+
+@njit(cache=True)
+def ffd_linear(lengths, capacity):
+    """First-fit-decreasing with a linear scan over the open bins (the usual implementation)."""
+    order = order_desc(lengths)
+    rooms = np.empty(len(lengths), np.int64)
+    bins = np.empty(len(lengths), np.int64)
+    nb = 0
+    for i in order:
+        s = lengths[i]
+        b = 0
+        while b < nb and rooms[b] < s:
+            b += 1
+        if b == nb:
+            rooms[nb] = capacity
+            nb += 1
+        rooms[b] -= s
+        bins[i] = b
+    return bins, nb
+
+
+@njit(cache=True)
+def ffd_tree_single(lengths, capacity):
+    """The same segment-tree FFD as ``pack(ffd)`` but placing one doc at a time (no equal-length runs)."""
+    order = order_desc(lengths)
+    n = len(lengths)
+    size = 1
+    while size < min(n, 2 * lengths.sum() // capacity + 2):
+        size *= 2
+    tree = np.full(2 * size, capacity, np.int64)
+    bins = np.empty(n, np.int64)
+    nb = 0
+    for i in order:
+        s = lengths[i]
+        node = 1
+        while node < size:
+            node *= 2
+            if tree[node] < s:
+                node += 1
+        tree[node] -= s
+        bins[i] = node - size
+        nb = max(nb, node - size + 1)
+        node //= 2
+        while node >= 1:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return bins, nb
+
+
+def timed(fn, repeats: int) -> tuple[float, float, object]:
+    """Median wall and CPU seconds over ``repeats`` runs (after one warm-up run), and the result."""
+    out = fn()
+    wall, cpu = [], []
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu), out
+
+
+def plan_time(items, cost, cfg, repeats: int) -> tuple[float, float]:
+    """Median wall / CPU seconds of the policy itself (what ``plan_seconds`` measures; the
+    contract-2 evaluation of the plan is not part of planning)."""
+    fn = get_policy(cfg.policy)
+    wall, cpu, _ = timed(lambda: fn(items, cost, cfg, 0), repeats)
+    return wall, cpu
+
+
+def bench_pack(lengths: np.ndarray, repeats: int) -> None:
+    docs = lengths[lengths <= 32768]
+    cap = 32768
+    bound = -(-int(docs.sum()) // cap)
+    print(f"\n### Packing {len(docs):,} Wikipedia docs (<= 32768 tokens), capacity {cap}, one core\n")
+    print("| packer | seconds (wall / cpu) | docs/s | bins | bins / bound |")
+    print("|---|---|---|---|---|")
+    for name, fn, reps in (("pack(ffd): segment tree", lambda: packing.ffd(docs, cap), repeats),
+                           ("pack(bfd): room-value tree", lambda: packing.bfd(docs, cap), repeats),
+                           ("FFD, same tree, one doc at a time", lambda: ffd_tree_single(docs, cap), repeats),
+                           ("FFD, linear scan (numba)", lambda: ffd_linear(docs, cap), 1)):
+        if reps == 1:
+            ffd_linear(docs[:1000], cap)  # compile outside the timing
+            t0, c0 = time.perf_counter(), time.process_time()
+            bins, nb = fn()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        else:
+            wall, cpu, (bins, nb) = timed(fn, reps)
+        assert np.bincount(bins, weights=docs).max() <= cap
+        print(f"| {name} | {wall:.4f} / {cpu:.4f} | {len(docs) / cpu / 1e6:.2f} M | {nb:,} | {nb / bound:.5f} |")
+    print(f"\nbound = ceil(sum / cap) = {bound:,}; docs/s from CPU time (the machine is shared).")
+
+
+def batches(lengths: np.ndarray, context: int, lanes: int, passes: int, count: int, seed: int = 0):
+    """The benchmark's global batches: docs <= context, seeded shuffle, lanes x 8192 x passes tokens."""
+    docs = lengths[lengths <= context]
+    docs = docs[np.random.default_rng(seed).permutation(len(docs))]
+    budget = lanes * 8192 * passes
+    pos = 0
+    out = []
+    for _ in range(count):
+        n = int(np.searchsorted(np.cumsum(docs[pos:pos + budget]), budget, side="right"))
+        out.append(docs[pos:pos + n])
+        pos += n
+    return out
+
+
+def bench_hydra(lengths, contexts, lanes, passes, count, repeats) -> None:
+    cost = cost_preset(COST)
+    for ctx in contexts:
+        print(f"\n### hydra at {ctx // 1024}K context, {lanes} lanes, {count} batches "
+              f"({lanes} x 8192 x {passes} tokens each), cost {COST}\n")
+        print("| batch | docs | longest | bound ms | hydra ms | hydra / bound | mcore-dcp ms | mcore / hydra "
+              "| token-kk ms | maxlen ms | hydra plan ms (wall / cpu) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        tot = {"hydra": 0.0, "mcore-dcp": 0.0, "token-kk": 0.0, "maxlen": 0.0, "bound": 0.0}
+        ratios, over, plan_wall, plan_cpu = [], [], [], []
+        for k, b in enumerate(batches(lengths, ctx, lanes, passes, count)):
+            items = BatchItems.from_lengths(b)
+            lb = LowerBound.of(items, cost, lanes).bound_ms
+            row = {}
+            for pol in ("hydra", "mcore-dcp", "token-kk", "maxlen"):
+                cfg = PlanConfig(policy=pol, world_size=lanes)
+                plan = make_plan(items, cost, cfg)
+                if pol == "hydra":
+                    wall, cpu = plan_time(items, cost, cfg, repeats)
+                    plan_wall.append(wall)
+                    plan_cpu.append(cpu)
+                plan.validate(b, cost, doc_ids=range(len(b)))
+                row[pol] = plan.predicted_ms
+                tot[pol] += plan.predicted_ms
+            tot["bound"] += lb
+            ratios.append(row["mcore-dcp"] / row["hydra"])
+            over.append(row["hydra"] / lb)
+            print(f"| {k} | {len(b):,} | {int(b.max()):,} | {lb:,.0f} | {row['hydra']:,.0f} | {over[-1]:.4f} | "
+                  f"{row['mcore-dcp']:,.0f} | {ratios[-1]:.3f} | {row['token-kk']:,.0f} | {row['maxlen']:,.0f} | "
+                  f"{plan_wall[-1] * 1e3:.1f} / {plan_cpu[-1] * 1e3:.1f} |")
+        print(f"\nAll {count} batches: hydra / bound max {max(over):.4f}, median {statistics.median(over):.4f}; "
+              f"mcore-dcp / hydra per batch min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
+              f"total modeled time mcore-dcp / hydra {tot['mcore-dcp'] / tot['hydra']:.3f}, "
+              f"token-kk / hydra {tot['token-kk'] / tot['hydra']:.3f}, maxlen / hydra "
+              f"{tot['maxlen'] / tot['hydra']:.3f}; hydra planning median {statistics.median(plan_wall) * 1e3:.1f} ms "
+              f"wall, {statistics.median(plan_cpu) * 1e3:.1f} ms cpu.")
+
+
+def bench_scaling(lengths, passes, repeats) -> None:
+    cost = cost_preset(COST)
+    print(f"\n### hydra planning time against batch size (32K context, {passes} passes of 8192 tokens per lane)\n")
+    print("| lanes | docs | plan ms wall | plan ms cpu | cpu us per doc | cpu / (n log2 n) ns | step / bound |")
+    print("|---|---|---|---|---|---|---|")
+    for lanes in (64, 128, 256, 512, 1024, 2048):
+        b = batches(lengths, 32768, lanes, passes, 1)[0]
+        items = BatchItems.from_lengths(b)
+        cfg = PlanConfig(policy="hydra", world_size=lanes)
+        plan = make_plan(items, cost, cfg)
+        wall, cpu = plan_time(items, cost, cfg, repeats)
+        n = len(b)
+        lb = LowerBound.of(items, cost, lanes).bound_ms
+        print(f"| {lanes} | {n:,} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {cpu / n * 1e6:.2f} | "
+              f"{cpu / (n * np.log2(n)) * 1e9:.1f} | {plan.predicted_ms / lb:.4f} |")
+
+
+def megatron_plan(mod, b: np.ndarray, lanes: int, cap: int) -> tuple[StepPlan, float]:
+    """The real scheduler's rounds as a contract-1 plan (each sub-sample its own microbatch)."""
+
+    class DpCpGroup:
+        def size(self) -> int:
+            return lanes
+
+    t0 = time.perf_counter()
+    _, ids = mod.BalancedCPScheduler(cap, DpCpGroup()).get_groups_and_subsamples(
+        [(i, int(s)) for i, s in enumerate(b)], None)
+    dt = time.perf_counter() - t0
+    micro: list[list[Group]] = []
+    for rnd in ids:
+        ranks: dict[int, list[int]] = {}
+        for r, sample_ids in enumerate(rnd):
+            for sid in sample_ids:
+                ranks.setdefault(sid, []).append(r)
+        base = len(micro)
+        done = set()
+        for sample_ids in rnd:
+            for j, sid in enumerate(sample_ids):
+                if sid in done:
+                    continue
+                done.add(sid)
+                while len(micro) <= base + j:
+                    micro.append([])
+                micro[base + j].append(Group(lanes=tuple(ranks[sid]), segments=((sid, 0, int(b[sid])),)))
+    return one_pool_plan(0, lanes, 1, 1, tuple(tuple(m) for m in micro)), dt
+
+
+def bench_megatron(lengths, contexts, lanes, passes, count) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    mod = __import__("megatron.core.pipeline_parallel.hybrid_cp_schedule", fromlist=["BalancedCPScheduler"])
+    cost = cost_preset(COST)
+    cap = cost.base.max_tokens_per_lane
+    print(f"\n### mcore-dcp beside the real Megatron-Core scheduler ({lanes} lanes)\n")
+    print("| context | batch | docs | Megatron-Core ms | mcore-dcp ms | ratio | same rounds | "
+          "Megatron-Core plan s | mcore-dcp plan s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for ctx in contexts:
+        for k, b in enumerate(batches(lengths, ctx, lanes, passes, count)):
+            real, real_s = megatron_plan(mod, b, lanes, cap)
+            real.validate(b, cost, doc_ids=range(len(b)))
+            ours = make_plan(BatchItems.from_lengths(b), cost, PlanConfig(policy="mcore-dcp", world_size=lanes))
+            real_ms = cost.step_ms(real)
+            same = real.pools[0].microbatches == ours.pools[0].microbatches
+            print(f"| {ctx // 1024}K | {k} | {len(b):,} | {real_ms:,.1f} | {ours.predicted_ms:,.1f} | "
+                  f"{ours.predicted_ms / real_ms:.4f} | {same} | {real_s:.2f} | {ours.plan_seconds:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default=WIKI, help="Wikipedia lengths (.txt.gz)")
+    ap.add_argument("--only", default="pack,hydra,scaling", help="comma-separated: pack, hydra, scaling, megatron")
+    ap.add_argument("--lanes", type=int, default=512)
+    ap.add_argument("--passes", type=int, default=4, help="batch tokens = lanes x 8192 x passes")
+    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--contexts", default="32768,262144")
+    ap.add_argument("--megatron-path", help="folder holding the megatron package (e.g. an unpacked wheel)")
+    ap.add_argument("--megatron-batches", type=int, default=2)
+    args = ap.parse_args()
+    lengths = wiki(args.lengths)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    only = set(args.only.split(","))
+    packing.warm_up()
+    if "pack" in only:
+        bench_pack(lengths, args.repeats)
+    if "hydra" in only:
+        bench_hydra(lengths, contexts, args.lanes, args.passes, args.batches, args.repeats)
+    if "scaling" in only:
+        bench_scaling(lengths, args.passes, args.repeats)
+    if "megatron" in only:
+        if args.megatron_path:
+            sys.path.insert(0, args.megatron_path)
+        bench_megatron(lengths, contexts, args.lanes, args.passes, args.megatron_batches)
+
+
+if __name__ == "__main__":
+    main()
