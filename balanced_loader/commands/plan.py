@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, metavar="K", help="plan only the first K steps")
     p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
                    help="solver time limit per call for flexsp / hydraulis (default 1 s)")
+    p.add_argument("--candidates", metavar="CANDIDATES.yaml",
+                   help="hydraulis: candidate strategies from 'balanced-loader candidates' (default: per batch)")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan here (default: JSON on stdout)")
 
 
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     config = PlanConfig(policy=args.policy, world_size=args.world_size, tp=args.tp, pp=args.pp, cp=args.cp,
-                        seed=args.seed, time_limit_s=args.time_limit)
+                        seed=args.seed, time_limit_s=args.time_limit, candidates=args.candidates)
     cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
     lengths, shard_bounds, what = _lengths(args)
     batches, stats = global_batches(lengths, max_seq_len=args.max_seq_len, long_docs=args.long_docs,
