@@ -43,20 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read(args: argparse.Namespace):
-    import numpy as np
+    from balanced_loader.lengths_io import read_batch_source
 
-    if args.lengths:
-        from balanced_loader.lengths_io import read_lengths
-
-        return read_lengths(args.lengths), None, args.lengths
-    from balanced_loader.sources import open_source
-
-    src = open_source(args.source)
-    try:
-        bounds = None if src.shard_bounds is None else np.asarray(src.shard_bounds, dtype=np.int64)
-        return np.asarray(src.lengths, dtype=np.int64), bounds, args.source
-    finally:
-        src.close()
+    return read_batch_source(args.lengths, args.source, positive=False)
 
 
 def run(args: argparse.Namespace) -> int:

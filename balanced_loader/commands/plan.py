@@ -43,25 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _lengths(args: argparse.Namespace):
-    import numpy as np
+    from balanced_loader.lengths_io import read_batch_source
 
-    if args.lengths:
-        from balanced_loader.lengths_io import read_lengths
-
-        lengths = read_lengths(args.lengths)
-        if lengths.size and int(lengths.min()) <= 0:
-            i = int(np.flatnonzero(lengths <= 0)[0])
-            raise ValueError(f"--lengths {args.lengths}: lengths must be positive; doc {i} (line {i + 1}) "
-                             f"has length {int(lengths[i])}")
-        return lengths, None, args.lengths
-    from balanced_loader.sources import open_source
-
-    src = open_source(args.source)
-    try:
-        bounds = None if src.shard_bounds is None else np.asarray(src.shard_bounds, dtype=np.int64)
-        return np.asarray(src.lengths, dtype=np.int64), bounds, args.source
-    finally:
-        src.close()
+    return read_batch_source(args.lengths, args.source, positive=True)
 
 
 def run(args: argparse.Namespace) -> int:
