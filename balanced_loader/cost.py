@@ -178,15 +178,9 @@ class CostModel:
 
     @staticmethod
     def from_file(path: str) -> CostModel:
-        import yaml
+        from balanced_loader.yamlio import read_yaml
 
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except OSError as e:
-            raise ValueError(f"cannot read cost file {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ValueError(f"cost file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        data = read_yaml(path, "cost file")
         return CostModel.from_dict(data, where=f"cost file {path}")
 
     def to_dict(self) -> dict[str, Any]:

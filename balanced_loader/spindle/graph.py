@@ -147,15 +147,9 @@ class Graph:
 
 def load_graph(path: str) -> Graph:
     """Read and validate a graph file; every problem is one ``ValueError`` line."""
-    import yaml
+    from balanced_loader.yamlio import read_yaml
 
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read graph file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"graph file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = read_yaml(path, "graph file")
     return graph_from_dict(data, where=f"graph file {path}")
 
 

@@ -361,15 +361,9 @@ _TOP_KEYS = {"format", "version", "world_size", "max_len", "delta_s", "delta_n",
 
 def load(path: str, world_size: int, cost: CostModel | None = None) -> list[Candidate]:
     """Read a candidates file, checking its world size and (with ``cost``) that every shape is usable."""
-    import yaml
+    from balanced_loader.yamlio import read_yaml
 
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read candidates file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"candidates file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = read_yaml(path, "candidates file")
     where = f"candidates file {path}"
     if not isinstance(data, dict) or data.get("format") != CANDIDATES_FORMAT:
         raise ValueError(f"{where}: expected \"format: {CANDIDATES_FORMAT}\" "
