@@ -659,6 +659,20 @@ def _kk_less(spread, sid, a, b):
 
 
 @njit(cache=True)
+def _kk_push(heap, hsize, st, spread, sid):
+    """Sift state ``st`` up from position ``hsize`` (the caller grows the heap by one)."""
+    pos = hsize
+    while pos > 0:
+        parent = (pos - 1) // 2
+        if _kk_less(spread, sid, st, heap[parent]):
+            heap[pos] = heap[parent]
+            pos = parent
+        else:
+            break
+    heap[pos] = st
+
+
+@njit(cache=True)
 def kk_kernel(work, k):
     """k-way Karmarkar-Karp (largest differencing). Returns the part of every item ``[n]``.
 
@@ -688,17 +702,8 @@ def kk_kernel(work, k):
     hsize = 0
     for i in range(n):
         spread[i] = work[i]
-        # push state i
-        pos = hsize
+        _kk_push(heap, hsize, i, spread, sid)
         hsize += 1
-        while pos > 0:
-            parent = (pos - 1) // 2
-            if _kk_less(spread, sid, i, heap[parent]):
-                heap[pos] = heap[parent]
-                pos = parent
-            else:
-                break
-        heap[pos] = i
     nstates = n
     a_sum = np.empty(k, np.float64)
     b_sum = np.empty(k, np.float64)
@@ -789,16 +794,8 @@ def kk_kernel(work, k):
         nstates += 1
         slot[st] = r
         spread[st] = hi - lo
-        pos = hsize
+        _kk_push(heap, hsize, st, spread, sid)
         hsize += 1
-        while pos > 0:
-            parent = (pos - 1) // 2
-            if _kk_less(spread, sid, st, heap[parent]):
-                heap[pos] = heap[parent]
-                pos = parent
-            else:
-                break
-        heap[pos] = st
     st = heap[0]
     if slot[st] < 0:
         part[st] = 0

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from balanced_loader.cost import fit_levels
+
 if TYPE_CHECKING:
     from balanced_loader.cost import CostModel, ShapeCost
 
@@ -67,11 +69,7 @@ def length_stats(lengths: np.ndarray, *, thresholds: tuple[int, ...] = THRESHOLD
 
 def memory_fit_degrees(lengths: np.ndarray, cap: int) -> np.ndarray:
     """``[num_docs]`` smallest power of two ``d`` with ``length <= d * cap`` (1 for empty docs)."""
-    if cap <= 0:
-        raise ValueError(f"max_tokens_per_lane must be positive, got {cap}")
-    ln = np.asarray(lengths, dtype=np.int64)
-    need = np.maximum(-(-ln // cap), 1)  # [num_docs] ceil(s / cap)
-    return (1 << np.ceil(np.log2(need)).astype(np.int64)).astype(np.int64)
+    return np.left_shift(1, fit_levels(lengths, cap))
 
 
 def degree_table(lengths: np.ndarray, shape: ShapeCost) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
-"""``balanced-loader`` command line (contract 3).
+"""balanced-loader: plan data and parallelism together for LLM training on variable-length data.
 
-Each subcommand lives in ``balanced_loader/commands/<name>.py`` with
+The command line (contract 3). Each subcommand lives in ``balanced_loader/commands/<name>.py`` with
 ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when their
 command runs, so ``--help`` is fast. User mistakes (``ValueError``, missing files) print one
 line on stderr and exit 2, never a traceback.
@@ -61,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     mod = importlib.import_module(f"balanced_loader.commands.{COMMANDS[args.command][0]}")
     try:
         return int(mod.run(args) or 0)
-    except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        msg = str(e) if isinstance(e, ValueError) else f"{e.strerror}: {e.filename}"
+    except BrokenPipeError:
+        return 0
+    except (ValueError, OSError) as e:  # OSError: a file the user named (missing, a folder, exists, no access)
+        msg = str(e) if isinstance(e, ValueError) or not e.strerror else f"{e.strerror}: {e.filename}"
         print(f"balanced-loader {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("balanced-loader: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0

@@ -12,7 +12,6 @@ over the compared steps.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from balanced_loader.cost import CostModel
-from balanced_loader.planner import BatchItems, PlanConfig, get_policy, make_plan
-from balanced_loader.simulate import StepMetrics, simulate_step, summarize
+from balanced_loader.planner import BatchItems, PlanConfig, get_policy, make_plan, warm_up
+from balanced_loader.simulate import StepMetrics, si_units, simulate_step, summarize
 
 if TYPE_CHECKING:
     from balanced_loader.plan import StepPlan
@@ -58,24 +57,6 @@ def check_policies(names: Sequence[str]) -> list[str]:
     for n in out:
         get_policy(n)
     return out
-
-
-def warm_up(batches: Sequence[BatchItems], cost: CostModel, configs: Sequence[PlanConfig]) -> None:
-    """Load each policy and compile its kernels on a one-sequence batch, so ``plan_ms`` is steady-state.
-
-    Mirrors ``balanced-loader plan``; a failure here is left for the real step to report.
-    """
-    from balanced_loader.packing import warm_up as warm_kernels
-
-    warm_kernels()
-    first = next((b for b in batches if len(b)), None)
-    if first is None:
-        return
-    i = int(np.argmin(first.lengths))
-    one = BatchItems(doc_ids=first.doc_ids[i:i + 1], starts=first.starts[i:i + 1], lengths=first.lengths[i:i + 1])
-    for c in configs:
-        with contextlib.suppress(ValueError):
-            make_plan(one, cost, c)
 
 
 def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: CostModel,
@@ -127,7 +108,7 @@ def format_table(runs: Sequence[PolicyRun]) -> str:
     for r in runs:
         s = r.summary
         row = (f"{r.policy:<{w}} {s['mean_step_ms']:>11.1f} {r.speedup:>7.2f}x {s['skew']:>6.2f} "
-               f"{s['pp_bubble']:>9.1%} {s['dp_bubble']:>9.1%} {s['idle']:>7.1%} {_si(s['tokens_per_s']):>9} "
+               f"{s['pp_bubble']:>9.1%} {s['dp_bubble']:>9.1%} {s['idle']:>7.1%} {si_units(s['tokens_per_s']):>9} "
                f"{s['mean_plan_ms']:>9.1f}")
         if has_mfu:
             row += f" {s['mfu']:>6.1%}" if "mfu" in s else f" {'-':>6}"
@@ -135,10 +116,3 @@ def format_table(runs: Sequence[PolicyRun]) -> str:
     lines.append(f"means over steps; speedup = total modeled time of '{first}' / the policy's; skew = max/mean "
                  "rank busy time; plan_ms = planning time per step")
     return "\n".join(lines)
-
-
-def _si(x: float) -> str:
-    for unit, k in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(x) >= k:
-            return f"{x / k:.2f}{unit}"
-    return f"{x:.0f}"

@@ -274,15 +274,18 @@ class CostModel:
         """Contract-2 step time: the slowest pool."""
         return max((self.pool_ms(p) for p in plan.pools), default=0.0)
 
-    # ---- helpers used by planners --------------------------------------
-    def memory_fit_degree(self, s: int, allowed: Sequence[int], tp: int = 1, pp: int = 1) -> int:
-        """Smallest allowed degree whose lanes hold ``s`` tokens; ValueError when none does."""
-        cap = self.shape(tp, pp).max_tokens_per_lane
-        for d in sorted(allowed):
-            if s <= cap * d:
-                return d
-        raise ValueError(f"a {s}-token doc does not fit: max_tokens_per_lane {cap} x largest degree "
-                         f"{max(allowed)} = {cap * max(allowed)} tokens")
+
+def fit_levels(lengths: Sequence[int] | np.ndarray, cap: int) -> np.ndarray:
+    """``[n]`` level ``v`` of each doc's memory-fit degree: the smallest power of two ``2**v`` with
+    ``length <= 2**v * cap`` (level 0 for empty docs). Exact integer arithmetic."""
+    if cap <= 0:
+        raise ValueError(f"max_tokens_per_lane must be positive, got {cap}")
+    rest = np.maximum(-(-np.asarray(lengths, dtype=np.int64) // cap), 1) - 1  # [n] lanes needed - 1
+    level = np.zeros(rest.shape, dtype=np.int64)  # [n] the bit length of rest
+    while rest.any():
+        level += rest > 0
+        rest = rest >> 1
+    return level
 
 
 def allowed_degrees(num_lanes: int, *, powers_of_two: bool = True) -> list[int]:

@@ -102,19 +102,39 @@ def resolve_cost(cost: Any, world_size: int) -> CostModel:
                      "name such as 'analytic:tiny@cpu'")
 
 
+_FIXED_DEGREE_POLICIES = ("maxlen", "static-sp", "token-kk")  # one CP/SP degree dividing the lanes
+
+
 def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:
-    """The longest segment the cost model holds: lane cap x the largest allowed degree, best shape."""
-    if config.tp is not None or config.pp is not None:
-        shapes = [cost.shape(config.tp or 1, config.pp or 1)]
-    else:
-        shapes = cost.shapes()
+    """The longest segment ``config.policy`` can plan: lane cap x the largest degree it may use.
+
+    ``hydraulis`` runs one lane per pool on any usable shape; ``pools`` the layout in
+    ``extra["pools"]``; the other policies one pool of shape ``(tp or 1, pp or 1)``: ``maxlen``,
+    ``static-sp`` and ``token-kk`` with ``cp`` or a power of two dividing the lanes, the others on
+    aligned power-of-two blocks of lanes (``cp`` when it is set).
+    """
+    if config.policy == "hydraulis":
+        from balanced_loader.strategies.candidates import usable_shapes
+
+        return max(sc.max_tokens_per_lane for sc in usable_shapes(cost, config.world_size))
+    layout = config.extra.get("pools") if config.policy == "pools" else None
+    if isinstance(layout, list) and layout and all(
+            isinstance(p, dict) and all(isinstance(p.get(k, 1), int) for k in ("tp", "pp", "lanes")) for p in layout):
+        options = [(cost.shape(p.get("tp", 1), p.get("pp", 1)), p.get("lanes", 1)) for p in layout]
+    else:  # one pool of the configured shape
+        sc = cost.shape(config.tp or 1, config.pp or 1)
+        options = [(sc, config.world_size // sc.gpus)]
     best = 0
-    for sc in shapes:
-        if not sc.usable or config.world_size % sc.gpus:
+    for sc, lanes in options:
+        if not sc.usable or lanes < 1:
             continue
-        lanes = config.world_size // sc.gpus
-        degree = config.cp if config.cp is not None else max(allowed_degrees(lanes))
-        best = max(best, sc.max_tokens_per_lane * min(degree, lanes))
+        if config.cp is not None:
+            degree = min(config.cp, lanes)
+        elif config.policy in _FIXED_DEGREE_POLICIES:
+            degree = lanes & -lanes
+        else:
+            degree = max(allowed_degrees(lanes))
+        best = max(best, sc.max_tokens_per_lane * degree)
     if best <= 0:
         raise ValueError(f"no usable shape of the cost model fits world size {config.world_size}; "
                          f"pass max_seq_len or a cost model with a usable shape")

@@ -227,13 +227,13 @@ class StepPlan:
         lengths_arr = np.asarray(lengths)
         for doc, segs in pieces.items():
             if not 0 <= doc < len(lengths_arr):
-                raise ValueError(f"{where}, {segs[0][2]}: doc {doc} is not in the length index")
+                raise ValueError(f"{segs[0][2]}: doc {doc} is not in the length index")
             segs.sort()
             pos = 0
             for start, length, gw in segs:
                 if start != pos:
                     what = "overlaps" if start < pos else "leaves a gap before"
-                    raise ValueError(f"{where}, {gw}: doc {doc} segment at {start} {what} token {pos}")
+                    raise ValueError(f"{gw}: doc {doc} segment at {start} {what} token {pos}")
                 pos = start + length
             if pos != int(lengths_arr[doc]):
                 raise ValueError(f"{where}: doc {doc} covers {pos} of its {int(lengths_arr[doc])} tokens")
@@ -281,19 +281,25 @@ class Plan:
 
     @staticmethod
     def load(path: str) -> Plan:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except OSError as e:
-            raise ValueError(f"cannot read plan file {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan file {path} is not JSON: {e}") from None
-        return Plan.from_json(data)
+        return Plan.from_json(read_plan_json(path))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             f.write(self.dumps())
             f.write("\n")
+
+
+def read_plan_json(path: str) -> Any:
+    """The parsed JSON of a plan file (not yet checked); one ``ValueError`` line when unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read plan file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"plan file {path} is not text (expected the JSON of 'balanced-loader plan --out')") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"plan file {path} is not JSON: {e}") from None
 
 
 def single_pool_ranks(world_size: int, tp: int = 1, pp: int = 1, offset: int = 0) -> tuple[tuple[int, ...], ...]:

@@ -7,8 +7,10 @@ A policy is a module in ``balanced_loader.policies`` with a function
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,3 +120,19 @@ def make_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: int 
     from balanced_loader.simulate import step_ms  # vectorised contract-2 step time (equals cost.step_ms)
 
     return plan.with_timing(plan_seconds=dt, predicted_ms=step_ms(plan, cost))
+
+
+def warm_up(batches: Sequence[BatchItems], cost: CostModel, configs: Sequence[PlanConfig]) -> None:
+    """Load each policy and compile its kernels on a one-sequence batch, so ``plan_seconds`` is the
+    step's own work. A failure here is left for the real step to report."""
+    from balanced_loader.packing import warm_up as warm_kernels
+
+    warm_kernels()
+    first = next((b for b in batches if len(b)), None)
+    if first is None:
+        return
+    i = int(np.argmin(first.lengths))
+    one = BatchItems(doc_ids=first.doc_ids[i:i + 1], starts=first.starts[i:i + 1], lengths=first.lengths[i:i + 1])
+    for c in configs:
+        with contextlib.suppress(ValueError):
+            make_plan(one, cost, c)

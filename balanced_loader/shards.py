@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.sources import Source
+from balanced_loader.sources import Source, jsonl_text
 
 log = logging.getLogger("balanced_loader")
 
@@ -468,16 +468,8 @@ def _docs_of(path: str, text_field: str) -> Any:
         yield data
         return
     for lineno, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} line {lineno}: not JSON ({e})") from None
-        text = obj.get(text_field) if isinstance(obj, dict) else None
-        if not isinstance(text, str):
-            raise ValueError(f"{path} line {lineno}: no string field '{text_field}'")
-        yield text.encode("utf-8")
+        if line.strip():
+            yield jsonl_text(line, text_field, f"{path} line {lineno}").encode("utf-8")
 
 
 def build_from_files(files: list[str], out_dir: str, *, tokenizer: Any = None, text_field: str = "text",

@@ -221,7 +221,7 @@ def _pool_metrics(tp: int, pp: int, ranks: np.ndarray, arr: PoolArrays,
     gms = arr.group_ms(sc)  # [G]
     finish, busy = lane_schedule(arr.lane_ptr, arr.lanes, gms, pp, nl)
     gmax = float(gms.max())
-    makespan = float(finish.max() + (pp - 1) * gmax / pp) if gmax > 0 else 0.0
+    makespan = _makespan(finish, gmax, pp)
     ppb = 1.0 - float(busy.mean()) / makespan if makespan > 0 else 0.0
     pm = PoolMetrics(tp=tp, pp=pp, num_lanes=nl, num_ranks=nranks, makespan_ms=makespan, pp_bubble=ppb,
                      lane_busy_ms=busy, lane_finish_ms=finish, max_group_ms=gmax, tokens=int(arr.seg_len.sum()))
@@ -301,10 +301,13 @@ def step_ms(plan: StepPlan, cost: CostModel) -> float:
             continue
         gms = arr.group_ms(cost.shape(pool.tp, pool.pp))  # [G]
         finish, _ = lane_schedule(arr.lane_ptr, arr.lanes, gms, pool.pp, pool.num_lanes)
-        gmax = float(gms.max())
-        if gmax > 0:
-            out = max(out, float(finish.max() + (pool.pp - 1) * gmax / pool.pp))
+        out = max(out, _makespan(finish, float(gms.max()), pool.pp))
     return out
+
+
+def _makespan(finish: np.ndarray, gmax: float, pp: int) -> float:
+    """Contract-2 pool time: the last lane's finish plus pipeline fill and drain (0 without work)."""
+    return float(finish.max() + (pp - 1) * gmax / pp) if gmax > 0 else 0.0
 
 
 def simulate_plan(plan: Plan | Sequence[StepPlan], cost: CostModel, *, model: ModelShape | None = None,
@@ -364,3 +367,11 @@ def summarize(metrics: Sequence[StepMetrics]) -> dict[str, float]:
         # time-weighted: total FLOPs over total time
         out["mfu"] = sum(m.mfu * m.step_ms for m in metrics if m.mfu is not None) / total
     return out
+
+
+def si_units(x: float) -> str:
+    """``x`` with a K/M/G suffix for tables (``254.19K``)."""
+    for unit, k in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= k:
+            return f"{x / k:.2f}{unit}"
+    return f"{x:.0f}"

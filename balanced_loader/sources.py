@@ -2,7 +2,7 @@
 
 * a folder of webdataset ``.tar`` shards with a memory-mapped length index (:mod:`.shards`);
 * a ``.jsonl`` file with a text field, tokenized on open (an offset index per line);
-* an in-memory list/array of lengths, or a ``.npy`` of lengths (planning only).
+* an in-memory list/array of lengths, or a length file (``.npy``, ``.txt``, ``.txt.gz``; planning only).
 
 Every source reads a doc's tokens through ``read(doc_id, start, length)``, counting the bytes
 it reads in ``bytes_read`` (the loader benchmark compares them with the bytes needed).
@@ -89,6 +89,21 @@ def as_lengths(values: Any, where: str = "lengths") -> np.ndarray:
     return arr
 
 
+def jsonl_text(line: bytes, text_field: str, where: str) -> str:
+    """The ``text_field`` string of one ``.jsonl`` line; one ``ValueError`` naming ``where`` otherwise."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(obj, dict) or text_field not in obj:
+        raise ValueError(f"{where}: no '{text_field}' field; pass the key that holds the text "
+                         f"(text_field=, --text-field)")
+    text = obj[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: '{text_field}' is not a string")
+    return text
+
+
 class LengthSource(Source):
     """Only lengths: enough to plan, not to materialize microbatches."""
 
@@ -149,17 +164,7 @@ class JsonlSource(Source):
         return f"jsonl file {self.path}"
 
     def _encode_line(self, line: bytes, lineno: int) -> np.ndarray:
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{self.path} line {lineno}: not JSON ({e})") from None
-        if not isinstance(obj, dict) or self.text_field not in obj:
-            raise ValueError(f"{self.path} line {lineno}: no '{self.text_field}' field; "
-                             f"pass text_field= the key that holds the text")
-        text = obj[self.text_field]
-        if not isinstance(text, str):
-            raise ValueError(f"{self.path} line {lineno}: '{self.text_field}' is not a string")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(jsonl_text(line, self.text_field, f"{self.path} line {lineno}"))
 
     def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
         d, start, length = self._check_range(doc_id, start, length)
@@ -202,7 +207,8 @@ class JsonlSource(Source):
 
 
 def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -> Source:
-    """Open a source: a shard folder, a ``.jsonl`` file, a ``.npy`` of lengths, or a list/array of lengths."""
+    """Open a source: a shard folder, a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``;
+    planning only), or a list/array of lengths."""
     if isinstance(spec, Source):
         return spec
     if isinstance(spec, (str, os.PathLike)):
@@ -213,17 +219,15 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -
             return ShardSource(path)
         if not os.path.exists(path):
             raise ValueError(f"source {path} does not exist (expected a shard folder, a .jsonl file "
-                             f"or a .npy of lengths)")
+                             f"or a length file)")
         if path.endswith(".jsonl"):
             return JsonlSource(path, text_field=text_field, tokenizer=tokenizer)
-        if path.endswith(".npy"):
-            try:
-                arr = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as e:
-                raise ValueError(f"cannot read lengths from {path}: {e}") from None
-            return LengthSource(arr, name=f"lengths file {path}")
-        raise ValueError(f"source {path}: unsupported file type; use a shard folder "
-                         f"(balanced-loader build-shards), a .jsonl file or a .npy of lengths")
+        from balanced_loader.lengths_io import LENGTH_SUFFIXES, read_lengths
+
+        if path.endswith(LENGTH_SUFFIXES):
+            return LengthSource(read_lengths(path), name=f"lengths file {path}")
+        raise ValueError(f"source {path}: unsupported file type; use a shard folder (balanced-loader "
+                         f"build-shards), a .jsonl file or a length file (.npy, .txt, .txt.gz)")
     if isinstance(spec, (list, tuple, np.ndarray)):
         return LengthSource(spec)
     raise ValueError(f"cannot open a source from {type(spec).__name__}; pass a shard folder, a .jsonl "

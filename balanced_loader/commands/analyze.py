@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, metavar="R", help="ranks you plan to train on (checks CP fits)")
     p.add_argument("--tp", type=int, help="tensor-parallel size whose lane cap to use (default 1)")
     p.add_argument("--pp", type=int, help="pipeline-parallel size whose lane cap to use (default 1)")
-    p.add_argument("--max-len", type=int, metavar="N",
+    p.add_argument("--max-seq-len", "--max-len", dest="max_len", type=int, metavar="N",
                    help="context limit: analyze docs as training sees them, split into N-token segments")
     p.add_argument("--top", type=int, default=10, help="how many of the longest docs to list (default 10)")
     p.add_argument("--out", default="analysis", metavar="DIR",
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         from balanced_loader.batching import to_items
 
         if args.max_len < 1:
-            raise ValueError(f"--max-len must be >= 1, got {args.max_len}")
+            raise ValueError(f"--max-seq-len must be >= 1, got {args.max_len}")
         items, _ = to_items(lengths, np.arange(len(lengths), dtype=np.int64), args.max_len, "split")
         analyzed = items.lengths
         what += f", docs split at {args.max_len:,} tokens"

@@ -1,7 +1,7 @@
 """``balanced-loader candidates``: Hydraulis candidate strategies from a dataset's length histogram.
 
 Writes a YAML file (``format: balanced-loader/candidates``) for the ``hydraulis`` policy
-(``PlanConfig.candidates``). Docs longer than ``--max-len`` count as pieces of ``--max-len``
+(``PlanConfig.candidates``). Docs longer than ``--max-seq-len`` count as pieces of ``--max-seq-len``
 tokens (the loader's ``split``); ``--global-batch-tokens`` scales the histogram to one global
 batch, which is what the DP's per-pipeline times mean (recommended).
 """
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost-file", metavar="COST.yaml", help="contract-2 cost file with 'strategies'")
     g.add_argument("--cost", metavar="PRESET", help="cost preset name (see 'balanced-loader presets')")
     p.add_argument("--out", required=True, metavar="CANDIDATES.yaml", help="where to write the candidates")
-    p.add_argument("--max-len", type=int, metavar="S",
+    p.add_argument("--max-seq-len", "--max-len", dest="max_len", type=int, metavar="S",
                    help="longest length covered; longer docs count as pieces of S (default: the largest "
                         "max_tokens_per_lane of the usable shapes)")
     p.add_argument("--global-batch-tokens", type=int, metavar="N",
@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
     shapes = cands.usable_shapes(cost, args.world_size)
-    max_len = args.max_len or max(s.max_tokens_per_lane for s in shapes)
+    max_len = args.max_len if args.max_len is not None else max(s.max_tokens_per_lane for s in shapes)
     if max_len < 1:
-        raise ValueError(f"--max-len must be >= 1, got {max_len}")
+        raise ValueError(f"--max-seq-len must be >= 1, got {max_len}")
     values, weights = histogram(read_lengths(args.lengths), max_len, args.global_batch_tokens)
     per_bin = -(-int(values.max()) // 256)  # tokens per bin for a 256-bin grid
     delta_s = args.delta_s or max(128, -(-per_bin // 128) * 128)

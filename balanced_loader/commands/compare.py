@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from balanced_loader.commands.plan import native_stdout_to_stderr
 from balanced_loader.commands.simulate import add_cost_arguments, model_and_hardware
 
 
@@ -26,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shuffle", action="store_true", help="shuffle docs (by --seed) before batching")
     p.add_argument("--seed", type=int, default=0, help="shuffle and planner seed (default 0)")
     p.add_argument("--max-seq-len", type=int, metavar="N",
-                   help="context limit (default: the largest segment the cost model holds, as the loader)")
+                   help="context limit (default: the largest segment every compared policy can hold, as the "
+                        "loader)")
     p.add_argument("--long-docs", default="split", choices=("split", "truncate", "drop", "error"),
                    help="what to do with docs over the context limit (default split)")
     p.add_argument("--tp", type=int, help="static tensor-parallel size for maxlen / static-sp")
@@ -71,9 +73,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--global-batch-tokens must be >= 1, got {args.global_batch_tokens}")
     model, hw = model_and_hardware(args.model, args.hardware)
     cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
+    os.makedirs(args.out, exist_ok=True)  # before the planning work: a bad --out fails at once
     configs = [PlanConfig(policy=n, world_size=args.world_size, tp=args.tp, pp=args.pp, cp=args.cp,
                           seed=args.seed, time_limit_s=args.time_limit) for n in names]
-    max_len = args.max_seq_len if args.max_seq_len is not None else default_max_seq_len(cost, configs[0])
+    # every policy plans the same batches: the context limit is the one all of them can hold
+    max_len = (args.max_seq_len if args.max_seq_len is not None
+               else min(default_max_seq_len(cost, c) for c in configs))
     if max_len < 1:
         raise ValueError(f"--max-seq-len must be >= 1, got {max_len}")
     lengths, shard_bounds, what = _read(args)
@@ -94,13 +99,13 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(batches), desc="planning", unit="step", file=sys.stderr,
                disable=not sys.stderr.isatty())
     try:
-        runs, _ = cmp.compare_policies(batches, validation_lengths(lengths, max_len, args.long_docs), cost,
-                                       configs, model=model, hardware=hw, progress=bar.update)
+        with native_stdout_to_stderr():  # solver diagnostics (HiGHS prints some) stay out of the table
+            runs, _ = cmp.compare_policies(batches, validation_lengths(lengths, max_len, args.long_docs), cost,
+                                           configs, model=model, hardware=hw, progress=bar.update)
     finally:
         bar.close()
     print(cmp.format_table(runs))
 
-    os.makedirs(args.out, exist_ok=True)
     k = args.chart_step
     report = {
         "format": cmp.COMPARE_FORMAT,

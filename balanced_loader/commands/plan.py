@@ -9,6 +9,8 @@ written; ``plan_seconds`` and ``predicted_ms`` (contract 2) are filled per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,15 +50,34 @@ def _lengths(args: argparse.Namespace):
     return read_batch_source(args.lengths, args.source, positive=True)
 
 
+@contextlib.contextmanager
+def native_stdout_to_stderr() -> Iterator[None]:
+    """Send whatever is written to file descriptor 1 (C/C++ code included) to stderr for the block."""
+    import ctypes
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # C stdio buffers: flush them while fd 1 is still stderr
+            ctypes.CDLL(None).fflush(None)
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
     import numpy as np
 
     from balanced_loader.batching import global_batches, validation_lengths
-    from balanced_loader.packing import warm_up
     from balanced_loader.plan import Plan
-    from balanced_loader.planner import BatchItems, PlanConfig, make_plan
+    from balanced_loader.planner import BatchItems, PlanConfig, make_plan, warm_up
     from balanced_loader.presets import load_cost
 
     for name in ("world_size", "global_batch_tokens", "max_seq_len", "steps"):
@@ -74,23 +95,23 @@ def run(args: argparse.Namespace) -> int:
         z = np.zeros(0, dtype=np.int64)
         batches = [BatchItems(doc_ids=z, starts=z, lengths=z)]
     check = validation_lengths(lengths, args.max_seq_len, args.long_docs)
-    warm_up()  # load the compiled kernels and the policy first: plan_seconds is the step's own work
-    if len(batches[0]):
-        i = int(np.argmin(batches[0].lengths))
-        b0 = batches[0]
-        make_plan(BatchItems(doc_ids=b0.doc_ids[i:i + 1], starts=b0.starts[i:i + 1], lengths=b0.lengths[i:i + 1]),
-                  cost, config)
     steps = []
-    for k, items in enumerate(batches):
-        plan = make_plan(items, cost, config, step=k)
-        plan.validate(check, cost, doc_ids=np.unique(items.doc_ids))
-        steps.append(plan)
+    # with the plan JSON on stdout, keep native libraries' prints (HiGHS writes some diagnostics to the
+    # process's stdout) out of it
+    with contextlib.nullcontext() if args.out else native_stdout_to_stderr():
+        warm_up(batches, cost, [config])  # kernels and policy loaded first: plan_seconds is the step's own work
+        for k, items in enumerate(batches):
+            plan = make_plan(items, cost, config, step=k)
+            plan.validate(check, cost, doc_ids=np.unique(items.doc_ids))
+            steps.append(plan)
     out = Plan(policy=args.policy, world_size=args.world_size, steps=tuple(steps))
     report = sys.stdout if args.out else sys.stderr
     unusual = {k: v for k, v in stats.to_json().items() if k not in ("docs", "tokens") and v}
-    print(f"{what}: {len(steps)} step(s), {stats.docs:,} docs, {stats.tokens:,} tokens, policy {args.policy}, "
-          f"{args.world_size} ranks, cost {cost.name or args.cost_file}"
-          + (f" ({', '.join(f'{k} {v}' for k, v in unusual.items())})" if unusual else ""), file=report)
+    print(f"{what}: {stats.docs:,} docs, {stats.tokens:,} tokens"
+          + (f" ({', '.join(f'{k} {v}' for k, v in unusual.items())})" if unusual else "")
+          + f"; planned {len(steps)} step(s) of {sum(len(b) for b in batches):,} sequences, "
+          f"{sum(int(b.lengths.sum()) for b in batches):,} tokens with policy {args.policy} on {args.world_size} "
+          f"ranks, cost {cost.name or args.cost_file}", file=report)
     print(f"{'step':>5} {'sequences':>10} {'tokens':>12} {'microbatches':>12} {'groups':>7} "
           f"{'plan_ms':>9} {'predicted_ms':>13}", file=report)
     for items, s in zip(batches, steps):

@@ -43,27 +43,15 @@ def model_and_hardware(model: str | None, hardware: str | None):
     return MODELS[model], HARDWARE[hardware]
 
 
-def _load_json(path: str):
-    import json
-
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read plan file {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"plan file {path} is not JSON: {e}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     import json
 
     from balanced_loader import simulate as sim
-    from balanced_loader.plan import PLAN_FORMAT, PLAN_VERSION, Plan
+    from balanced_loader.plan import PLAN_FORMAT, PLAN_VERSION, Plan, read_plan_json
     from balanced_loader.presets import load_cost
 
     model, hw = model_and_hardware(args.model, args.hardware)
-    data = _load_json(args.plan)
+    data = read_plan_json(args.plan)
     if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
         Plan.from_json(data)  # raises the one-line ValueError naming what is wrong
     try:
@@ -112,14 +100,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _si(x: float) -> str:
-    for unit, k in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(x) >= k:
-            return f"{x / k:.2f}{unit}"
-    return f"{x:.0f}"
-
-
 def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -> str:
+    from balanced_loader.simulate import si_units
+
     has_mfu = any(m.mfu is not None for m in metrics)
     cols = f"{'step':>6} {'step_ms':>11} {'pp_bubble':>9} {'dp_bubble':>9} {'idle':>7} {'skew':>6} {'tokens/s':>9}"
     cols += f" {'MFU':>6}" if has_mfu else ""
@@ -127,7 +110,7 @@ def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -
     lines.append(cols)
     for m in metrics:
         row = (f"{m.step:>6} {m.step_ms:>11.1f} {m.pp_bubble:>9.1%} {m.dp_bubble:>9.1%} {m.idle:>7.1%} "
-               f"{m.skew:>6.2f} {_si(m.tokens_per_s):>9}")
+               f"{m.skew:>6.2f} {si_units(m.tokens_per_s):>9}")
         if has_mfu:
             row += f" {m.mfu:>6.1%}" if m.mfu is not None else f" {'-':>6}"
         lines.append(row)
@@ -139,7 +122,7 @@ def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -
     if len(metrics) > 1:
         row = (f"{'mean':>6} {summary['mean_step_ms']:>11.1f} {summary['pp_bubble']:>9.1%} "
                f"{summary['dp_bubble']:>9.1%} {summary['idle']:>7.1%} {summary['skew']:>6.2f} "
-               f"{_si(summary['tokens_per_s']):>9}")
+               f"{si_units(summary['tokens_per_s']):>9}")
         if has_mfu:
             row += f" {summary['mfu']:>6.1%}" if "mfu" in summary else f" {'-':>6}"
         lines.append(row)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, ShapeCost
+from balanced_loader.cost import CostModel, ShapeCost, fit_levels
 from balanced_loader.plan import Group, StepPlan
 from balanced_loader.planner import BatchItems, PlanConfig
-from balanced_loader.policies.common import one_pool_plan
+from balanced_loader.policies.common import check_fits, one_pool_plan
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,22 +58,10 @@ def level_of_degree(d: int) -> int:
 
 
 def memory_fit_levels(items: BatchItems, cap: int, top_level: int, policy: str) -> np.ndarray:
-    """``[n]`` smallest level v with ``2**v * cap >= length``; one error naming the first doc that
+    """``[n]`` smallest level v with ``2**v * cap >= length``; one error naming the longest doc when it
     does not fit even at ``2**top_level`` lanes."""
-    ln = items.lengths
-    if not len(ln):
-        return np.zeros(0, dtype=np.int64)
-    rest = -(-ln // cap) - 1  # [n] lanes needed - 1; its bit length is ceil(log2(lanes needed))
-    lv = np.zeros(len(ln), dtype=np.int64)
-    while rest.any():
-        lv += rest > 0
-        rest = rest >> 1
-    if int(lv.max()) > top_level:
-        i = int(np.flatnonzero(lv > top_level)[0])
-        raise ValueError(f"policy '{policy}': doc {int(items.doc_ids[i])} ({int(ln[i])} tokens) does not fit: "
-                         f"max_tokens_per_lane {cap} x largest degree {1 << top_level} = {cap << top_level} "
-                         f"tokens; split long docs (long_docs: split, or --max-len) or use more lanes")
-    return lv
+    check_fits(items, cap, 1 << top_level, policy)
+    return fit_levels(items.lengths, cap)
 
 
 def assemble(items: BatchItems, mb: np.ndarray, lane0: np.ndarray, degree: np.ndarray
@@ -180,11 +168,7 @@ def static_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: in
     if cp > lanes or lanes % cp:
         raise ValueError(f"policy '{policy}': cp {cp} must divide the {lanes} lanes per stage "
                          f"(world_size / (tp*pp)); choose --cp among the divisors of {lanes}")
-    if len(items) and int(items.lengths.max()) > cap * cp:
-        i = int(np.argmax(items.lengths))
-        raise ValueError(f"policy '{policy}': doc {int(items.doc_ids[i])} ({int(items.lengths[i])} tokens) "
-                         f"does not fit: max_tokens_per_lane {cap} x cp {cp} = {cap * cp} tokens; "
-                         f"raise --cp or split long docs")
+    check_fits(items, cap, cp, policy, what="cp", fix="raise --cp")
     if not len(items):
         return empty_plan(step, config, setup)
     groups = lanes // cp

@@ -50,8 +50,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         raise ValueError(f"policy 'batch-ada': min_degree {min_degree} exceeds the pool's {num_lanes} lanes")
     cap = sc.max_tokens_per_lane
     lengths = np.asarray(items.lengths, dtype=np.int64)
-    for i in range(len(items)):
-        check_fits(int(items.doc_ids[i]), int(lengths[i]), cap, degrees[-1])
+    check_fits(items, cap, degrees[-1], "batch-ada")
     if len(items) == 0:
         return one_pool_plan(step, config.world_size, tp, pp, ())
     longest = int(lengths.max())

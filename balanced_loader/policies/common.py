@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
+
+if TYPE_CHECKING:
+    from balanced_loader.planner import BatchItems
 
 
 class MicrobatchBuilder:
@@ -41,9 +45,11 @@ def one_pool_plan(step: int, world_size: int, tp: int, pp: int,
     return StepPlan(step=step, world_size=world_size, pools=(pool,))
 
 
-def check_fits(doc_id: int, length: int, cap: int, max_degree: int) -> None:
-    """One clear error for a doc no allowed degree can hold."""
-    if length > cap * max_degree:
-        raise ValueError(f"doc {doc_id} ({length} tokens) does not fit: max_tokens_per_lane {cap} x "
-                         f"largest degree {max_degree} = {cap * max_degree} tokens; split long docs "
-                         f"(long_docs: split) or use a larger shape")
+def check_fits(items: BatchItems, cap: int, max_degree: int, policy: str, *, what: str = "largest degree",
+               fix: str = "use more lanes or a shape with a larger max_tokens_per_lane") -> None:
+    """One clear error naming the longest item when no group of ``max_degree`` lanes holds it."""
+    if len(items) and int(items.lengths.max()) > cap * max_degree:
+        i = int(np.argmax(items.lengths))
+        raise ValueError(f"policy '{policy}': doc {int(items.doc_ids[i])} ({int(items.lengths[i])} tokens) does not "
+                         f"fit: max_tokens_per_lane {cap} x {what} {max_degree} = {cap * max_degree} tokens; split "
+                         f"long docs (--max-seq-len N, or the loader's max_seq_len with long_docs='split') or {fix}")

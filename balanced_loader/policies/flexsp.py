@@ -105,14 +105,44 @@ class _Chunk:
     lower: float  # makespan lower bound
 
 
-def _first_m(lengths_desc: np.ndarray, cluster: int) -> int:
-    m = max(1, -(-int(lengths_desc.sum()) // cluster))
+def _chunk_capacity(longest: int, cap: int, num_lanes: int, degrees: list[int]) -> int:
+    """Most tokens a homogeneous plan holds when a chunk's longest doc has ``longest`` tokens.
+
+    ``num_lanes * cap`` for a power-of-two pool; less otherwise (``num_lanes // d`` groups of a
+    degree ``d`` leave ``num_lanes % d`` lanes idle).
+    """
+    return max(((num_lanes // d) * d * cap for d in degrees if longest <= cap * d), default=0)
+
+
+def _first_m(lengths_desc: np.ndarray, cap: int, num_lanes: int, degrees: list[int]) -> int:
+    """Fewest contiguous chunks of the longest-first lengths whose token sums a homogeneous plan holds."""
+    prefix = np.concatenate([[0], np.cumsum(lengths_desc)])  # [n + 1]
+    m = max(1, -(-int(prefix[-1]) // (num_lanes * cap)))
     while m < len(lengths_desc):
         cuts = chunk_cuts(lengths_desc, m)
-        if int(np.diff(np.concatenate([[0], np.cumsum(lengths_desc)])[cuts]).max()) <= cluster:
+        sums = np.diff(prefix[cuts])  # [m] tokens per chunk
+        if all(int(t) <= _chunk_capacity(int(lengths_desc[a]), cap, num_lanes, degrees)
+               for t, a in zip(sums, cuts[:-1])):
             break
         m += 1
     return m
+
+
+def _greedy_chunks(lengths: np.ndarray, order: np.ndarray, m: int, sc: ShapeCost, num_lanes: int,
+                   degrees: list[int]) -> list[_Chunk] | None:
+    """The ``m`` blaster chunks with their greedy plans and bounds; ``None`` when the greedy fill
+    finds no homogeneous plan for some chunk."""
+    cuts = chunk_cuts(lengths[order], m)
+    chunks = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        docs = order[a:b]
+        seg = segment_table(lengths[docs], sc, degrees)
+        choice = greedy_homogeneous(lengths[docs], sc, num_lanes, degrees, seg)
+        if choice is None:
+            return None
+        lower = makespan_lower_bound(lengths[docs], sc, num_lanes, degrees, seg)
+        chunks.append(_Chunk(docs=docs, seg=seg, choice=choice, greedy=choice, lower=lower))
+    return chunks
 
 
 def pool_time(microbatches: list[tuple[SpGroup, ...]], lanes: list[list[tuple[int, ...]]],
@@ -139,20 +169,18 @@ def plan_microbatches(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, opts: 
     n = len(lengths)
     order = np.lexsort((np.arange(n), -lengths)).astype(np.int64)  # [n] longest first
     ldesc = lengths[order]
-    m_first = _first_m(ldesc, num_lanes * cap)
     notes: list[str] = []
     plans: dict[int, list[_Chunk]] = {}
-    for m in range(m_first, min(n, m_first + opts.num_m - 1) + 1):
-        cuts = chunk_cuts(ldesc, m)
-        chunks = []
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            docs = order[a:b]
-            seg = segment_table(lengths[docs], sc, degrees)
-            choice = greedy_homogeneous(lengths[docs], sc, num_lanes, degrees, seg)
-            assert choice is not None, "a chunk within the cluster capacity fits the largest degree"
-            lower = makespan_lower_bound(lengths[docs], sc, num_lanes, degrees, seg)
-            chunks.append(_Chunk(docs=docs, seg=seg, choice=choice, greedy=choice, lower=lower))
-        plans[m] = chunks
+    # num_m values of M from the first whose chunks all have a greedy plan (M = n always does: every
+    # doc fits the largest degree); an M whose greedy fill fails is skipped
+    m, last = _first_m(ldesc, cap, num_lanes, degrees), n
+    while m <= last:
+        chunks = _greedy_chunks(lengths, order, m, sc, num_lanes, degrees)
+        if chunks is not None:
+            if not plans:
+                last = min(n, m + opts.num_m - 1)
+            plans[m] = chunks
+        m += 1
     # MILPs where they can still matter: M by greedy total, skipped once its lower bound loses
     best_sum = min(sum(c.choice.makespan for c in ch) for ch in plans.values())
     budget = opts.max_solves
@@ -211,8 +239,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     if not degrees:
         raise ValueError(f"policy 'flexsp': min_degree {opts.min_degree} exceeds the pool's {num_lanes} lanes")
     lengths = np.asarray(items.lengths, dtype=np.int64)
-    for i in range(len(items)):
-        check_fits(int(items.doc_ids[i]), int(lengths[i]), sc.max_tokens_per_lane, degrees[-1])
+    check_fits(items, sc.max_tokens_per_lane, degrees[-1], "flexsp")
     if len(items) == 0:
         return one_pool_plan(step, config.world_size, tp, pp, ())
     mbs, lanes, notes = plan_microbatches(lengths, sc, num_lanes, opts, pp)

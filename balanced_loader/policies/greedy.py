@@ -1,4 +1,4 @@
-"""``greedy``: a simple load-balanced policy (tp = pp = 1).
+"""``greedy``: a simple load-balanced policy on one pool of shape ``(config.tp or 1, config.pp or 1)``.
 
 Each sequence gets its memory-fit power-of-two degree. Sequences that need several lanes
 go first, longest first, onto the aligned lane block with the smallest current load; the
@@ -15,23 +15,22 @@ import numpy as np
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.plan import StepPlan
 from balanced_loader.planner import BatchItems, PlanConfig
+from balanced_loader.policies._planning import pool_setup
 from balanced_loader.policies.common import MicrobatchBuilder, check_fits, one_pool_plan
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
-    sc = cost.shape(1, 1)
-    if not sc.usable:
-        raise ValueError("policy 'greedy' needs tp=1, pp=1 to be usable (max_tokens_per_lane > 0)")
-    lanes = config.world_size
+    setup = pool_setup(items, cost, config, "greedy")
+    sc, lanes = setup.shape, setup.lanes
     degrees = allowed_degrees(lanes)
     cap = sc.max_tokens_per_lane
     mbs = MicrobatchBuilder(lanes)
     load = np.zeros(lanes, dtype=np.float64)  # [lanes] ms
     order = np.argsort(-items.lengths, kind="stable")
     short: list[int] = []
+    check_fits(items, cap, degrees[-1], "greedy")
     for i in order:
         s = int(items.lengths[i])
-        check_fits(int(items.doc_ids[i]), s, cap, degrees[-1])
         d = next(x for x in degrees if s <= cap * x)
         if d == 1:
             short.append(int(i))
@@ -64,4 +63,4 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
                 room.append(cap - s)
         for b in bins:
             mbs.add([lane], [items.segment(i) for i in b])
-    return one_pool_plan(step, config.world_size, 1, 1, mbs.build())
+    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, mbs.build())

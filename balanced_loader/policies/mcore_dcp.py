@@ -40,7 +40,7 @@ from collections import deque
 
 import numpy as np
 
-from balanced_loader.cost import CostModel
+from balanced_loader.cost import CostModel, fit_levels
 from balanced_loader.plan import StepPlan
 from balanced_loader.planner import BatchItems, PlanConfig
 from balanced_loader.policies._planning import (
@@ -58,10 +58,7 @@ BUCKET_EPS = 1.1  # a bucket closes above 1.1 x its work target
 
 def gpus_needed(s: int, cap: int) -> int:
     """Megatron's memory-fit degree ``max(1, 2**ceil(log2(s / cap)))``, in integers."""
-    d = 1
-    while d * cap < s:
-        d *= 2
-    return d
+    return 1 << int(fit_levels([s], cap)[0])
 
 
 class _Group:
@@ -177,7 +174,7 @@ def _round(pending: list[int], need: list[int], work: list[float], lanes: int
 def schedule(lengths: np.ndarray, lanes: int, cap: int) -> list[list[tuple[int, int, list[int]]]]:
     """Rounds of ``(first lane, size, [item indices in run order])`` for items of ``lengths``."""
     ln = [int(x) for x in lengths]
-    need = [gpus_needed(s, cap) for s in ln]
+    need = np.left_shift(1, fit_levels(lengths, cap)).tolist()  # [n] gpus_needed of each item
     work = [(s * s) / d for s, d in zip(ln, need)]
     pending = sorted(range(len(ln)), key=lambda i: -ln[i])
     rounds = []

@@ -22,7 +22,7 @@ from balanced_loader.packing import karmarkar_karp
 from balanced_loader.plan import StepPlan
 from balanced_loader.planner import BatchItems, PlanConfig
 from balanced_loader.policies._planning import assemble, empty_plan, fixed_degree, pool_setup
-from balanced_loader.policies.common import one_pool_plan
+from balanced_loader.policies.common import check_fits, one_pool_plan
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
@@ -33,11 +33,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         raise ValueError(f"policy 'token-kk': SP degree {d} must divide the {lanes} lanes per stage; "
                          f"choose --cp among the divisors of {lanes}")
     cap_tok = cap * d
-    if len(items) and int(items.lengths.max()) > cap_tok:
-        i = int(np.argmax(items.lengths))
-        raise ValueError(f"policy 'token-kk': doc {int(items.doc_ids[i])} ({int(items.lengths[i])} tokens) "
-                         f"does not fit: max_tokens_per_lane {cap} x SP degree {d} = {cap_tok} tokens; "
-                         f"raise --cp or split long docs")
+    check_fits(items, cap, d, "token-kk", what="SP degree", fix="raise --cp")
     if not len(items):
         return empty_plan(step, config, setup)
     groups = lanes // d

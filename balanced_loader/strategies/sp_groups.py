@@ -365,10 +365,10 @@ def rebalance_single_lanes(microbatches: list[tuple[SpGroup, ...]], lanes: list[
     FlexSP balances each microbatch on its own; under contract 2 a lane whose earlier groups
     were short starts the next microbatch early. For the docs of a microbatch's 1-lane groups:
     longest first onto the lane (among those lanes) that would finish it earliest and still
-    has room under ``max_tokens_per_lane``. Larger groups keep their docs and lanes.
+    has room under ``max_tokens_per_lane`` (where that greedy deal leaves a doc without room,
+    the microbatch keeps its 1-lane groups). Larger groups keep their docs and lanes.
     ``lengths`` ``[n]`` are indexed by the groups' doc indices.
     """
-    cap = sc.max_tokens_per_lane
     finish = np.zeros(num_lanes)  # [num_lanes] ms
     out_mbs: list[tuple[SpGroup, ...]] = []
     out_lanes: list[list[tuple[int, ...]]] = []
@@ -384,26 +384,35 @@ def rebalance_single_lanes(microbatches: list[tuple[SpGroup, ...]], lanes: list[
             kept.append(g)
             kept_lanes.append(ln)
         if docs:
-            work = np.asarray(sc.compute_ms(lengths[docs].astype(np.float64)))  # [k]
-            free_arr = np.asarray(free, dtype=np.int64)
-            load = np.zeros(len(free))  # [lanes] work assigned in this microbatch
-            tok = np.zeros(len(free), dtype=np.int64)
-            members: list[list[int]] = [[] for _ in free]
-            for k in np.lexsort((np.asarray(docs), -work)):
-                i = docs[int(k)]
-                room = tok + lengths[i] <= cap
-                end = finish[free_arr] + (sc.microbatch_ms + load + work[k]) / pp
-                j = int(np.argmin(np.where(room, end, np.inf)))
-                assert room[j], "the original groups fit, so some lane has room"
-                load[j] += work[k]
-                tok[j] += lengths[i]
-                members[j].append(int(i))
-            for j, lane in enumerate(free):
-                if members[j]:
-                    ms = float(sc.microbatch_ms + load[j])
-                    finish[lane] += ms / pp
-                    kept.append(SpGroup(degree=1, docs=tuple(members[j]), ms=ms))
-                    kept_lanes.append((lane,))
+            single = [(g, ln) for g, ln in zip(groups, placed) if g.degree == 1]
+            for g, ln in _redeal(docs, free, finish, lengths, sc, pp) or single:
+                finish[ln[0]] += g.ms / pp
+                kept.append(g)
+                kept_lanes.append(ln)
         out_mbs.append(tuple(kept))
         out_lanes.append(kept_lanes)
     return out_mbs, out_lanes
+
+
+def _redeal(docs: list[int], free: list[int], finish: np.ndarray, lengths: np.ndarray, sc: ShapeCost,
+            pp: int) -> list[tuple[SpGroup, tuple[int, ...]]] | None:
+    """``docs`` longest first onto the lane of ``free`` that would finish it earliest with room;
+    ``None`` when this greedy deal leaves a doc without room (the original groups are kept then)."""
+    cap = sc.max_tokens_per_lane
+    work = np.asarray(sc.compute_ms(lengths[docs].astype(np.float64)))  # [k]
+    free_arr = np.asarray(free, dtype=np.int64)
+    load = np.zeros(len(free))  # [lanes] work assigned in this microbatch
+    tok = np.zeros(len(free), dtype=np.int64)
+    members: list[list[int]] = [[] for _ in free]
+    for k in np.lexsort((np.asarray(docs), -work)):
+        i = docs[int(k)]
+        room = tok + lengths[i] <= cap
+        if not room.any():
+            return None
+        end = finish[free_arr] + (sc.microbatch_ms + load + work[k]) / pp
+        j = int(np.argmin(np.where(room, end, np.inf)))
+        load[j] += work[k]
+        tok[j] += lengths[i]
+        members[j].append(int(i))
+    return [(SpGroup(degree=1, docs=tuple(members[j]), ms=float(sc.microbatch_ms + load[j])), (lane,))
+            for j, lane in enumerate(free) if members[j]]

@@ -140,6 +140,30 @@ def test_lane_placement_and_rebalancing_use_lane_finish_times():
     assert all(ln[list(g.docs)].sum() <= 1000 * g.degree for mb in mbs2 for g in mb)
 
 
+def test_rebalancing_keeps_the_groups_when_the_greedy_deal_finds_no_room():
+    sc = CostModel(quadratic_ms=0.0, linear_ms=1.0, microbatch_ms=0.0, comm_bytes_per_token=0.0,
+                   bandwidth_gbs=((2, 1.0),), max_tokens_per_lane=10).base
+    ln = np.array([5, 5, 5, 5, 4, 3, 3, 20], dtype=np.int64)
+
+    def grp(d, docs):
+        return SpGroup(degree=d, docs=tuple(docs), ms=sc.group_ms(ln[list(docs)], d))
+
+    # lanes 0-1 are busy with doc 7; earliest-finish-first fills lane 2 with 5+5, then 5, 5, 4, 3 leave
+    # no lane with room for the last 3 although the original groups fit
+    mbs = [(grp(2, [7]),), (grp(1, [0, 1]), grp(1, [2, 3]), grp(1, [4, 5, 6]))]
+    lanes = [[(0, 1)], [(0,), (1,), (2,)]]
+    mbs2, lanes2 = rebalance_single_lanes(mbs, lanes, ln, sc, 3)
+    assert mbs2 == [tuple(mbs[0]), tuple(mbs[1])] and lanes2 == lanes
+
+
+def test_flexsp_non_power_of_two_lanes():
+    # 6 lanes: the 350-token doc needs a 4-lane group, so a chunk of 590 tokens has no homogeneous plan
+    # although it is under 6 lanes x 100 tokens; the blaster must cut smaller chunks
+    cost = tiny_cost(100)
+    p = plan([350, 60, 60, 60, 60], cost, world=6)
+    assert max(len(g.lanes) for mb in p.pools[0].microbatches for g in mb) == 4
+
+
 # ---------------------------------------------------------------------------------------------
 # the MILPs against brute force
 # ---------------------------------------------------------------------------------------------
@@ -215,11 +239,11 @@ def plan(lengths, cost=FLEX, world=64, **extra):
     return p
 
 
-@given(st.lists(st.integers(1, 12_000), min_size=1, max_size=40), st.sampled_from([4, 8, 16]),
+@given(st.lists(st.integers(1, 12_000), min_size=1, max_size=40), st.sampled_from([4, 8, 16, 6, 12]),
        st.sampled_from([1, 2]))
 def test_flexsp_plans_validate(lengths, world, min_degree):
     cost = tiny_cost(3000)
-    cap_total = 3000 * world
+    cap_total = 3000 * (1 << (world.bit_length() - 1))  # the largest (power-of-two) degree holds every doc
     ln = [min(x, cap_total) for x in lengths]
     p = plan(ln, cost, world, min_degree=min_degree, max_solves=2, node_limit=50)
     greedy_only = plan(ln, cost, world, min_degree=min_degree, max_solves=0)

@@ -219,6 +219,27 @@ def test_default_max_seq_len_from_cost():
     assert ld.max_seq_len == 4000
 
 
+@pytest.mark.parametrize(("policy", "world", "limit"), [
+    ("maxlen", 12, 4 * 1000),  # one CP degree dividing the 12 lanes: at most 4
+    ("static-sp", 6, 2 * 1000),
+    ("token-kk", 8, 8 * 1000),
+    ("hydra", 12, 8 * 1000),  # aligned power-of-two blocks
+    ("hydraulis", 8, 3000),  # one lane per pool: the largest shape's cap
+])
+def test_default_max_seq_len_is_what_the_policy_can_plan(policy, world, limit):
+    cost = CostModel.from_dict({"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0,
+                                "comm_bytes_per_token": 1e4, "bandwidth_gbs": {2: 10.0},
+                                "max_tokens_per_lane": 1000,
+                                "strategies": [{"tp": 2, "pp": 1, "max_tokens_per_lane": 3000}]})
+    config = PlanConfig(policy=policy, world_size=world)
+    assert default_max_seq_len(cost, config) == limit
+    # a loader with the default context limit plans every step (long docs are split to fit)
+    lengths = [limit + 1, 3 * limit, 10, 700, 999, limit]
+    ld = BalancedLoader(lengths, policy=policy, cost=cost, world_size=world, global_batch_tokens=2 * limit,
+                        prefetch_steps=0, validate=True)
+    assert ld.max_seq_len == limit and sum(1 for _ in ld) == len(ld)
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"rank": 4}, "rank must be in 0..3"),
     ({"world_size": 0}, "world_size must be a positive integer"),

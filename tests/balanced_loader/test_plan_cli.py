@@ -151,3 +151,19 @@ def test_console_entry_point(files):
     assert r.returncode == 2
     assert r.stderr.strip().startswith("balanced-loader plan: error: policy 'mcore-dcp': doc 1 (9000 tokens)")
     assert "Traceback" not in r.stderr
+
+
+def test_native_prints_stay_out_of_the_plan_json(capfd):
+    # HiGHS (C++) prints some diagnostics to the process's stdout, where the plan JSON goes without --out
+    import ctypes
+    import os
+
+    from balanced_loader.commands.plan import native_stdout_to_stderr
+
+    with native_stdout_to_stderr():
+        os.write(1, b"raw fd line\n")
+        ctypes.CDLL(None).printf(b"buffered printf line\n")
+    print("after")
+    out, err = capfd.readouterr()
+    assert out == "after\n"
+    assert "raw fd line" in err and "buffered printf line" in err

@@ -162,3 +162,13 @@ def test_bad_configs_name_the_field():
     for policy in CORE:
         with pytest.raises(ValueError, match="lengths must be positive: doc 1 has length 0"):
             make_plan(bad, COST, PlanConfig(policy=policy, world_size=4))
+
+
+def test_greedy_uses_the_configured_shape():
+    lengths = np.asarray([300, 5, 96, 129, 1, 40], dtype=np.int64)
+    config = PlanConfig(policy="greedy", world_size=8, tp=2, pp=2)
+    plan = make_plan(BatchItems.from_lengths(lengths), COST, config)
+    plan.validate(lengths, COST, doc_ids=range(len(lengths)))
+    (pool,) = plan.pools
+    assert (pool.tp, pool.pp, pool.num_lanes) == (2, 2, 2)
+    assert plan.predicted_ms == pytest.approx(COST.step_ms(plan))

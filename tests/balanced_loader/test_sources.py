@@ -32,6 +32,9 @@ def test_npy_lengths_file(tmp_path):
     np.save(p, np.array([3, 0, 9]))
     src = open_source(str(p))
     assert src.lengths.tolist() == [3, 0, 9] and "lengths file" in src.describe()
+    txt = tmp_path / "lengths.txt"
+    txt.write_text("3\n# a comment\n0\n9\n")
+    assert open_source(str(txt)).lengths.tolist() == [3, 0, 9]
 
 
 def test_open_source_errors(tmp_path):
