@@ -91,9 +91,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         bounds = cu_seqlens.tolist()
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b > a:
-                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), kx[a:b].transpose(0, 1),
-                                                   vx[a:b].transpose(0, 1), is_causal=True, scale=scale)
-                outs.append(o.transpose(0, 1))
+                # [1, H, L, D]: with a batch dim CPU SDPA takes its fused (flash) kernel, not the
+                # materialized [H, L, L] math path (3-4x faster at L = 1024, the same result)
+                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], kx[a:b].transpose(0, 1)[None],
+                                                   vx[a:b].transpose(0, 1)[None], is_causal=True, scale=scale)
+                outs.append(o[0].transpose(0, 1))
         return torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
     docs = doc_ids_from_cu_seqlens(cu_seqlens.to(q.device), t)  # [T]
     pos = torch.arange(t, device=q.device)

@@ -19,7 +19,7 @@ the whole run, whatever (tp, pp) shapes the pools take in a step.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,27 +98,52 @@ class AdamWConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # 0 disables clipping
+    warmup_steps: int = 0  # linear warmup from lr / warmup_steps, then constant
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based)."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        return self.lr
 
 
 class ShardedOptimizer:
     """fp32 master shard + AdamW moments of this rank; pull/push against any local layout."""
 
-    def __init__(self, layout: FlatLayout, full_params: dict[str, torch.Tensor], config: AdamWConfig,
-                 *, rank: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, layout: FlatLayout, full_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                 config: AdamWConfig, *, rank: int = 0, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        """``full_params``: every full parameter's initial value, as a mapping or as ``(name, tensor)``
+        pairs (a generator keeps only one piece of the model in memory at a time); only the part
+        inside this rank's shard is kept. Shards, moments and the pull/push buffers live on ``device``
+        (the device of the working parameters; NCCL needs CUDA tensors)."""
         self.layout = layout
         self.config = config
         self.rank = rank
         self.group = group
-        flat = torch.zeros(layout.padded, dtype=torch.float32)  # [padded]
-        for s in layout.specs:
-            if s.name not in full_params:
-                raise ValueError(f"initial value of parameter '{s.name}' is missing")
-            layout.full_view(flat, s.name).copy_(full_params[s.name].detach().float())
+        self.device = torch.device(device)
         lo, hi = self._bounds()
-        self.master = flat[lo:hi].clone()  # [shard_size]
+        self.master = torch.zeros(layout.shard_size, dtype=torch.float32, device=self.device)  # [shard_size]
+        pairs = full_params.items() if isinstance(full_params, Mapping) else full_params
+        seen: set[str] = set()
+        for name, value in pairs:
+            if name not in layout.index:
+                raise ValueError(f"initial value given for '{name}', which is not a parameter of the layout")
+            i = layout.index[name]
+            a, b = layout.offsets[i], layout.offsets[i + 1]
+            if tuple(value.shape) != layout.specs[i].shape:
+                raise ValueError(f"initial value of '{name}' has shape {tuple(value.shape)}, the layout "
+                                 f"{layout.specs[i].shape}")
+            seen.add(name)
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                self.master[x - lo:y - lo].copy_(value.detach().reshape(-1)[x - a:y - a].float())
+        missing = [s.name for s in layout.specs if s.name not in seen]
+        if missing:
+            raise ValueError(f"initial value of parameter '{missing[0]}' is missing")
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.decay = layout.decay_mask()[lo:hi]
+        self.decay = layout.decay_mask()[lo:hi].to(self.device)
         self.grad = torch.zeros_like(self.master)
         self.steps = 0
         self.bytes_pulled = 0
@@ -137,8 +162,8 @@ class ShardedOptimizer:
         """The full flat fp32 parameter buffer (``[padded]``), gathered from every owner."""
         if not self.distributed:
             return self.master.clone()
-        full = torch.empty(self.layout.padded, dtype=torch.float32)
-        dist.all_gather_into_tensor(full, self.master, group=self.group)
+        full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.device)
+        _all_gather(full, self.master, self.group)
         self.bytes_pulled += full.numel() * 4
         return full
 
@@ -152,7 +177,7 @@ class ShardedOptimizer:
     @torch.no_grad()
     def push(self, local: Iterable[LocalParam]) -> None:
         """Sum every rank's local gradients into the owners' shards (``self.grad``)."""
-        full = torch.zeros(self.layout.padded, dtype=torch.float32)
+        full = torch.zeros(self.layout.padded, dtype=torch.float32, device=self.device)
         for lp in local:
             if lp.tensor.grad is None:
                 continue
@@ -160,10 +185,18 @@ class ShardedOptimizer:
                 continue  # replicated inside the TP group: tp index 0 contributes it once
             self.layout.slice_view(full, lp).add_(lp.tensor.grad.float())
         if self.distributed:
-            dist.reduce_scatter_tensor(self.grad, full, op=dist.ReduceOp.SUM, group=self.group)
+            _reduce_scatter(self.grad, full, self.group)
             self.bytes_pushed += full.numel() * 4
         else:
             self.grad.copy_(full[: self.layout.shard_size])
+
+    def gather_grad(self) -> torch.Tensor:
+        """The full flat gradient (``[padded]``) after :meth:`push`, gathered from every owner (checks, debugging)."""
+        if not self.distributed:
+            return self.grad.clone()
+        full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.device)
+        _all_gather(full, self.grad, self.group)
+        return full
 
     # ---- step --------------------------------------------------------------
     @torch.no_grad()
@@ -177,6 +210,7 @@ class ShardedOptimizer:
     def step(self) -> float:
         """Clip by the global norm, AdamW on the owned shard; returns the pre-clip norm."""
         c = self.config
+        lr = c.lr_at(self.steps)
         norm = self.grad_norm()
         g = self.grad
         if c.max_grad_norm > 0 and norm > c.max_grad_norm:
@@ -188,17 +222,17 @@ class ShardedOptimizer:
         bc1 = 1 - b1**self.steps
         bc2 = 1 - b2**self.steps
         if c.weight_decay:
-            self.master.sub_(self.master * self.decay * (c.lr * c.weight_decay))
+            self.master.sub_(self.master * self.decay * (lr * c.weight_decay))
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-c.lr / bc1)
+        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
         self.grad.zero_()
         return norm
 
     # ---- checkpoint ----------------------------------------------------------
     def state_dict(self) -> dict:
         return {"version": 1, "rank": self.rank, "world_size": self.layout.world_size, "steps": self.steps,
-                "numel": self.layout.numel, "master": self.master.clone(), "exp_avg": self.exp_avg.clone(),
-                "exp_avg_sq": self.exp_avg_sq.clone()}
+                "numel": self.layout.numel, "master": self.master.cpu().clone(), "exp_avg": self.exp_avg.cpu().clone(),
+                "exp_avg_sq": self.exp_avg_sq.cpu().clone()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != 1:
@@ -211,3 +245,15 @@ class ShardedOptimizer:
         self.master.copy_(state["master"])
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """All-gather equal shards into ``out`` (the newer single-tensor name where torch has it)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, shard, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Sum ``full`` over the ranks and keep this rank's shard in ``out``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, full, op=dist.ReduceOp.SUM, group=group)

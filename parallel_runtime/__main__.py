@@ -1,0 +1,116 @@
+"""``python -m parallel_runtime --recipe R.yaml [--steps K] [--out DIR] [--set key=value ...] [--reference]``.
+
+Real runs are started by a launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT /
+LOCAL_RANK on every process::
+
+    accelerate launch --multi_gpu --num_processes 4 -m parallel_runtime --recipe recipes/cpu-hetero.yaml
+
+(without a GPU this still starts 4 processes; they join a gloo world). ``--reference`` runs the
+same data and model in one process without parallelism and writes the same metrics. A run
+whose ``--out`` holds a checkpoint resumes from it and appends to its ``metrics.jsonl``.
+Exit codes: 0 done, 2 bad input (one line naming the field), 1 a failure on some rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import traceback
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m parallel_runtime", description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", required=True, help="recipe YAML (see recipes/ and docs/runtime.md)")
+    ap.add_argument("--steps", type=int, default=None, help="train until this global step (default: the recipe's)")
+    ap.add_argument("--out", default=None, help="output folder: metrics.jsonl and checkpoint/ (default runs/<recipe>)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe field by dotted path, value as YAML (repeatable): --set seed=3")
+    ap.add_argument("--reference", action="store_true",
+                    help="one process, whole model, no parallelism: the same plans' docs (the exactness check)")
+    return ap.parse_args(argv)
+
+
+def default_out(recipe_path: str, reference: bool) -> str:
+    name = os.path.splitext(os.path.basename(recipe_path))[0]
+    return os.path.join("runs", name + ("-reference" if reference else ""))
+
+
+def init_from_env(world_size: int, backend: str, timeout_s: float) -> None:
+    """Join the launcher's world (env://); a lone process of a 1-rank recipe makes its own."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def user_error(msg: str) -> int:
+        if rank == 0:
+            print(f"parallel_runtime: error: {msg}", file=sys.stderr, flush=True)
+        return 2
+
+    from parallel_runtime.config import load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        if args.steps is not None and args.steps < 0:
+            raise ValueError(f"--steps must be >= 0, got {args.steps}")
+        if args.reference and env_world > 1:
+            raise ValueError("--reference runs in one process; start it with python -m parallel_runtime, not "
+                             f"a launcher with {env_world} processes")
+        if not args.reference and env_world != recipe.world.size:
+            if "WORLD_SIZE" not in os.environ:
+                raise ValueError(f"world.size is {recipe.world.size}: start the run with accelerate launch "
+                                 f"--multi_gpu --num_processes {recipe.world.size} -m parallel_runtime --recipe "
+                                 f"{args.recipe} (or add --reference for the one-process check)")
+            raise ValueError(f"world.size is {recipe.world.size} but {env_world} processes were started; use "
+                             f"--num_processes {recipe.world.size} or --set world.size={env_world}")
+    except ValueError as e:
+        return user_error(str(e))
+    out = args.out or default_out(args.recipe, args.reference)
+
+    from parallel_runtime.trainer import Trainer
+
+    if args.reference:
+        try:
+            Trainer(recipe, out, reference=True).train(args.steps)
+        except ValueError as e:
+            return user_error(str(e))
+        return 0
+
+    import torch.distributed as dist
+
+    w = recipe.world
+    backend = w.backend if w.backend != "auto" else ("nccl" if w.device == "cuda" else "gloo")
+    try:
+        init_from_env(w.size, backend, w.timeout_s)
+        trainer = Trainer(recipe, out)
+        trainer.train(args.steps)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except ValueError as e:
+        code = user_error(str(e))
+    except Exception as e:  # a failure on this rank: say which, then leave so peers' collectives fail fast
+        print(f"parallel_runtime: rank {rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr, flush=True)
+        if os.environ.get("PARALLEL_RUNTIME_TRACEBACK"):
+            traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no destroy_process_group: peers may be gone; background planner threads are not joined
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""Training recipes: strict YAML into frozen dataclasses (unknown keys fail, errors name the field).
+
+A recipe is one YAML file with a top-level ``seed`` and ``steps`` and the sections ``data``,
+``model``, ``policy``, ``cost``, ``world``, ``optimizer`` and ``train`` (see ``recipes/`` and
+docs/runtime.md). ``--set key=value`` overrides any field by its dotted path before
+validation (``--set seed=3``, ``--set optimizer.lr=1e-3``, ``--set policy.compare=[maxlen]``); the
+value is read as YAML. Relative paths (``cost.file``, ``data.source``) are resolved against the
+recipe's folder first, then the working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from balanced_loader.batching import LONG_DOC_MODES
+from balanced_loader.cost import CostModel, allowed_degrees
+from balanced_loader.planner import POLICIES
+from parallel_runtime.context_parallel import ENGINES
+from parallel_runtime.model import ModelConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+PLAN_SOURCES = ("local", "broadcast")
+STDLIB = "stdlib"
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Where the docs come from and how global batches are cut."""
+
+    source: str = STDLIB  # "stdlib" (CPython's .py files, built once into shards_dir), a shard folder, a .jsonl
+    shards_dir: str = ".demo/stdlib-shards"  # where the stdlib corpus is built (relative to the working dir)
+    stdlib_limit: int | None = None  # only the first N stdlib files (small test corpora)
+    global_batch_tokens: int = 8192  # token budget of one step
+    max_seq_len: int = 1024  # context limit; longer docs follow long_docs
+    long_docs: str = "split"  # split | truncate | drop | error
+    shuffle: bool = True
+    shuffle_window: int = 65536
+    prefetch_steps: int = 2  # plans computed ahead in the background
+    planner_workers: int = 0  # 0: a thread; N: processes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyConfig:
+    """The planning policy (balanced_loader.planner) and how ranks agree on its plans."""
+
+    name: str = "hydra"
+    tp: int | None = None  # static shape for one-pool policies (None: the policy's default)
+    pp: int | None = None
+    cp: int | None = None
+    time_limit_s: float = 1.0  # per solver call (flexsp, hydraulis)
+    candidates: str | None = None  # hydraulis candidates file
+    extra: dict = field(default_factory=dict)  # policy knobs, e.g. pools: [{tp, pp, lanes}, ...]
+    plan_source: str = "local"  # local: every rank plans (deterministic policies); broadcast: rank 0 plans
+    compare: tuple[str, ...] = ()  # other policies run on the same batches for the balance report (not trained)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostConfig:
+    """The contract-2 cost model: a cost file or a preset (exactly one), optional memory cap override."""
+
+    file: str | None = None
+    preset: str | None = None
+    max_tokens_per_lane: int | None = None  # memory cap override for every shape
+    lane_caps: dict = field(default_factory=dict)  # memory cap per shape, e.g. {1x1: 512, 1x2: 1024}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorldConfig:
+    """The processes and how they talk."""
+
+    size: int = 1  # number of ranks (accelerate --num_processes)
+    device: str = "cpu"  # cpu | cuda (one GPU per rank, LOCAL_RANK)
+    backend: str = "auto"  # auto: nccl on cuda, gloo on cpu
+    cp_engine: str = "ring"  # ring | ulysses | nested (Ulysses inside, ring across)
+    cp_inner: int = 1  # Ulysses size of the nested engine
+    timeout_s: float = 300.0  # collective timeout: a crashed peer ends the others within it
+    threads: int = 1  # torch intra-op threads per rank on CPU
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW on fixed fp32 shards, global-norm clipping, linear warmup then constant lr."""
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0: no clipping
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Execution knobs of the trainer."""
+
+    dtype: str = "float32"  # working (compute) dtype; master weights and optimizer states are fp32
+    attention: str = "auto"  # local attention kernel: auto | masked | loop | sdpa | flash
+    checkpoint_every: int = 0  # also checkpoint every N steps (always at the end of a run)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recipe:
+    seed: int = 0
+    steps: int = 10  # train until this global step (a resumed run continues up to it)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    path: str = ""  # the recipe file (set by load_recipe; relative paths resolve against its folder)
+
+    # ---- derived ----------------------------------------------------------------------
+    def resolve(self, p: str) -> str:
+        """A path from the recipe: absolute, else next to the recipe if it exists there, else as given."""
+        if os.path.isabs(p) or not self.path:
+            return p
+        near = os.path.join(os.path.dirname(os.path.abspath(self.path)), p)
+        return near if os.path.exists(near) else p
+
+    def cost_model(self) -> CostModel:
+        from balanced_loader.presets import cost_preset
+
+        c = self.cost
+        if c.file:
+            cost = CostModel.from_file(self.resolve(c.file))
+        else:
+            cost = cost_preset(c.preset, world_size=self.world.size)
+        if c.max_tokens_per_lane is not None:
+            cost = cost.with_base(max_tokens_per_lane=c.max_tokens_per_lane)
+        return with_lane_caps(cost, c.lane_caps) if c.lane_caps else cost
+
+    def plan_config(self, policy: str | None = None) -> dict[str, Any]:
+        """The loader's ``plan_config`` for ``policy`` (default: the recipe's)."""
+        p = self.policy
+        out: dict[str, Any] = {"time_limit_s": p.time_limit_s}
+        if policy in (None, p.name):
+            out.update(tp=p.tp, pp=p.pp, cp=p.cp, candidates=p.candidates, extra=dict(p.extra))
+        return out
+
+    def loader_cp_inner(self) -> int:
+        """The loader's ``cp_inner`` for the CP engine (the layout every engine reads)."""
+        w = self.world
+        if w.cp_engine == "ring":
+            return 1
+        if w.cp_engine == "ulysses":
+            return math.lcm(*range(1, self.world.size + 1))  # gcd(inner, d) == d for every degree d
+        return w.cp_inner
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """(tp, pp) shapes plans of this recipe can use."""
+        return sorted(self.shape_lanes())
+
+    def shape_lanes(self) -> dict[tuple[int, int], int]:
+        """The most lanes a pool of each (tp, pp) shape of this recipe has."""
+        p, w = self.policy, self.world.size
+        if p.name == "pools":
+            out: dict[tuple[int, int], int] = {}
+            for x in p.extra.get("pools", []):
+                key = (int(x.get("tp", 1)), int(x.get("pp", 1)))
+                out[key] = max(out.get(key, 0), int(x.get("lanes", 1)))
+            return out
+        if p.name == "hydraulis":  # one lane per pipeline
+            return {(s.tp, s.pp): 1 for s in self.cost_model().shapes() if w % s.gpus == 0}
+        tp, pp = p.tp or 1, p.pp or 1
+        return {(tp, pp): w // (tp * pp)}
+
+
+def parse_shape(key: Any, where: str) -> tuple[int, int]:
+    """``"TPxPP"`` -> (tp, pp)."""
+    try:
+        tp, pp = (int(x) for x in str(key).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{where}: '{key}' is not a shape TPxPP (e.g. 1x2)") from None
+    return tp, pp
+
+
+def with_lane_caps(cost: CostModel, caps: dict) -> CostModel:
+    """The cost model with ``max_tokens_per_lane`` set per shape (``{"1x1": 512, "1x2": 1024}``)."""
+    base = cost.base.max_tokens_per_lane
+    strategies = list(cost.strategies)
+    for key, value in caps.items():
+        where = f"cost.lane_caps.{key}"
+        tp, pp = parse_shape(key, where)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where} must be a token count >= 0, got {value!r}")
+        cost.shape(tp, pp)  # the shape must be in the cost file
+        if (tp, pp) == (1, 1):
+            base = value
+        else:
+            strategies = [dataclasses.replace(s, max_tokens_per_lane=value) if (s.tp, s.pp) == (tp, pp) else s
+                          for s in strategies]
+    return cost.replace(max_tokens_per_lane=base, strategies=tuple(strategies))
+
+
+# ---- strict YAML -> dataclasses -----------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """``value`` as type ``tp`` (int, float, bool, str, dict, tuple[...], X | None, dataclass)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], where)
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, where)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ValueError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return value
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    raise AssertionError(f"unsupported recipe field type {tp!r} at {where}")
+
+
+def _from_dict(cls: type, d: Any, where: str) -> Any:
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a mapping, got {d!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "path" and not f.name.startswith("_")]
+    unknown = sorted(set(d) - set(names))
+    if unknown:
+        pre = f"{where}." if where != "recipe" else ""
+        raise ValueError(f"unknown key '{pre}{unknown[0]}'; allowed in {where}: {', '.join(names)}")
+    kw = {}
+    for name in names:
+        if name in d:
+            kw[name] = _convert(d[name], hints[name], name if where == "recipe" else f"{where}.{name}")
+    try:
+        return cls(**kw)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``key=value`` overrides (dotted keys, YAML values) applied to the raw recipe mapping."""
+    import yaml
+
+    out = dict(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected key=value (e.g. --set optimizer.lr=1e-3)")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ValueError(f"--set {key}: value {text!r} is not valid YAML") from None
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            child = node.get(p)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[p] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
+    """A validated recipe from a mapping (the YAML document)."""
+    if not isinstance(raw, dict):
+        raise ValueError("a recipe must be a YAML mapping with seed, steps, data, model, policy, cost, world, ...")
+    if "seed" not in raw:
+        raise ValueError("missing key 'seed': every recipe sets a top-level seed")
+    recipe = _from_dict(Recipe, raw, "recipe")
+    recipe = dataclasses.replace(recipe, path=path)
+    validate(recipe)
+    return recipe
+
+
+def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file (one ValueError line naming the field)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read recipe {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return recipe_from_dict(apply_overrides(raw or {}, overrides or []), path)
+
+
+def dump_recipe(recipe: Recipe) -> dict:
+    """The recipe as a plain mapping (for logs and checkpoints)."""
+    d = dataclasses.asdict(recipe)
+    d.pop("path", None)
+    return d
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+
+def _positive(value: Any, name: str, *, zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not zero)):
+        raise ValueError(f"{name} must be {'>= 0' if zero else 'positive'}, got {value}")
+
+
+def validate(r: Recipe) -> None:
+    """Cross-field checks: the world, the policy, the cost model and the model shape must agree."""
+    _positive(r.steps, "steps", zero=True)
+    d, p, c, w, o, t = r.data, r.policy, r.cost, r.world, r.optimizer, r.train
+    for name in ("global_batch_tokens", "max_seq_len", "shuffle_window", "stdlib_limit"):
+        _positive(getattr(d, name), f"data.{name}")
+    _positive(d.prefetch_steps, "data.prefetch_steps", zero=True)
+    _positive(d.planner_workers, "data.planner_workers", zero=True)
+    if d.long_docs not in LONG_DOC_MODES:
+        raise ValueError(f"data.long_docs must be one of {', '.join(LONG_DOC_MODES)}, got '{d.long_docs}'")
+    if p.name not in POLICIES:
+        raise ValueError(f"policy.name: unknown policy '{p.name}'; choose one of {', '.join(POLICIES)}")
+    for other in p.compare:
+        if other not in POLICIES:
+            raise ValueError(f"policy.compare: unknown policy '{other}'; choose among {', '.join(POLICIES)}")
+    if p.plan_source not in PLAN_SOURCES:
+        raise ValueError(f"policy.plan_source must be one of {', '.join(PLAN_SOURCES)}, got '{p.plan_source}'")
+    for name in ("tp", "pp", "cp"):
+        _positive(getattr(p, name), f"policy.{name}")
+    if (c.file is None) == (c.preset is None):
+        raise ValueError("cost: give exactly one of cost.file (a contract-2 cost file) or cost.preset")
+    _positive(c.max_tokens_per_lane, "cost.max_tokens_per_lane")
+    _positive(w.size, "world.size")
+    _positive(w.timeout_s, "world.timeout_s")
+    _positive(w.threads, "world.threads")
+    if w.device not in DEVICES:
+        raise ValueError(f"world.device must be one of {', '.join(DEVICES)}, got '{w.device}'")
+    if w.backend not in BACKENDS:
+        raise ValueError(f"world.backend must be one of {', '.join(BACKENDS)}, got '{w.backend}'")
+    if w.backend == "nccl" and w.device != "cuda":
+        raise ValueError("world.backend nccl needs world.device cuda")
+    if w.cp_engine not in ENGINES:
+        raise ValueError(f"world.cp_engine must be one of {', '.join(ENGINES)}, got '{w.cp_engine}'")
+    _positive(w.cp_inner, "world.cp_inner")
+    if w.cp_engine != "nested" and w.cp_inner != 1:
+        raise ValueError(f"world.cp_inner applies to the nested engine only (cp_engine is '{w.cp_engine}')")
+    for name in ("lr", "eps"):
+        _positive(getattr(o, name), f"optimizer.{name}")
+    _positive(o.weight_decay, "optimizer.weight_decay", zero=True)
+    _positive(o.max_grad_norm, "optimizer.max_grad_norm", zero=True)
+    _positive(o.warmup_steps, "optimizer.warmup_steps", zero=True)
+    if not all(0 <= b < 1 for b in o.betas):
+        raise ValueError(f"optimizer.betas must be in [0, 1), got {list(o.betas)}")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
+    _positive(t.checkpoint_every, "train.checkpoint_every", zero=True)
+    r.cost_model()  # a missing or malformed cost file fails here
+    _validate_world_shapes(r)
+
+
+def _validate_world_shapes(r: Recipe) -> None:
+    """The world must host every shape the policy may plan, and the model must split over it."""
+    p, w = r.policy, r.world
+    if p.name == "pools":
+        from balanced_loader.planner import PlanConfig
+        from balanced_loader.policies.pools import pool_specs
+
+        try:
+            pool_specs(PlanConfig(policy="pools", world_size=w.size, extra=dict(p.extra)))
+        except ValueError as e:
+            raise ValueError(f"world.size / policy.extra.pools: {e}") from None
+    else:
+        tp, pp = p.tp or 1, p.pp or 1
+        if w.size % (tp * pp):
+            raise ValueError(f"world.size {w.size} is not divisible by policy.tp x policy.pp = {tp} x {pp}")
+    cost = r.cost_model()
+    shapes = r.shape_lanes()
+    if not shapes:
+        raise ValueError(f"cost: no usable shape of the cost model fits world.size {w.size}")
+    for (tp, pp), lanes in sorted(shapes.items()):
+        check_shape(r.model, tp, pp, r.world, where=f"shape tp={tp}, pp={pp} of policy '{p.name}'",
+                    degrees=allowed_degrees(lanes))
+        sc = cost.shape(tp, pp)  # ValueError names a shape missing from the cost file
+        if not sc.usable:
+            raise ValueError(f"cost: shape tp={tp}, pp={pp} of policy '{p.name}' is marked unusable "
+                             f"(max_tokens_per_lane: 0)")
+
+
+def check_shape(model: ModelConfig, tp: int, pp: int, world: WorldConfig, *, where: str,
+                degrees: list[int] | None = None) -> None:
+    """ValueError naming the field when the model cannot run on a pool shape (tp, pp)."""
+    if model.num_layers < pp:
+        raise ValueError(f"{where}: model.num_layers ({model.num_layers}) is smaller than pp={pp}; "
+                         f"every pipeline stage needs a layer")
+    try:
+        model.check_parallel(tp=tp)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if world.cp_engine == "ring":
+        return
+    for d in degrees if degrees is not None else allowed_degrees(world.size // (tp * pp)):
+        inner = d if world.cp_engine == "ulysses" else math.gcd(world.cp_inner, d)
+        kv_local = model.num_kv_heads // tp
+        if inner > 1 and kv_local % inner:
+            raise ValueError(f"{where}: world.cp_engine {world.cp_engine} with Ulysses size {inner} needs "
+                             f"model.num_kv_heads / tp ({kv_local}) divisible by it; use cp_engine ring or "
+                             f"a smaller world.cp_inner")
