@@ -24,6 +24,7 @@ from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.planner import POLICIES
 from parallel_runtime.context_parallel import ENGINES
 from parallel_runtime.model import ModelConfig
+from parallel_runtime.optim import AdamWConfig as OptimizerConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
@@ -85,18 +86,6 @@ class WorldConfig:
     cp_inner: int = 1  # Ulysses size of the nested engine
     timeout_s: float = 300.0  # collective timeout: a crashed peer ends the others within it
     threads: int = 1  # torch intra-op threads per rank on CPU
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OptimizerConfig:
-    """AdamW on fixed fp32 shards, global-norm clipping, linear warmup then constant lr."""
-
-    lr: float = 3e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0  # 0: no clipping
-    warmup_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -315,15 +304,9 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
 
 def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe file (one ValueError line naming the field)."""
-    import yaml
+    from balanced_loader.yamlio import read_yaml
 
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read recipe {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    raw = read_yaml(path, "recipe")
     return recipe_from_dict(apply_overrides(raw or {}, overrides or []), path)
 
 

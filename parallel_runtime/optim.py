@@ -93,7 +93,9 @@ class FlatLayout:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AdamWConfig:
-    lr: float = 1e-3
+    """AdamW on fixed fp32 shards, global-norm clipping, linear warmup then constant lr (recipe key ``optimizer``)."""
+
+    lr: float = 3e-3
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0

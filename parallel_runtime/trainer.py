@@ -42,7 +42,7 @@ from balanced_loader.policies.pools import pool_specs
 from parallel_runtime import metrics as M
 from parallel_runtime.config import STDLIB, Recipe, check_shape, dump_recipe
 from parallel_runtime.model import Transformer
-from parallel_runtime.optim import AdamWConfig, FlatLayout, LocalParam, ShardedOptimizer
+from parallel_runtime.optim import FlatLayout, LocalParam, ShardedOptimizer
 from parallel_runtime.step import (
     DTYPES,
     FBResult,
@@ -144,11 +144,8 @@ class Trainer:
         self.loader = self._loader(recipe.policy.name)
         self.compare = {} if reference else {name: self._loader(name) for name in recipe.policy.compare}
         specs = param_specs(recipe.model)
-        o = recipe.optimizer
-        self.optimizer = ShardedOptimizer(
-            FlatLayout(specs, world), init_params(recipe.model, recipe.seed),
-            AdamWConfig(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                        max_grad_norm=o.max_grad_norm, warmup_steps=o.warmup_steps), rank=rank, device=self.device)
+        self.optimizer = ShardedOptimizer(FlatLayout(specs, world), init_params(recipe.model, recipe.seed),
+                                          recipe.optimizer, rank=rank, device=self.device)
         self.groups = None
         # small collectives (fingerprints, per-rank stats) on the backend's device: NCCL moves CUDA tensors only
         self.comm_device = self.device if distributed and dist.get_backend() == "nccl" else torch.device("cpu")
