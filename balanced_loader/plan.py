@@ -74,6 +74,22 @@ class Pool:
         """The ``tp`` ranks of one lane at one stage (its TP group)."""
         return self.ranks[stage][lane * self.tp : (lane + 1) * self.tp]
 
+    def check_lanes(self, where: str) -> None:
+        """ValueError unless every group has lanes in range and the groups of a microbatch use disjoint lanes."""
+        nl = self.num_lanes
+        for k, mb in enumerate(self.microbatches):
+            used: set[int] = set()
+            for gi, g in enumerate(mb):
+                gw = f"{where}, microbatch {k}, group {gi}"
+                if not g.lanes:
+                    raise ValueError(f"{gw}: a group needs at least one lane")
+                for lane in g.lanes:
+                    if not 0 <= lane < nl:
+                        raise ValueError(f"{gw}: lane {lane} is outside 0..{nl - 1}")
+                    if lane in used:
+                        raise ValueError(f"{gw}: lane {lane} is in two groups of one microbatch")
+                    used.add(lane)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "tp": self.tp,
@@ -197,19 +213,10 @@ class StepPlan:
                 cap = cost.shape(pool.tp, pool.pp).max_tokens_per_lane
                 if cap <= 0:
                     raise ValueError(f"{pw}: shape is marked unusable (max_tokens_per_lane: 0)")
-            nl = pool.num_lanes
+            pool.check_lanes(pw)
             for k, mb in enumerate(pool.microbatches):
-                used: set[int] = set()
                 for gi, g in enumerate(mb):
                     gw = f"{pw}, microbatch {k}, group {gi}"
-                    if not g.lanes:
-                        raise ValueError(f"{gw}: a group needs at least one lane")
-                    for lane in g.lanes:
-                        if not 0 <= lane < nl:
-                            raise ValueError(f"{gw}: lane {lane} outside 0..{nl - 1}")
-                        if lane in used:
-                            raise ValueError(f"{gw}: lane {lane} is in two groups of one microbatch")
-                        used.add(lane)
                     if not g.segments:
                         raise ValueError(f"{gw}: a group needs at least one segment")
                     for doc, start, length in g.segments:

@@ -194,19 +194,7 @@ def _validate_and_locate(world_size: int, pools: tuple[PoolShape, ...]) -> tuple
 def validate_plan(plan: StepPlan) -> None:
     """Structural checks the runtime relies on (lanes in range, disjoint per microbatch)."""
     for pi, pool in enumerate(plan.pools):
-        nl = pool.num_lanes
-        for k, mb in enumerate(pool.microbatches):
-            used: set[int] = set()
-            for gi, g in enumerate(mb):
-                where = f"step {plan.step}, pool {pi}, microbatch {k}, group {gi}"
-                if not g.lanes:
-                    raise ValueError(f"{where}: a group needs at least one lane")
-                for lane in g.lanes:
-                    if not 0 <= lane < nl:
-                        raise ValueError(f"{where}: lane {lane} is outside 0..{nl - 1}")
-                    if lane in used:
-                        raise ValueError(f"{where}: lane {lane} is in two groups of one microbatch")
-                    used.add(lane)
+        pool.check_lanes(f"step {plan.step}, pool {pi}")
 
 
 # ---- the rank tuples a set of plans needs ------------------------------------------

@@ -51,7 +51,7 @@ def test_fingerprint_ignores_timing_but_not_content():
 @pytest.mark.parametrize("mbs, world, message", [
     ((((Group(lanes=(0, 1), segments=((0, 0, 150),)), Group(lanes=(1,), segments=((1, 0, 40),))),)), 4,
      "lane 1 is in two groups of one microbatch"),
-    ((((Group(lanes=(5,), segments=((1, 0, 40),)),),)), 4, "lane 5 outside"),
+    ((((Group(lanes=(5,), segments=((1, 0, 40),)),),)), 4, "lane 5 is outside"),
     ((((Group(lanes=(0,), segments=((1, 0, 20),)),),)), 4, "doc 1 covers 20 of its 40 tokens"),
     ((((Group(lanes=(0,), segments=((1, 0, 40),)), Group(lanes=(1,), segments=((1, 10, 30),))),)), 4,
      "overlaps"),
