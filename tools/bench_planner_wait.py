@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from balanced_loader.corpus import stdlib_shards  # noqa: E402
-from balanced_loader.loader import BalancedLoader  # noqa: E402
-from balanced_loader.presets import cost_preset  # noqa: E402
+from balanced_loader.corpus import stdlib_shards
+from balanced_loader.loader import BalancedLoader
+from balanced_loader.presets import cost_preset
 
 
 def run(policy: str, steps: int, step_s: float, prefetch: int, workers: int, world: int) -> tuple[list[float], list[float]]:
