@@ -22,10 +22,13 @@ from balanced_loader.corpus import stdlib_shards
 from balanced_loader.loader import BalancedLoader
 from balanced_loader.presets import cost_preset
 
+SHARDS = str(Path(__file__).resolve().parents[1] / ".demo" / "stdlib-shards")
 
-def run(policy: str, steps: int, step_s: float, prefetch: int, workers: int, world: int) -> tuple[list[float], list[float]]:
+
+def run(policy: str, steps: int, step_s: float, prefetch: int, workers: int,
+        world: int) -> tuple[list[float], list[float]]:
     cost_name = "hydraulis-llama7b-a800" if policy == "hydraulis" else "flexsp-gpt7b-a100"
-    loader = BalancedLoader(stdlib_shards(str(Path(__file__).resolve().parents[1] / ".demo" / "stdlib-shards")), policy=policy, cost=cost_preset(cost_name), world_size=world, rank=0,
+    loader = BalancedLoader(stdlib_shards(SHARDS), policy=policy, cost=cost_preset(cost_name), world_size=world, rank=0,
                             global_batch_tokens=400_000, seed=0, max_seq_len=32768, long_docs="split",
                             prefetch_steps=prefetch, planner_workers=workers, epochs=None)
     waits, plans = [], []
@@ -53,7 +56,8 @@ def main() -> int:
                                       a.prefetch, a.workers)):
         waits, plans = run(a.policy, a.steps, a.step_s, prefetch, workers, a.world_size)
         print(f"{a.policy}, {label}: median plan {statistics.median(plans) * 1e3:.0f} ms; "
-              f"wait at step 0 {waits[0] * 1e3:.0f} ms, after step 0: median {statistics.median(waits[1:]) * 1e3:.1f} ms, "
+              f"wait at step 0 {waits[0] * 1e3:.0f} ms, "
+              f"after step 0: median {statistics.median(waits[1:]) * 1e3:.1f} ms, "
               f"max {max(waits[1:]) * 1e3:.1f} ms")
     return 0
 
