@@ -6,22 +6,12 @@ import json
 
 import numpy as np
 import pytest
-from PIL import Image
+from pngcheck import assert_png
 
 from balanced_loader import cli
 from balanced_loader.analyze import advise, degree_table, length_stats, memory_fit_degrees
 from balanced_loader.cost import CostModel
 from balanced_loader.presets import cost_preset
-
-
-def assert_png(path, min_px=(500, 300), max_px=(3000, 3000)):
-    with Image.open(path) as im:
-        assert im.format == "PNG"
-        im.verify()
-    with Image.open(path) as im:
-        w, h = im.size
-        assert min_px[0] <= w <= max_px[0] and min_px[1] <= h <= max_px[1], (w, h)
-        assert np.asarray(im.convert("L")).std() > 5  # not a blank canvas
 
 
 def cost(q=0.0, lin=1.0, cap=10, gpn=8, strategies=()):

@@ -7,23 +7,13 @@ import math
 
 import numpy as np
 import pytest
-from PIL import Image
+from pngcheck import assert_png
 
 from balanced_loader import cli, planner
 from balanced_loader.batching import global_batches
 from balanced_loader.compare import check_policies, compare_policies, format_table
 from balanced_loader.planner import PlanConfig
 from balanced_loader.presets import cost_preset
-
-
-def assert_png(path, min_px=(500, 300), max_px=(3000, 3000)):
-    with Image.open(path) as im:
-        assert im.format == "PNG"
-        im.verify()
-    with Image.open(path) as im:
-        w, h = im.size
-        assert min_px[0] <= w <= max_px[0] and min_px[1] <= h <= max_px[1], (w, h)
-        assert np.asarray(im.convert("L")).std() > 5  # not a blank canvas
 
 
 def test_global_batches_cut_between_docs():
