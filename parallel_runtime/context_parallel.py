@@ -47,6 +47,7 @@ from parallel_runtime.attention import (
     merge_block,
     varlen_attention,
 )
+from parallel_runtime.tensor_parallel import via_host
 
 ENGINES = ("ring", "ulysses", "nested")
 _TAG_KV, _TAG_DKV = 1, 2
@@ -169,18 +170,13 @@ def shard_microbatch(segment_tokens: Sequence[np.ndarray], degree: int, lane: in
 # ---- communication ------------------------------------------------------------------------
 
 
-def _stage(t: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
-    """gloo moves only CPU tensors: CUDA tensors are staged through host memory."""
-    return t.is_cuda and dist.get_backend(group) == "gloo"
-
-
 def _p2p(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup | None,
          stats: CommStats, kinds: dict[int, str]) -> Callable[[], None]:
     """Post ``(send|recv, tensor, global peer, tag)`` ops at once; returns the wait function."""
     p2p, copies = [], []
     for op, t, peer, tag in ops:
         buf = t
-        if _stage(t, group):
+        if via_host(t, group):
             buf = t.cpu() if op == "send" else torch.empty(t.shape, dtype=t.dtype)
             if op == "recv":
                 copies.append((t, buf))
@@ -222,7 +218,7 @@ class _A2A:
         identity = order == list(range(u))
         send = x if identity else x[order]
         send = send.contiguous()
-        staged = _stage(send, self.group)
+        staged = via_host(send, self.group)
         buf = send.cpu() if staged else send
         out = torch.empty_like(buf)
         self.stats.add(kind, buf.numel() * buf.element_size() * (u - 1) // u)

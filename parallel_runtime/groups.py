@@ -48,13 +48,52 @@ class NestedGroups:
 
 
 @dataclass(kw_only=True)
-class ProcessGroups:
-    """Pre-created process groups of this rank, looked up by rank tuple."""
+class GroupLookup:
+    """This rank's process groups by sorted rank tuple (what every engine looks groups up in)."""
 
     rank: int
+    _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+
+    def _create(self, spec: GroupSpec, world: int, backend: str | None) -> None:
+        """Create ``spec``'s group (collective over the world: every rank, member or not, in one order)."""
+        pg = dist.group.WORLD if len(spec.ranks) == world else dist.new_group(list(spec.ranks), backend=backend)
+        if self.rank in spec.ranks:
+            self._groups[spec.ranks] = pg
+
+    def get(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
+        """The group over ``ranks`` (any order); ``None`` for a single rank."""
+        key = tuple(sorted(int(r) for r in ranks))
+        if len(key) <= 1:
+            return None
+        if self.rank not in key:
+            raise ValueError(f"rank {self.rank} asked for group {key}, which it is not a member of")
+        pg = self._groups.get(key)
+        if pg is None:
+            raise ValueError(f"process group over ranks {key} was not pre-created; create every group a plan "
+                             f"needs first (ProcessGroups.build with its plans or sizes, or GroupCache.ensure)")
+        return pg
+
+    def has(self, ranks: Sequence[int]) -> bool:
+        key = tuple(sorted(int(r) for r in ranks))
+        return len(key) <= 1 or key in self._groups
+
+    def nested(self, cp_ranks: Sequence[int], inner: int) -> NestedGroups:
+        """This rank's inner (Ulysses) and outer (ring) groups of a CP group (lane order)."""
+        inners, outers = nested_split(tuple(cp_ranks), inner)
+        mine_in = next((g for g in inners if self.rank in g), None)
+        mine_out = next((g for g in outers if self.rank in g), None)
+        if mine_in is None or mine_out is None:
+            raise ValueError(f"rank {self.rank} is not in CP group {tuple(cp_ranks)}")
+        return NestedGroups(inner_ranks=mine_in, inner=self.get(mine_in),
+                            outer_ranks=mine_out, outer=self.get(mine_out))
+
+
+@dataclass(kw_only=True)
+class ProcessGroups(GroupLookup):
+    """Pre-created process groups of this rank, looked up by rank tuple."""
+
     world_size: int
     specs: tuple[GroupSpec, ...]
-    _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
 
     @staticmethod
     def build(
@@ -83,40 +122,8 @@ class ProcessGroups:
             if spec.ranks[-1] >= world:
                 raise ValueError(f"{spec.kind} group {spec.ranks} names rank {spec.ranks[-1]} but the "
                                  f"world has {world} ranks")
-            if len(spec.ranks) == world:
-                pg = dist.group.WORLD
-            else:
-                pg = dist.new_group(list(spec.ranks), backend=backend)
-            if rank in spec.ranks:
-                out._groups[spec.ranks] = pg
+            out._create(spec, world, backend)
         return out
-
-    def get(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
-        """The group over ``ranks`` (any order); ``None`` for a single rank."""
-        key = tuple(sorted(int(r) for r in ranks))
-        if len(key) <= 1:
-            return None
-        if self.rank not in key:
-            raise ValueError(f"rank {self.rank} asked for group {key}, which it is not a member of")
-        pg = self._groups.get(key)
-        if pg is None:
-            raise ValueError(f"process group over ranks {key} was not pre-created; pass every plan "
-                             f"(plans=...) or its size (cp_sizes=/inner_sizes=) to ProcessGroups.build")
-        return pg
-
-    def has(self, ranks: Sequence[int]) -> bool:
-        key = tuple(sorted(int(r) for r in ranks))
-        return len(key) <= 1 or key in self._groups
-
-    def nested(self, cp_ranks: Sequence[int], inner: int) -> NestedGroups:
-        """This rank's inner (Ulysses) and outer (ring) groups of a CP group (lane order)."""
-        inners, outers = nested_split(tuple(cp_ranks), inner)
-        mine_in = next((g for g in inners if self.rank in g), None)
-        mine_out = next((g for g in outers if self.rank in g), None)
-        if mine_in is None or mine_out is None:
-            raise ValueError(f"rank {self.rank} is not in CP group {tuple(cp_ranks)}")
-        return NestedGroups(inner_ranks=mine_in, inner=self.get(mine_in),
-                            outer_ranks=mine_out, outer=self.get(mine_out))
 
     def __len__(self) -> int:
         return len(self.specs)

@@ -63,13 +63,14 @@ def plan_shape(plan: StepPlan) -> dict[str, Any]:
 def balance(plan: StepPlan, cost: CostModel, compute_ms: Sequence[float], wall_ms: Sequence[float]) -> dict[str, Any]:
     """Predicted and measured balance of one executed plan (keys as in ``metrics.jsonl``)."""
     pred = predicted_rank_ms(plan, cost)
+    step_ms = float(cost.step_ms(plan))
     return {
         "compute_ms": [round(float(x), 3) for x in compute_ms],
         "predicted_ms": [round(float(x), 3) for x in pred],
-        "predicted_step_ms": round(float(cost.step_ms(plan)), 3),
+        "predicted_step_ms": round(step_ms, 3),
         "skew": round(skew(compute_ms), 4),
         "predicted_skew": round(skew(pred), 4),
-        "bubble": round(bubble(pred, cost.step_ms(plan)), 4),
+        "bubble": round(bubble(pred, step_ms), 4),
         "measured_bubble": round(bubble(compute_ms, max(wall_ms, default=0.0)), 4),
     }
 

@@ -18,6 +18,7 @@ the loss.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_runtime.model import Transformer
+from parallel_runtime.tensor_parallel import via_host
 
 FORWARD, BACKWARD = "F", "B"
 _TAG_ACT, _TAG_GRAD = 11, 12
@@ -61,21 +63,17 @@ class StageLink:
     bytes_sent: int = 0
     _pending: list = field(default_factory=list)  # (work, tensor) of sends not yet waited
 
-    def _wire(self, t: torch.Tensor) -> torch.Tensor:
-        """gloo moves CPU tensors only: CUDA tensors are staged through host memory."""
-        if t.is_cuda and dist.get_backend(self.group) == "gloo":
-            return t.cpu()
-        return t
-
     def _send(self, t: torch.Tensor, peer: int, tag: int) -> None:
-        buf = self._wire(t.detach().contiguous())
+        buf = t.detach().contiguous()
+        if via_host(buf, self.group):  # gloo moves CPU tensors only: CUDA tensors go through host memory
+            buf = buf.cpu()
         self._pending.append((dist.isend(buf, peer, group=self.group, tag=tag), buf))
         self.bytes_sent += buf.numel() * buf.element_size()
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, peer: int,
               tag: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=device)
-        buf = self._wire(out)
+        buf = torch.empty(shape, dtype=dtype) if via_host(out, self.group) else out
         dist.irecv(buf, peer, group=self.group, tag=tag).wait()
         if buf is not out:
             out.copy_(buf)
@@ -125,8 +123,6 @@ class Clock:
         self._t0 = 0.0
 
     def _now(self) -> float:
-        import time
-
         if self.cuda:
             torch.cuda.synchronize()
             return time.perf_counter()

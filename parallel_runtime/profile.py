@@ -142,7 +142,15 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
 
     from balanced_loader.materialize import materialize_rank
     from parallel_runtime.config import load_recipe
-    from parallel_runtime.step import DTYPES, GroupCache, Runtime, declared_groups, forward_backward, param_specs
+    from parallel_runtime.step import (
+        DTYPES,
+        GroupCache,
+        Runtime,
+        declared_groups,
+        forward_backward,
+        param_specs,
+        plan_groups,
+    )
     from parallel_runtime.topology import Topology
     from parallel_runtime.trainer import open_data
 
@@ -177,6 +185,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
     for case in setup.cases:
         plan = _case_plan(case, world, doc_of_len)
         topo = Topology.from_plan(plan)
+        groups.ensure(plan_groups(plan, w.cp_engine, w.cp_inner))  # degrees beyond the declared powers of two
         prepared.append((plan, topo, rt.stage_model(topo), materialize_rank(plan, rank, source, cp_inner=cp_inner),
                          max(1, sum(max(s - 1, 0) for s in case.lengths))))
     for sm in {id(p[2]): p[2] for p in prepared}.values():
@@ -306,6 +315,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     for part in text.split(","):
         try:
             tp, pp = (int(x) for x in part.lower().split("x"))
+            if tp < 1 or pp < 1:
+                raise ValueError(part)
         except ValueError:
             raise ValueError(f"--shapes: '{part}' is not TPxPP (e.g. 1x1,1x2)") from None
         out.append((tp, pp))
@@ -341,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     ap.add_argument("--json", default=None, help="also write the measurements and the report as JSON")
     args = ap.parse_args(argv)
-    from parallel_runtime.config import load_recipe
+    from parallel_runtime.config import check_shape, load_recipe
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
@@ -352,13 +363,19 @@ def main(argv: list[str] | None = None) -> int:
         if (1, 1) not in shapes:
             shapes = [(1, 1), *shapes]
         caps = parse_caps(args.cap, shapes, recipe.data.max_seq_len)
-        want = sorted({int(x) for x in args.degrees.split(",")})
+        try:
+            want = sorted({int(x) for x in args.degrees.split(",")})
+        except ValueError:
+            raise ValueError(f"--degrees: '{args.degrees}' is not a list of CP degrees (e.g. 1,2)") from None
+        if min(want) < 1:
+            raise ValueError(f"--degrees: CP degrees must be >= 1, got {args.degrees}")
         degrees = {}
         for tp, pp in shapes:
             if world % (tp * pp):
                 raise ValueError(f"--shapes: tp={tp} x pp={pp} does not divide world.size {world}")
             lanes = world // (tp * pp)
             degrees[(tp, pp)] = [d for d in want if d <= lanes and lanes % d == 0] or [1]
+            check_shape(recipe.model, tp, pp, recipe.world, where=f"--shapes {tp}x{pp}", degrees=degrees[(tp, pp)])
         if args.repeats < 1 or args.grid < 3:
             raise ValueError("--repeats must be >= 1 and --grid >= 3")
     except ValueError as e:
@@ -376,12 +393,21 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(recipe_path=args.recipe, overrides=tuple(args.overrides), cases=tuple(cases), repeats=args.repeats,
                   seed=recipe.seed)
     w = recipe.world
-    times = measure(setup, world, backend=w.backend if w.backend != "auto" else
-                    ("nccl" if w.device == "cuda" else "gloo"))
+    from parallel_runtime.groups import WorldError
+
+    try:
+        times = measure(setup, world, backend=w.backend if w.backend != "auto" else
+                        ("nccl" if w.device == "cuda" else "gloo"))
+    except WorldError as e:  # e.g. a --cap longer than every doc of the source: the first rank's error first
+        print(f"profile: the distributed run failed:\n{e}", file=sys.stderr)
+        return 1
     cost = fit(cases, times, comm_bytes_per_token=comm_bytes(recipe), caps=caps,
                name=f"calibrated {recipe.model.hidden}x{recipe.model.num_layers} {recipe.world.device}")
     rep = report(cost, cases, times)
     rep["seconds"] = round(time.perf_counter() - t0, 1)
+    ho = rep["held_out"]
+    held = (f"held-out median |error| {ho['median_abs_err']:.1%} over {ho['cases']} microbatches" if ho["cases"]
+            else "no held-out microbatches")
     header = (f"# Contract-2 cost file calibrated on this machine by:\n"
               f"#   python -m parallel_runtime.profile --recipe {args.recipe}"
               + "".join(f" --set {o}" for o in args.overrides)
@@ -389,8 +415,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f" --cap {args.cap}" if args.cap else "") + f" --repeats {args.repeats}"
               + "".join(f" --held-out-from {x}" for x in args.held_out_from) + f" --held-out {args.held_out}"
               + (f" --out {args.out}" if args.out else "") + "\n"
-              f"# held-out median |error| {rep['held_out']['median_abs_err']:.1%} over {rep['held_out']['cases']} "
-              f"microbatches ({time.strftime('%Y-%m-%d')}); max_tokens_per_lane is a memory setting (--cap)\n")
+              f"# {held} ({time.strftime('%Y-%m-%d')}); max_tokens_per_lane is a memory setting (--cap)\n")
     text = header + cost.to_yaml()
     if args.out:
         with open(args.out, "w") as f:

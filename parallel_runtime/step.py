@@ -31,12 +31,12 @@ import torch.distributed as dist
 from balanced_loader.materialize import Microbatch
 from balanced_loader.plan import StepPlan
 from parallel_runtime.context_parallel import make_engine
-from parallel_runtime.groups import NestedGroups
+from parallel_runtime.groups import GroupLookup
 from parallel_runtime.model import ModelConfig, Transformer, local_attention
 from parallel_runtime.optim import LocalParam, ParamSpec
 from parallel_runtime.pipeline import Clock, PipelineStage, StageInput, StageLink, stage_layers
 from parallel_runtime.tensor_parallel import TensorParallel
-from parallel_runtime.topology import GroupSpec, Topology, nested_split, required_groups
+from parallel_runtime.topology import GroupSpec, Topology, required_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,14 +64,12 @@ def init_params(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor
 # ---- process groups ---------------------------------------------------------------------
 
 
-@dataclass
-class GroupCache:
-    """Process groups by rank set, created collectively in one order on every rank."""
+@dataclass(kw_only=True)
+class GroupCache(GroupLookup):
+    """Process groups by rank set, created collectively in one order on every rank, as plans need them."""
 
-    rank: int
     backend: str | None = None
     created: set[tuple[int, ...]] = field(default_factory=set)  # every group created, member or not
-    _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     num_created: int = 0
 
     def ensure(self, specs: Iterable[GroupSpec]) -> int:
@@ -82,30 +80,10 @@ class GroupCache:
             if spec.ranks in self.created:
                 continue
             self.created.add(spec.ranks)
-            pg = dist.group.WORLD if len(spec.ranks) == world else dist.new_group(list(spec.ranks),
-                                                                                  backend=self.backend)
-            if self.rank in spec.ranks:
-                self._groups[spec.ranks] = pg
+            self._create(spec, world, self.backend)
             n += 1
         self.num_created += n
         return n
-
-    def get(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
-        key = tuple(sorted(int(r) for r in ranks))
-        if len(key) <= 1:
-            return None
-        pg = self._groups.get(key)
-        if pg is None:
-            raise ValueError(f"rank {self.rank}: no process group over ranks {key} (not a member, or the "
-                             f"plan's groups were not created with GroupCache.ensure)")
-        return pg
-
-    def nested(self, cp_ranks: Sequence[int], inner: int) -> NestedGroups:
-        inners, outers = nested_split(tuple(cp_ranks), inner)
-        mine_in = next(g for g in inners if self.rank in g)
-        mine_out = next(g for g in outers if self.rank in g)
-        return NestedGroups(inner_ranks=mine_in, inner=self.get(mine_in), outer_ranks=mine_out,
-                            outer=self.get(mine_out))
 
 
 def declared_groups(topologies: Iterable[Topology], cp_engine: str, cp_inner: int) -> list[GroupSpec]:

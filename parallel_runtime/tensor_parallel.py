@@ -66,15 +66,19 @@ def mark(param: nn.Parameter, dim: int | None) -> nn.Parameter:
 # ---- communication with autograd ------------------------------------------------------
 
 
+def via_host(t: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """gloo moves only CPU tensors: a CUDA tensor on a gloo group is staged through host memory."""
+    return t.is_cuda and dist.get_backend(group) == "gloo"
+
+
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
     """In-place all-reduce; CUDA tensors on a gloo group go through host memory."""
-    if x.is_cuda and dist.get_backend(group) == "gloo":
+    if via_host(x, group):
         host = x.cpu()
         dist.all_reduce(host, op=op, group=group)
         x.copy_(host)
     else:
         dist.all_reduce(x, op=op, group=group)
-
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -223,16 +223,7 @@ class Trainer:
                                res.microbatches, 0]])
             new_groups = 0
         else:
-            self.check_plan(plan)
-            topo = Topology.from_plan(plan)
-            check_hostable(plan, self.recipe)
-            new_groups = self.groups.ensure(plan_groups(plan, self.recipe.world.cp_engine, self.recipe.world.cp_inner))
-            sm = self.runtime.stage_model(topo)
-            self.optimizer.pull(sm.params)
-            res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
-            self.optimizer.push(sm.params)
-            _zero(sm.params)
-            stats = self._gather(res, batch.planner_wait_s)
+            stats, new_groups = self._execute(batch, push=True)
         compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
         norm = self.optimizer.step()
         self.step = batch.step + 1
@@ -270,6 +261,22 @@ class Trainer:
                 f"(fingerprints {[format(f, 'x') for f in fps]}); the policy is not deterministic here: set "
                 f"policy.plan_source: broadcast, or give every rank the same data, recipe and seed")
 
+    def _execute(self, batch: StepBatch, *, push: bool) -> tuple[np.ndarray, int]:
+        """Check ``batch``'s plan, create the groups it lacks, pull, forward/backward (and push the gradients);
+        returns the gathered per-rank stats (see :meth:`_gather`) and the number of groups created."""
+        plan = batch.plan
+        self.check_plan(plan)
+        topo = Topology.from_plan(plan)
+        check_hostable(plan, self.recipe)
+        new_groups = self.groups.ensure(plan_groups(plan, self.recipe.world.cp_engine, self.recipe.world.cp_inner))
+        sm = self.runtime.stage_model(topo)
+        self.optimizer.pull(sm.params)
+        res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
+        if push:
+            self.optimizer.push(sm.params)
+        _zero(sm.params)
+        return self._gather(res, batch.planner_wait_s), new_groups
+
     def _gather(self, res: FBResult, wait_s: float) -> np.ndarray:
         """``[world, 6]``: loss share, compute ms, wall ms, planner wait ms, microbatches, pipeline bytes."""
         mine = torch.tensor([res.loss_sum, res.compute_ms, res.wall_ms, wait_s * 1e3, res.microbatches,
@@ -282,15 +289,7 @@ class Trainer:
         """Forward and backward of another policy's plan of the same batch (same parameters, not trained)."""
         batch = self.next_batch(loader)
         plan = batch.plan
-        self.check_plan(plan)
-        topo = Topology.from_plan(plan)
-        check_hostable(plan, self.recipe)
-        self.groups.ensure(plan_groups(plan, self.recipe.world.cp_engine, self.recipe.world.cp_inner))
-        sm = self.runtime.stage_model(topo)
-        self.optimizer.pull(sm.params)
-        res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
-        _zero(sm.params)
-        stats = self._gather(res, batch.planner_wait_s)
+        stats, _ = self._execute(batch, push=False)
         return {"fingerprint": plan.fingerprint(), "loss": float(stats[:, 0].sum()), **M.plan_shape(plan),
                 **M.balance(plan, self.cost, stats[:, 1], stats[:, 2])}
 

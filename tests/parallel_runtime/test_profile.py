@@ -48,6 +48,14 @@ def test_profile_arguments_fail_in_one_line(capsys) -> None:
     assert capsys.readouterr().err.strip() == "profile: error: --shapes: '1by2' is not TPxPP (e.g. 1x1,1x2)"
     assert main(["--recipe", HETERO, "--shapes", "1x1,1x3"]) == 2
     assert "tp=1 x pp=3 does not divide world.size 4" in capsys.readouterr().err
+    assert main(["--recipe", HETERO, "--shapes", "0x1"]) == 2
+    assert capsys.readouterr().err.strip() == "profile: error: --shapes: '0x1' is not TPxPP (e.g. 1x1,1x2)"
+    assert main(["--recipe", HETERO, "--degrees", "1,two"]) == 2
+    assert "--degrees: '1,two' is not a list of CP degrees" in capsys.readouterr().err
+    assert main(["--recipe", HETERO, "--degrees", "0,2"]) == 2
+    assert "--degrees: CP degrees must be >= 1" in capsys.readouterr().err
+    assert main(["--recipe", HETERO, "--set", "model.num_kv_heads=2", "--shapes", "1x1", "--degrees", "1,4"]) == 2
+    assert "--shapes 1x1: world.cp_engine ulysses with Ulysses size 4 needs" in capsys.readouterr().err
 
 
 @pytest.mark.multirank
@@ -67,3 +75,15 @@ def test_a_small_real_profile_writes_a_cost_file(tmp_path: Path) -> None:
     data = json.loads(js.read_text())
     assert len(data["cases"]) == len(data["times_ms"]) and min(data["times_ms"]) > 0
     assert data["report"]["held_out"]["cases"] == 4  # groups of the recipe's own plans
+
+
+@pytest.mark.multirank
+def test_a_profile_of_a_degree_beyond_the_powers_of_two_creates_its_groups(tmp_path: Path) -> None:
+    sets = [*small_run(tmp_path), "world.size=3", "world.cp_engine=ring",
+            "policy.extra.pools=[{tp: 1, pp: 1, lanes: 3}]"]
+    out = tmp_path / "cost.yaml"
+    args = ["--recipe", HETERO, "--shapes", "1x1", "--degrees", "1,3", "--cap", "1x1=128", "--grid", "3",
+            "--repeats", "1", "--held-out", "0", "--out", str(out)]
+    assert main(args + [x for s in sets for x in ("--set", s)]) == 0
+    assert "# no held-out microbatches (" in out.read_text()
+    assert 3 in dict(CostModel.from_file(str(out)).base.bandwidth_gbs)
