@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import argparse
 
+from balanced_loader.commands.batch_args import add_batch_arguments
 from balanced_loader.commands.plan import native_stdout_to_stderr
 from balanced_loader.commands.simulate import add_cost_arguments, model_and_hardware
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--lengths", metavar="FILE", help="length file: .txt (one length a line), .txt.gz or .npy")
-    src.add_argument("--source", metavar="DIR", help="a shard folder (balanced-loader build-shards) or .jsonl")
+    add_batch_arguments(p, max_seq_len_default="the largest segment every compared policy can hold, as the loader")
     p.add_argument("--policies", required=True, metavar="A,B,C",
                    help="comma-separated policy names; the first is the baseline of the speedup column")
     p.add_argument("--world-size", type=int, required=True, metavar="R", help="number of ranks")
     add_cost_arguments(p)
-    p.add_argument("--global-batch-tokens", type=int, metavar="N",
-                   help="tokens per global batch (default: the whole file is one batch)")
     p.add_argument("--steps", type=int, default=10, metavar="K", help="compare the first K steps (default 10)")
-    p.add_argument("--shuffle", action="store_true", help="shuffle docs (by --seed) before batching")
-    p.add_argument("--seed", type=int, default=0, help="shuffle and planner seed (default 0)")
-    p.add_argument("--max-seq-len", type=int, metavar="N",
-                   help="context limit (default: the largest segment every compared policy can hold, as the "
-                        "loader)")
-    p.add_argument("--long-docs", default="split", choices=("split", "truncate", "drop", "error"),
-                   help="what to do with docs over the context limit (default split)")
     p.add_argument("--tp", type=int, help="static tensor-parallel size for maxlen / static-sp")
     p.add_argument("--pp", type=int, help="static pipeline-parallel size for maxlen / static-sp")
     p.add_argument("--cp", type=int, help="static context-parallel degree for maxlen / static-sp")

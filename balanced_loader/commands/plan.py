@@ -12,30 +12,19 @@ import argparse
 import contextlib
 from collections.abc import Iterator
 
+from balanced_loader.commands.batch_args import add_batch_arguments
+from balanced_loader.commands.simulate import add_cost_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--lengths", metavar="FILE",
-                     help="length file: .txt (one length a line, also .txt.gz) or .npy; doc_id = line")
-    src.add_argument("--source", metavar="DIR", help="a shard folder (balanced-loader build-shards) or .jsonl")
+    add_batch_arguments(p, max_seq_len_default="none, a doc no degree can hold is an error")
     p.add_argument("--world-size", type=int, required=True, metavar="R", help="number of ranks")
-    g = p.add_argument_group("cost model (one of)")
-    g.add_argument("--cost-file", metavar="COST.yaml", help="contract-2 cost file")
-    g.add_argument("--cost", metavar="PRESET", help="cost preset name (see 'balanced-loader presets')")
+    add_cost_arguments(p)
     p.add_argument("--policy", required=True, metavar="P",
                    help="maxlen, static-sp, token-kk, mcore-dcp, hydra, batch-ada, flexsp, hydraulis, greedy")
     p.add_argument("--tp", type=int, help="tensor-parallel size (static shape; a shape of the cost file)")
     p.add_argument("--pp", type=int, help="pipeline-parallel size (static shape; a shape of the cost file)")
     p.add_argument("--cp", type=int, help="fixed CP/SP degree for maxlen, static-sp, token-kk")
-    p.add_argument("--global-batch-tokens", type=int, metavar="N",
-                   help="tokens per global batch, cut between docs (default: the whole input is one batch)")
-    p.add_argument("--shuffle", action="store_true", help="shuffle docs by --seed before batching")
-    p.add_argument("--seed", type=int, default=0, help="shuffle and planner seed (default 0)")
-    p.add_argument("--max-seq-len", type=int, metavar="N",
-                   help="context limit; longer docs are handled by --long-docs (default: none, a doc no "
-                        "degree can hold is an error)")
-    p.add_argument("--long-docs", default="split", choices=("split", "truncate", "drop", "error"),
-                   help="docs over --max-seq-len: split into segments (default), truncate, drop or error")
     p.add_argument("--steps", type=int, metavar="K", help="plan only the first K steps")
     p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
                    help="solver time limit per call for flexsp / hydraulis (default 1 s)")
