@@ -20,16 +20,16 @@ _EXPORTS = {
     "ShapeCost": "balanced_loader.cost",
     "cost_preset": "balanced_loader.presets",
     "analytic_cost": "balanced_loader.presets",
-    "PlanConfig": "balanced_loader.planner",
-    "BatchItems": "balanced_loader.planner",
-    "make_plan": "balanced_loader.planner",
-    "open_source": "balanced_loader.sources",
+    "PlanConfig": "balanced_loader.planning",
+    "BatchItems": "balanced_loader.planning",
+    "make_plan": "balanced_loader.planning",
+    "open_source": "balanced_loader.data.sources",
     "BalancedLoader": "balanced_loader.loader",
     "StepBatch": "balanced_loader.loader",
     "Microbatch": "balanced_loader.materialize",
     "wrap": "balanced_loader.wrapping",
-    "pack": "balanced_loader.packing",
-    "cp_positions": "balanced_loader.layout",
+    "pack": "balanced_loader.planning.packing",
+    "cp_positions": "balanced_loader.materialize",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -178,7 +178,7 @@ class CostModel:
 
     @staticmethod
     def from_file(path: str) -> CostModel:
-        from balanced_loader.yamlio import read_yaml
+        from balanced_loader.strict import read_yaml
 
         data = read_yaml(path, "cost file")
         return CostModel.from_dict(data, where=f"cost file {path}")

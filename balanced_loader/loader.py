@@ -5,7 +5,7 @@ Each rank builds the same loader (only ``rank`` differs) and computes the same t
 1. the epoch's doc order, a pure function of (seed, epoch): shards permuted and docs
    shuffled in windows of ``shuffle_window`` for a shard folder, a full permutation otherwise;
 2. the epoch's sequences: empty docs skipped, docs over ``max_seq_len`` handled by
-   ``long_docs`` (counts in :class:`~balanced_loader.batching.DocStats`, never silent);
+   ``long_docs`` (counts in :class:`~balanced_loader.data.batching.DocStats`, never silent);
 3. global batches of at most ``global_batch_tokens`` tokens, cut between docs (the segments
    of a split doc stay in one step; a doc larger than the budget is a step of its own);
 4. a :class:`~balanced_loader.plan.StepPlan` per batch from the policy, planned ahead in the
@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.batching import LONG_DOC_MODES, DocStats, batch_bounds, epoch_order, to_items
 from balanced_loader.cost import CostModel, allowed_degrees
+from balanced_loader.data.batching import LONG_DOC_MODES, DocStats, batch_bounds, epoch_order, to_items
+from balanced_loader.data.sources import Source, open_source
 from balanced_loader.materialize import Microbatch, materialize_rank, num_valid_tokens
-from balanced_loader.plan import StepPlan
-from balanced_loader.planner import BatchItems, PlanConfig, get_policy, make_plan
-from balanced_loader.sources import Source, open_source
+from balanced_loader.plan import BatchItems, StepPlan
+from balanced_loader.planning import get_policy, make_plan
+from balanced_loader.planning.config import PlanConfig
 
 log = logging.getLogger("balanced_loader")
 
@@ -114,7 +115,7 @@ def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:
     aligned power-of-two blocks of lanes (``cp`` when it is set).
     """
     if config.policy == "hydraulis":
-        from balanced_loader.strategies.candidates import usable_shapes
+        from balanced_loader.planning.solvers.candidates import usable_shapes
 
         return max(sc.max_tokens_per_lane for sc in usable_shapes(cost, config.world_size))
     layout = config.extra.get("pools") if config.policy == "pools" else None
@@ -144,7 +145,7 @@ def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:
 class BalancedLoader:
     """Length-aware loader: global batches by token budget, planned by a policy, materialized per rank.
 
-    ``source``: anything :func:`~balanced_loader.sources.open_source` takes. ``cost``: a
+    ``source``: anything :func:`~balanced_loader.data.sources.open_source` takes. ``cost``: a
     :class:`CostModel`, a cost file or a preset name. ``plan_config``: extra
     :class:`PlanConfig` fields (``tp``, ``pp``, ``cp``, ``time_limit_s``, ``candidates``,
     ``extra``). ``max_seq_len`` (the context limit) defaults to the largest segment the cost

@@ -1,7 +1,7 @@
 """Materialization: one rank's microbatches of a step plan, as flat (THD) numpy arrays.
 
 For every group that includes the rank's lane, in microbatch order, each segment of the
-group is laid out for this lane by :func:`balanced_loader.layout.cp_positions`: the per-doc
+group is laid out for this lane by :func:`balanced_loader.materialize.cp_positions`: the per-doc
 zigzag over the group's ``d`` lanes (with ``cp_inner`` Ulysses ranks nested inside; a group
 whose degree is not a multiple of ``cp_inner`` uses ``gcd(cp_inner, d)``). A segment of
 ``L`` tokens takes ``padded_length(L, d) / d`` positions on each lane (``L`` when d == 1).
@@ -29,13 +29,60 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from balanced_loader.layout import padded_length
 from balanced_loader.plan import Group, StepPlan
 
 if TYPE_CHECKING:
-    from balanced_loader.sources import Source
+    from balanced_loader.data.sources import Source
 
 IGNORE_INDEX = -100
+
+# ------------------------------------------------------------------------------------------
+# The CP layout. The one context-parallel token layout, shared by the loader and every CP engine.
+#
+# A doc of ``length`` tokens on a group of ``degree = inner * outer`` lanes is padded to a
+# multiple of ``2 * degree`` and cut into ``2 * outer`` equal chunks (zigzag on the outer
+# index): outer rank ``j`` owns chunks ``j`` and ``2*outer - 1 - j``. Each owned chunk is then
+# split evenly among the ``inner`` ranks, inner rank ``i`` taking sub-chunk ``i`` of both.
+# Lane ``j * inner + i`` of the group holds, in order, its sub-chunk of chunk ``j`` followed by
+# its sub-chunk of chunk ``2*outer - 1 - j``.
+#
+# * ``inner == 1`` is the plain per-doc zigzag used by ring attention.
+# * ``outer == 1`` is the layout a Ulysses all-to-all gathers back into token order.
+# * Padding positions are ``-1``; every lane gets the same number of positions.
+# ------------------------------------------------------------------------------------------
+
+def padded_length(length: int, degree: int) -> int:
+    """``length`` rounded up to a multiple of ``2 * degree`` (``length`` itself when degree == 1)."""
+    if degree <= 1:
+        return length
+    m = 2 * degree
+    return -(-length // m) * m
+
+
+def cp_positions(length: int, degree: int, inner: int = 1) -> np.ndarray:
+    """Token positions of each lane: ``[degree][padded_length // degree]``, ``-1`` for padding."""
+    if degree < 1 or inner < 1 or degree % inner:
+        raise ValueError(f"CP degree {degree} must be a positive multiple of the inner (Ulysses) size {inner}")
+    if degree == 1:
+        return np.arange(length, dtype=np.int64)[None, :]
+    outer = degree // inner
+    total = padded_length(length, degree)
+    pos = np.arange(total, dtype=np.int64)
+    pos[pos >= length] = -1
+    chunks = pos.reshape(2 * outer, inner, total // (2 * outer) // inner)  # [2*outer][inner][sub]
+    out = np.empty((degree, total // degree), dtype=np.int64)  # [degree][per_lane]
+    half = total // degree // 2
+    for j in range(outer):
+        for i in range(inner):
+            lane = j * inner + i
+            out[lane, :half] = chunks[j, i]
+            out[lane, half:] = chunks[2 * outer - 1 - j, i]
+    return out
+
+
+def lane_positions(length: int, degree: int, lane: int, inner: int = 1) -> np.ndarray:
+    """Positions held by one lane of the group (``[padded_length // degree]``, ``-1`` for padding)."""
+    return cp_positions(length, degree, inner)[lane]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,7 +155,7 @@ def num_valid_tokens(plan: StepPlan) -> int:
 def lane_runs(length: int, degree: int, cp_rank: int, inner: int = 1) -> list[tuple[int, int, bool]]:
     """One lane's share of a segment as runs ``(first position, count, real)`` of consecutive positions.
 
-    The runs are :func:`~balanced_loader.layout.cp_positions` of the padded segment, row
+    The runs are :func:`~balanced_loader.materialize.cp_positions` of the padded segment, row
     ``cp_rank``, written analytically (no ``[degree][positions]`` matrix): the lane
     ``(j, i) = divmod(cp_rank, inner)`` holds sub-chunk ``i`` of chunks ``j`` and
     ``2*outer - 1 - j``, each ``padded_length / (2 * degree)`` positions. A run is cut where

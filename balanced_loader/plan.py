@@ -254,6 +254,42 @@ class StepPlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class BatchItems:
+    """The sequences of one global batch, each planned as an independent training sequence.
+
+    A normal doc is one item with ``start == 0``; a doc split at the context limit is
+    several items with the same doc_id.
+    """
+
+    doc_ids: np.ndarray  # [n] int64
+    starts: np.ndarray  # [n] int64
+    lengths: np.ndarray  # [n] int64
+
+    def __post_init__(self) -> None:
+        n = len(self.doc_ids)
+        assert len(self.starts) == n and len(self.lengths) == n
+
+    @staticmethod
+    def from_lengths(lengths: Any, doc_ids: Any = None) -> BatchItems:
+        ln = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        ids = np.arange(len(ln), dtype=np.int64) if doc_ids is None else np.asarray(doc_ids, dtype=np.int64)
+        if ln.size and ln.min() <= 0:
+            bad = int(np.flatnonzero(ln <= 0)[0])
+            raise ValueError(f"lengths must be positive: doc {int(ids[bad])} has length {int(ln[bad])}")
+        return BatchItems(doc_ids=ids, starts=np.zeros(len(ln), dtype=np.int64), lengths=ln)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def segment(self, i: int) -> tuple[int, int, int]:
+        return (int(self.doc_ids[i]), int(self.starts[i]), int(self.lengths[i]))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """A plan file: several steps under one policy and world size."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.sources import Source, as_lengths
+from balanced_loader.data.sources import Source, as_lengths
 
 
 def default_tokens(sample: Any) -> np.ndarray:

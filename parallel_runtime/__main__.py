@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return user_error(str(e))
     out = args.out or default_out(args.recipe, args.reference)
 
-    from parallel_runtime.trainer import Trainer
+    from parallel_runtime.training.trainer import Trainer
 
     if args.reference:
         try:

@@ -19,12 +19,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from balanced_loader.batching import LONG_DOC_MODES
 from balanced_loader.cost import CostModel, allowed_degrees
-from balanced_loader.planner import POLICIES
-from parallel_runtime.context_parallel import ENGINES
+from balanced_loader.data.batching import LONG_DOC_MODES
+from balanced_loader.planning.registry import POLICIES
+from parallel_runtime.engines.context import ENGINES
 from parallel_runtime.model import ModelConfig
-from parallel_runtime.optim import AdamWConfig as OptimizerConfig
+from parallel_runtime.training.optimizer import AdamWConfig as OptimizerConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
@@ -52,7 +52,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PolicyConfig:
-    """The planning policy (balanced_loader.planner) and how ranks agree on its plans."""
+    """The planning policy (balanced_loader.planning) and how ranks agree on its plans."""
 
     name: str = "hydra"
     tp: int | None = None  # static shape for one-pool policies (None: the policy's default)
@@ -304,7 +304,7 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
 
 def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe file (one ValueError line naming the field)."""
-    from balanced_loader.yamlio import read_yaml
+    from balanced_loader.strict import read_yaml
 
     raw = read_yaml(path, "recipe")
     return recipe_from_dict(apply_overrides(raw or {}, overrides or []), path)
@@ -379,8 +379,8 @@ def _validate_world_shapes(r: Recipe) -> None:
     """The world must host every shape the policy may plan, and the model must split over it."""
     p, w = r.policy, r.world
     if p.name == "pools":
-        from balanced_loader.planner import PlanConfig
-        from balanced_loader.policies.pools import pool_specs
+        from balanced_loader.planning.config import PlanConfig
+        from balanced_loader.planning.policies.pools import pool_specs
 
         try:
             pool_specs(PlanConfig(policy="pools", world_size=w.size, extra=dict(p.extra)))

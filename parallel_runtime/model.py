@@ -3,14 +3,14 @@
 Inputs are flat packed microbatches: ``input_ids``/``labels``/``position_ids`` ``[T]``. RoPE
 reads ``position_ids`` (the position inside each segment); attention is causal inside each
 doc and never crosses docs. Attention itself is a callable ``attn(q, k, v) -> o`` bound to
-the microbatch: :func:`parallel_runtime.attention.varlen_attention` when a lane holds whole
-docs, a context-parallel engine (:mod:`parallel_runtime.context_parallel`) otherwise.
+the microbatch: :func:`parallel_runtime.engines.attention.varlen_attention` when a lane holds whole
+docs, a context-parallel engine (:mod:`parallel_runtime.engines.context`) otherwise.
 
 Pieces for a pipeline: a :class:`Transformer` may hold only a range of layers, with the
 embedding (``first_stage``) and the head (``last_stage``) where they belong;
 ``embed`` -> ``run_layers`` -> ``head_loss`` is the forward. Parameter names are those of
 the full model (``layers.<global index>...``) and every sharded parameter carries
-``tp_dim``, so :meth:`Transformer.full_shapes` / :func:`~parallel_runtime.tensor_parallel.shard`
+``tp_dim``, so :meth:`Transformer.full_shapes` / :func:`~parallel_runtime.engines.tensor.shard`
 place any shard in full-model coordinates. Initialisation is a function of (seed, name) on
 the full shape, so every layout starts from the same model.
 """
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel_runtime.attention import varlen_attention
-from parallel_runtime.tensor_parallel import (
+from parallel_runtime.engines.attention import varlen_attention
+from parallel_runtime.engines.tensor import (
     NO_TP,
     ColumnParallelLinear,
     RowParallelLinear,

@@ -212,7 +212,7 @@ def nested_split(cp_ranks: Sequence[int], inner: int) -> tuple[list[tuple[int, .
     """Inner (Ulysses) and outer (ring) rank tuples of a CP group of ``inner * outer`` lanes.
 
     Lane ``j*inner + i`` of the group is inner rank ``i`` of inner group ``j`` and outer rank
-    ``j`` of outer group ``i`` (the layout of :func:`balanced_loader.layout.cp_positions`).
+    ``j`` of outer group ``i`` (the layout of :func:`balanced_loader.materialize.cp_positions`).
     """
     d = len(cp_ranks)
     if inner < 1 or d % inner:

@@ -35,16 +35,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel_runtime.context_parallel import (
+from parallel_runtime.engines.context import (
     CommStats,
     PackedLayout,
     RingAttention,
     make_engine,
     shard_microbatch,
 )
+from parallel_runtime.engines.tensor import TensorParallel
 from parallel_runtime.groups import ProcessGroups, spawn_world
 from parallel_runtime.model import ModelConfig, Transformer
-from parallel_runtime.tensor_parallel import TensorParallel
 from parallel_runtime.topology import Topology
 
 # ---- overlap ---------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def _engines_rank(rank: int, world: int, total: int, heads: int, kv_heads: int, 
 
 
 def _kernels(device: str, repeats: int) -> list[dict]:
-    from parallel_runtime.attention import _flash_available, varlen_attention
+    from parallel_runtime.engines.attention import _flash_available, varlen_attention
 
     dev = torch.device(device)
     impls = ["masked", "loop", "sdpa"] + (["flash"] if dev.type == "cuda" and _flash_available() else [])

@@ -30,13 +30,12 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from balanced_loader.data.corpus import stdlib_shards
+from balanced_loader.data.shards import ShardSource
+from balanced_loader.loader import BalancedLoader, resolve_cost
+from balanced_loader.materialize import needed_token_count
 
-from balanced_loader.corpus import stdlib_shards  # noqa: E402
-from balanced_loader.loader import BalancedLoader, resolve_cost  # noqa: E402
-from balanced_loader.materialize import needed_token_count  # noqa: E402
-from balanced_loader.shards import ShardSource  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plain_read(urls: list[str]) -> tuple[int, float]:

@@ -13,11 +13,11 @@ Sections (each prints a markdown table; ``--only`` picks some):
 * ``scaling``: hydra planning time for 64 .. 2048 lanes with batches of the same rule.
 * ``megatron``: mcore-dcp beside the real Megatron-Core ``BalancedCPScheduler`` (its plan
   rebuilt from the scheduler's per-rank sample lists) on the first ``--megatron-batches``
-  batches per context; needs megatron-core importable (``--megatron-path DIR`` adds a folder,
+  batches per context; needs megatron-core importable (``PYTHONPATH=DIR`` adds a folder,
   e.g. an unpacked wheel: ``pip download --no-deps megatron-core`` then unzip).
 
     python tools/bench_planner.py                        # everything but megatron
-    python tools/bench_planner.py --only megatron --megatron-path /tmp/mcore_pkg
+    PYTHONPATH=/tmp/mcore_pkg python tools/bench_planner.py --only megatron
 """
 
 from __future__ import annotations
@@ -26,23 +26,28 @@ import argparse
 import gzip
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
+from numba import njit
+
+from balanced_loader.plan import (
+    BatchItems,
+    Group,
+    StepPlan,
+)
+from balanced_loader.planning import (
+    get_policy,
+    make_plan,
+    packing,
+)
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.kernels import order_desc
+from balanced_loader.planning.policies.common import one_pool_plan
+from balanced_loader.planning.policies.hydra import LowerBound
+from balanced_loader.presets import cost_preset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from numba import njit  # noqa: E402
-
-from balanced_loader import packing  # noqa: E402
-from balanced_loader._kernels import order_desc  # noqa: E402
-from balanced_loader.plan import Group, StepPlan  # noqa: E402
-from balanced_loader.planner import BatchItems, PlanConfig, get_policy, make_plan  # noqa: E402
-from balanced_loader.policies.common import one_pool_plan  # noqa: E402
-from balanced_loader.policies.hydra import LowerBound  # noqa: E402
-from balanced_loader.presets import cost_preset  # noqa: E402
 
 WIKI = os.path.join(os.path.dirname(REPO), "shared", "data", "wikipedia_lengths.txt.gz")
 COST = "hydra-gpt7b-a100"
@@ -274,7 +279,6 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--contexts", default="32768,262144")
-    ap.add_argument("--megatron-path", help="folder holding the megatron package (e.g. an unpacked wheel)")
     ap.add_argument("--megatron-batches", type=int, default=2)
     args = ap.parse_args()
     lengths = wiki(args.lengths)
@@ -288,8 +292,6 @@ def main() -> None:
     if "scaling" in only:
         bench_scaling(lengths, args.passes, args.repeats)
     if "megatron" in only:
-        if args.megatron_path:
-            sys.path.insert(0, args.megatron_path)
         bench_megatron(lengths, contexts, args.lanes, args.passes, args.megatron_batches)
 
 

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from balanced_loader.corpus import stdlib_shards
+from balanced_loader.data.corpus import stdlib_shards
 from balanced_loader.loader import BalancedLoader
 from balanced_loader.presets import cost_preset
 

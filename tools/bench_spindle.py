@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from balanced_loader.spindle import graph_from_dict, load_graph, plan_waves
+from balanced_loader.spindle.planner import CANDIDATES, frontier_candidates
+from balanced_loader.spindle.synthetic import multitask_graph
+from balanced_loader.spindle.waves import waves_ms
 
-from balanced_loader.spindle import graph_from_dict, load_graph, plan_waves  # noqa: E402
-from balanced_loader.spindle.planner import CANDIDATES, frontier_candidates  # noqa: E402
-from balanced_loader.spindle.synthetic import multitask_graph  # noqa: E402
-from balanced_loader.spindle.waves import waves_ms  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def bench_scale(seeds: int, repeats: int) -> None:

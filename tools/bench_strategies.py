@@ -34,8 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from balanced_loader.batching import batch_bounds, epoch_order, to_items
-from balanced_loader.planner import POLICIES, BatchItems, PlanConfig, make_plan
+from balanced_loader.data.batching import batch_bounds, epoch_order, to_items
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import make_plan
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.registry import POLICIES
 from balanced_loader.presets import cost_preset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,8 +107,8 @@ def flexsp_setting(wiki: np.ndarray, batches: int, repeats: int) -> dict:
 
 
 def hydraulis_setting(wiki: np.ndarray, batches: int, repeats: int, cand_path: Path) -> dict:
-    from balanced_loader.commands.candidates import histogram
-    from balanced_loader.strategies import candidates as cands
+    from balanced_loader.cli.cmd_candidates import histogram
+    from balanced_loader.planning.solvers import candidates as cands
 
     cost = cost_preset("hydraulis-llama7b-a800")
     order = epoch_order(len(wiki), seed=0, epoch=0)
@@ -171,9 +174,9 @@ def hydraulis_setting(wiki: np.ndarray, batches: int, repeats: int, cand_path: P
 
 def milp_study(wiki: np.ndarray, batches: int) -> list[dict]:
     """FlexSP's per-slot MILP against the aggregated class MILP on the first microbatch (M = 2) of each batch."""
-    from balanced_loader.strategies.blaster import chunk_cuts
-    from balanced_loader.strategies.sp_groups import degree_options, greedy_homogeneous, makespan_lower_bound
-    from balanced_loader.strategies.sp_milp import Buckets, slot_milp, solve_microbatch
+    from balanced_loader.planning.solvers.blaster import chunk_cuts
+    from balanced_loader.planning.solvers.sp_groups import degree_options, greedy_homogeneous, makespan_lower_bound
+    from balanced_loader.planning.solvers.sp_milp import Buckets, slot_milp, solve_microbatch
 
     cost = cost_preset("flexsp-gpt7b-a100")
     sc = cost.base

@@ -26,12 +26,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
+from balanced_loader.data.corpus import stdlib_shards
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import numpy as np  # noqa: E402
-
-from balanced_loader.corpus import stdlib_shards  # noqa: E402
 
 RECIPE = os.path.join(REPO, "recipes", "cpu-hetero.yaml")
 DEMO = os.path.join(REPO, ".demo")
@@ -115,7 +114,7 @@ def write_png(records: list[dict], path: str) -> None:
 
 
 def train_demo(args: argparse.Namespace) -> int:
-    from parallel_runtime.metrics import balance_report, read_metrics
+    from parallel_runtime.training.metrics import balance_report, read_metrics
 
     out = os.path.join(DEMO, "run-cpu-hetero")
     ref_out = os.path.join(DEMO, "run-cpu-hetero-reference")

@@ -4,7 +4,7 @@
                                         [--out results.md] [--json results.json]
 
 Every setting plans the same Wikipedia batches (``../shared/data/wikipedia_lengths.txt.gz``,
-file order) with each policy through ``balanced_loader.compare`` (plans are validated, then
+file order) with each policy through ``balanced_loader.cli.comparison`` (plans are validated, then
 simulated), and prints markdown tables that set our modeled speedups beside the published
 ones, each row saying what differs from the paper's setup. A policy that is not in this build
 leaves its rows as "not produced" with the reason. Speedup = total modeled time of the baseline
@@ -35,15 +35,16 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from balanced_loader.cli.comparison import compare_policies
+from balanced_loader.cost import CostModel
+from balanced_loader.data.batching import global_batches, to_items, validation_lengths
+from balanced_loader.data.lengths import read_lengths
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import get_policy
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.presets import cost_preset
 
-from balanced_loader.batching import global_batches, to_items, validation_lengths  # noqa: E402
-from balanced_loader.compare import compare_policies  # noqa: E402
-from balanced_loader.cost import CostModel  # noqa: E402
-from balanced_loader.lengths_io import read_lengths  # noqa: E402
-from balanced_loader.planner import BatchItems, PlanConfig, get_policy  # noqa: E402
-from balanced_loader.presets import cost_preset  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 WIKI = REPO.parent / "shared" / "data" / "wikipedia_lengths.txt.gz"
 BEGIN = "<!-- reproduce:begin -->"

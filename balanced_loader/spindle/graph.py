@@ -147,7 +147,7 @@ class Graph:
 
 def load_graph(path: str) -> Graph:
     """Read and validate a graph file; every problem is one ``ValueError`` line."""
-    from balanced_loader.yamlio import read_yaml
+    from balanced_loader.strict import read_yaml
 
     data = read_yaml(path, "graph file")
     return graph_from_dict(data, where=f"graph file {path}")

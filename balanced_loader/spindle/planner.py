@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from balanced_loader.spindle._kernels import warm
 from balanced_loader.spindle.allocator import allocate, integer_allocation
 from balanced_loader.spindle.baselines import PlacedWave, all_devices, fixed_split
 from balanced_loader.spindle.columns import column_waves
@@ -24,6 +23,7 @@ from balanced_loader.spindle.graph import Graph
 from balanced_loader.spindle.placement import movement, place
 from balanced_loader.spindle.refine import refine
 from balanced_loader.spindle.schedule import Wave, WaveOp, WavePlan
+from balanced_loader.spindle.wave_kernels import warm
 from balanced_loader.spindle.waves import Run, order_waves, pack, waves_ms
 
 CANDIDATES = ("packed+fill", "packed", "columns", "refined", "single-wave", "sequential")

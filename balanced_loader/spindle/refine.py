@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from balanced_loader.spindle._kernels import wave_length
 from balanced_loader.spindle.graph import MetaOp
+from balanced_loader.spindle.wave_kernels import wave_length
 from balanced_loader.spindle.waves import Run
 
 Layers = dict[int, int]  # MetaOp (graph index) -> layers in the wave
@@ -52,7 +52,7 @@ Evaluation = tuple[float, dict[int, int], tuple[int, ...]]  # (length, MetaOp ->
 
 def wave_counts(tab: _Tables, wave: Layers, gpus: int) -> Evaluation:
     """Least possible length of a wave running ``wave`` on ``gpus`` devices, the counts reaching it,
-    and the MetaOps at that length (see :func:`balanced_loader.spindle._kernels.wave_length`)."""
+    and the MetaOps at that length (see :func:`balanced_loader.spindle.wave_kernels.wave_length`)."""
     ops = list(wave)
     rows = np.fromiter((tab.row[i] for i in ops), dtype=np.int64, count=len(ops))
     layers = np.fromiter(wave.values(), dtype=np.float64, count=len(ops))

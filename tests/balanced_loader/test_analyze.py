@@ -9,7 +9,7 @@ import pytest
 from pngcheck import assert_png
 
 from balanced_loader import cli
-from balanced_loader.analyze import advise, degree_table, length_stats, memory_fit_degrees
+from balanced_loader.cli.analysis import advise, degree_table, length_stats, memory_fit_degrees
 from balanced_loader.cost import CostModel
 from balanced_loader.presets import cost_preset
 

@@ -8,8 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from balanced_loader.cost import CostModel
-from balanced_loader.planner import BatchItems, PlanConfig, make_plan
-from balanced_loader.strategies.bins import lpt_blocks
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import make_plan
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.solvers.bins import lpt_blocks
 
 COST = CostModel(quadratic_ms=2e-4, linear_ms=0.5, microbatch_ms=40.0, comm_bytes_per_token=4e6,
                  bandwidth_gbs=((2, 100.0), (4, 20.0), (8, 5.0)), max_tokens_per_lane=1000)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader.batching import DocStats, batch_bounds, epoch_order, to_items
+from balanced_loader.data.batching import DocStats, batch_bounds, epoch_order, to_items
 
 
 @given(st.lists(st.integers(0, 100), max_size=50), st.integers(1, 40))

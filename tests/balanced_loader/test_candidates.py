@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from balanced_loader.cli import main
 from balanced_loader.cost import CostModel, ShapeCost
+from balanced_loader.planning.solvers import candidates as cands
 from balanced_loader.presets import cost_preset
-from balanced_loader.strategies import candidates as cands
 
 HYD = cost_preset("hydraulis-llama7b-a800")
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from pngcheck import assert_png
 
-from balanced_loader import cli, planner
-from balanced_loader.batching import global_batches
-from balanced_loader.compare import check_policies, compare_policies, format_table
-from balanced_loader.planner import PlanConfig
+from balanced_loader import cli, planning
+from balanced_loader.cli.comparison import check_policies, compare_policies, format_table
+from balanced_loader.data.batching import global_batches
+from balanced_loader.planning.config import PlanConfig
 from balanced_loader.presets import cost_preset
 
 
@@ -57,7 +57,7 @@ def test_check_policies(monkeypatch):
         check_policies(["greedy", "nope"])
     with pytest.raises(ValueError, match="listed twice"):
         check_policies(["greedy", "greedy"])
-    monkeypatch.setitem(planner.POLICIES, "ghost", "no_such_policy_module")
+    monkeypatch.setitem(planning.POLICIES, "ghost", "no_such_policy_module")
     with pytest.raises(ValueError, match="policy 'ghost' is not available in this build"):
         check_policies(["ghost"])
 
@@ -137,7 +137,7 @@ def test_reproduce_tool_writes_tables_and_json(wiki_lengths, tmp_path, monkeypat
     data = json.loads((tmp_path / "r.json").read_text())
     assert len(data["hydraulis"]["hydraulis"]["step_ms"]) == 1
     # a policy missing from the build leaves its rows "not produced", naming it
-    monkeypatch.setitem(planner.POLICIES, "hydraulis", "no_such_policy_module")
+    monkeypatch.setitem(planning.POLICIES, "hydraulis", "no_such_policy_module")
     assert rep.main([*args, "--out", str(tmp_path / "r.md")]) == 0
     assert "not produced: hydraulis unavailable" in (tmp_path / "r.md").read_text()
     assert rep.main(["--settings", "nope"]) == 2

@@ -11,11 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from balanced_loader.cost import CostModel
-from balanced_loader.planner import BatchItems, PlanConfig, make_plan
-from balanced_loader.policies.flexsp import pool_time
-from balanced_loader.presets import cost_preset
-from balanced_loader.strategies import blaster
-from balanced_loader.strategies.sp_groups import (
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import make_plan
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.policies.flexsp import pool_time
+from balanced_loader.planning.solvers import blaster
+from balanced_loader.planning.solvers.sp_groups import (
     SpGroup,
     _fill_kernel,
     _polish_kernel,
@@ -28,7 +29,8 @@ from balanced_loader.strategies.sp_groups import (
     rebalance_single_lanes,
     segment_table,
 )
-from balanced_loader.strategies.sp_milp import Buckets, slot_milp, solve_microbatch
+from balanced_loader.planning.solvers.sp_milp import Buckets, slot_milp, solve_microbatch
+from balanced_loader.presets import cost_preset
 
 FLEX = cost_preset("flexsp-gpt7b-a100")
 
@@ -281,7 +283,7 @@ def test_flexsp_bad_input_and_options():
 def test_flexsp_falls_back_when_the_solver_fails_or_is_missing(monkeypatch):
     import scipy.optimize
 
-    from balanced_loader.strategies import solver
+    from balanced_loader.planning.solvers import solver
 
     rng = np.random.default_rng(1)
     ln = rng.integers(100, 12_000, 60)

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from balanced_loader.cost import CostModel
-from balanced_loader.planner import BatchItems, PlanConfig, make_plan
-from balanced_loader.policies.hydra import LowerBound, load_target
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import make_plan
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.policies.hydra import LowerBound, load_target
 from balanced_loader.presets import cost_preset
 
 

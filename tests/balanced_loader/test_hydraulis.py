@@ -7,12 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader.batching import batch_bounds, epoch_order, to_items
-from balanced_loader.planner import BatchItems, PlanConfig, make_plan
+from balanced_loader.data.batching import batch_bounds, epoch_order, to_items
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import make_plan
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.solvers import assign
+from balanced_loader.planning.solvers import candidates as cands
+from balanced_loader.planning.solvers.solver import MilpResult
 from balanced_loader.presets import cost_preset
-from balanced_loader.strategies import assign
-from balanced_loader.strategies import candidates as cands
-from balanced_loader.strategies.solver import MilpResult
 
 HYD = cost_preset("hydraulis-llama7b-a800")
 

@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader import _kernels as K
-from balanced_loader import packing as P
+from balanced_loader.planning import kernels as K
+from balanced_loader.planning import packing as P
 
 
 @st.composite

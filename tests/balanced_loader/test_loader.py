@@ -10,10 +10,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from balanced_loader.cost import CostModel
+from balanced_loader.data.shards import write_shards
 from balanced_loader.loader import BalancedLoader, default_max_seq_len
 from balanced_loader.materialize import IGNORE_INDEX
-from balanced_loader.planner import PlanConfig
-from balanced_loader.shards import write_shards
+from balanced_loader.planning.config import PlanConfig
 from balanced_loader.wrapping import DatasetSource
 
 

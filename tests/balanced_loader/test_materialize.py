@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from balanced_loader.layout import cp_positions, padded_length
 from balanced_loader.materialize import (
     IGNORE_INDEX,
+    cp_positions,
     lane_runs,
     materialize_rank,
     needed_token_count,
     num_valid_tokens,
+    padded_length,
     rank_place,
 )
 from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from balanced_loader.cost import CostModel
-from balanced_loader.planner import BatchItems, PlanConfig, make_plan
-from balanced_loader.policies.mcore_dcp import gpus_needed, schedule
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import make_plan
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.policies.mcore_dcp import gpus_needed, schedule
 
 COST = CostModel.from_dict({"quadratic_ms": 0.0, "linear_ms": 1.0, "microbatch_ms": 1.0,
                             "comm_bytes_per_token": 0.0, "bandwidth_gbs": {2: 1.0},

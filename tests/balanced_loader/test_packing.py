@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import balanced_loader
-from balanced_loader import packing as P
+from balanced_loader.planning import packing as P
 
 
 @pytest.mark.parametrize("algorithm", ["ffd", "bfd"])

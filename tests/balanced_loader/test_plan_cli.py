@@ -112,7 +112,7 @@ def test_empty_file_is_one_empty_step(files, capsys):
 
 
 def test_plan_from_a_source(files, capsys):
-    pytest.importorskip("balanced_loader.sources")
+    pytest.importorskip("balanced_loader.data.sources")
     rc, out, err = _run(capsys, ["plan", "--source", files["npy"], "--world-size", "8", "--cost-file",
                                  files["cost"], "--policy", "hydra"])
     assert rc == 0, err
@@ -158,7 +158,7 @@ def test_native_prints_stay_out_of_the_plan_json(capfd):
     import ctypes
     import os
 
-    from balanced_loader.commands.plan import native_stdout_to_stderr
+    from balanced_loader.cli.cmd_plan import native_stdout_to_stderr
 
     with native_stdout_to_stderr():
         os.write(1, b"raw fd line\n")

@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader.batching import to_items
 from balanced_loader.cost import CostModel
-from balanced_loader.planner import BatchItems, PlanConfig, make_plan
+from balanced_loader.data.batching import to_items
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import make_plan
+from balanced_loader.planning.config import PlanConfig
 
 CORE = ("maxlen", "static-sp", "token-kk", "mcore-dcp", "hydra")
 STATIC = ("maxlen", "static-sp", "token-kk")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from balanced_loader.cost import CostModel
+from balanced_loader.data.shards import write_shards
 from balanced_loader.loader import BalancedLoader
-from balanced_loader.shards import write_shards
 
 WORLD = 4
 COST = CostModel.from_dict({"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from balanced_loader import cli
-from balanced_loader.corpus import stdlib_py_files, stdlib_shards
-from balanced_loader.shards import INDEX_FILE, ShardSource, build_index, write_shards
+from balanced_loader.data.corpus import stdlib_py_files, stdlib_shards
+from balanced_loader.data.shards import INDEX_FILE, ShardSource, build_index, write_shards
 
 
 def make_docs(n=60, seed=0, hi=2000):

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from balanced_loader.sources import JsonlSource, LengthSource, open_source
-from balanced_loader.tokenizer import ByteTokenizer, get_tokenizer, token_dtype
+from balanced_loader.data.sources import JsonlSource, LengthSource, open_source
+from balanced_loader.data.tokenizers import ByteTokenizer, get_tokenizer, token_dtype
 
 
 def test_length_list_is_planning_only():

@@ -10,11 +10,11 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader.spindle._kernels import wave_length, wave_length_reference
 from balanced_loader.spindle.allocator import Slice, allocate
 from balanced_loader.spindle.columns import column_waves
 from balanced_loader.spindle.graph import graph_from_dict, load_graph
 from balanced_loader.spindle.refine import _Tables, refine, wave_counts
+from balanced_loader.spindle.wave_kernels import wave_length, wave_length_reference
 from balanced_loader.spindle.waves import Run, order_waves, pack, wave_ms, waves_ms
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """Context-parallel engines: pure layout checks, then multi-rank gloo worlds against one process.
 
-Tier 1 checks the index maths against ``balanced_loader/layout.py``. Tier 3 runs, in one
+Tier 1 checks the index maths against ``balanced_loader/materialize.py``. Tier 3 runs, in one
 4-rank world, the attention engines alone in float64 (outputs and q/k/v gradients equal the
 unsharded attention to 1e-10, bytes sent equal the formulas of papers/hydra_dcp.md) and the
 whole model under several TP x CP layouts (``selfcheck.run_rank``); an 8-rank world runs the
@@ -17,15 +17,14 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
-from balanced_loader.layout import cp_positions
-from balanced_loader.materialize import materialize_group
+from balanced_loader.data.sources import Source
+from balanced_loader.materialize import cp_positions, materialize_group
 from balanced_loader.plan import Group
-from balanced_loader.sources import Source
-from parallel_runtime import context_parallel as cp_module
-from parallel_runtime.attention import varlen_attention
-from parallel_runtime.context_parallel import PackedLayout, UlyssesAttention, make_engine, shard_microbatch
+from parallel_runtime.diagnostics.selfcheck import LayoutSpec, run_rank
+from parallel_runtime.engines import context as cp_module
+from parallel_runtime.engines.attention import varlen_attention
+from parallel_runtime.engines.context import PackedLayout, UlyssesAttention, make_engine, shard_microbatch
 from parallel_runtime.groups import ProcessGroups
-from parallel_runtime.selfcheck import LayoutSpec, run_rank
 from parallel_runtime.topology import Topology
 
 LENGTHS = (1, 9, 16, 2, 23, 5)  # 1-token docs and lengths not divisible by 2 * degree

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from distributed import WorldError, run_distributed
 
-from parallel_runtime.context_parallel import make_engine
+from parallel_runtime.diagnostics.selfcheck import main as selfcheck_main
+from parallel_runtime.engines.context import make_engine
 from parallel_runtime.groups import ProcessGroups
-from parallel_runtime.selfcheck import main as selfcheck_main
 from parallel_runtime.topology import Topology
 
 

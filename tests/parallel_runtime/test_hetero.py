@@ -19,7 +19,7 @@ from distributed import run_distributed
 from test_pipeline import TINY, check, plan_json, run_plans_exact
 
 from balanced_loader.plan import StepPlan
-from parallel_runtime.optim import AdamWConfig, FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
+from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
 
 
 def _plans(tp2_cp: bool) -> list[dict]:
@@ -105,7 +105,9 @@ def _check_push_pull(results: list[dict]) -> None:
 
 def test_pools_policy_plans_valid_heterogeneous_steps() -> None:
     from balanced_loader.cost import CostModel
-    from balanced_loader.planner import BatchItems, PlanConfig, make_plan
+    from balanced_loader.plan import BatchItems
+    from balanced_loader.planning import make_plan
+    from balanced_loader.planning.config import PlanConfig
 
     cost = CostModel.from_dict({"quadratic_ms": 2e-5, "linear_ms": 0.04, "microbatch_ms": 5.0,
                                 "comm_bytes_per_token": 4096, "bandwidth_gbs": {2: 0.6}, "max_tokens_per_lane": 512,

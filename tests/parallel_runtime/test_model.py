@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from parallel_runtime.attention import (
+from parallel_runtime.engines.attention import (
     block_backward,
     block_forward,
     causal_doc_mask,
     merge_block,
     varlen_attention,
 )
-from parallel_runtime.context_parallel import shard_microbatch
+from parallel_runtime.engines.context import shard_microbatch
 from parallel_runtime.model import ModelConfig, Transformer, local_attention
 
 LENGTHS = [7, 1, 12, 3, 5]

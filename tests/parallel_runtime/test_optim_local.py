@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel_runtime.optim import AdamWConfig, FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
+from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
 
 
 def test_single_rank_matches_torch_adamw():

@@ -11,7 +11,7 @@ import pytest
 from test_trainer import HETERO, small_run
 
 from balanced_loader.cost import CostModel, ShapeCost
-from parallel_runtime.profile import Case, fit, main, make_cases, report
+from parallel_runtime.diagnostics.profile import Case, fit, main, make_cases, report
 
 
 def test_fit_recovers_the_coefficients_it_was_generated_with() -> None:
@@ -68,7 +68,7 @@ def test_a_small_real_profile_writes_a_cost_file(tmp_path: Path) -> None:
     assert main(args + [x for s in sets for x in ("--set", s)]) == 0
     text = out.read_text()
     assert text.startswith("# Contract-2 cost file calibrated on this machine by:\n"
-                           "#   python -m parallel_runtime.profile")
+                           "#   python -m parallel_runtime.diagnostics.profile")
     cost = CostModel.from_file(str(out))
     assert cost.base.max_tokens_per_lane == 128 and cost.base.quadratic_ms + cost.base.linear_ms > 0
     assert 2 in dict(cost.base.bandwidth_gbs)

@@ -14,7 +14,7 @@ import pytest
 from distributed import run_distributed
 from test_trainer import HETERO, reference_losses, small_run, train_rank
 
-from parallel_runtime.metrics import read_metrics
+from parallel_runtime.training.metrics import read_metrics
 
 
 def _world(rank: int, world: int, sets: list[str], tmp: str) -> dict:

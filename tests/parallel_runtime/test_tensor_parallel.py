@@ -13,10 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_distributed
 
-from parallel_runtime.context_parallel import LocalAttention, make_engine
-from parallel_runtime.groups import ProcessGroups
-from parallel_runtime.selfcheck import LayoutSpec, run_rank
-from parallel_runtime.tensor_parallel import (
+from parallel_runtime.diagnostics.selfcheck import LayoutSpec, run_rank
+from parallel_runtime.engines.context import LocalAttention, make_engine
+from parallel_runtime.engines.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallel,
@@ -24,6 +23,7 @@ from parallel_runtime.tensor_parallel import (
     shard,
     vocab_parallel_cross_entropy,
 )
+from parallel_runtime.groups import ProcessGroups
 from parallel_runtime.topology import Topology
 
 

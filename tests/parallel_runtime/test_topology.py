@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from balanced_loader.layout import cp_positions
+from balanced_loader.materialize import cp_positions
 from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
 from parallel_runtime.topology import PoolShape, Topology, nested_split, required_groups
 

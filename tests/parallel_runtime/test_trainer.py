@@ -20,7 +20,7 @@ import pytest
 from distributed import WorldError, run_distributed
 
 from parallel_runtime import __main__ as entry
-from parallel_runtime.metrics import read_metrics
+from parallel_runtime.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 HETERO = str(REPO / "recipes" / "cpu-hetero.yaml")
@@ -39,7 +39,7 @@ strategies:
 
 def small_run(tmp: Path) -> list[str]:
     """``--set`` overrides that shrink cpu-hetero.yaml to a test run (corpus and cost file built in ``tmp``)."""
-    from balanced_loader.corpus import stdlib_shards
+    from balanced_loader.data.corpus import stdlib_shards
 
     shards = tmp / "shards"
     stdlib_shards(str(shards), limit=300)
@@ -53,14 +53,14 @@ def small_run(tmp: Path) -> list[str]:
 def train_rank(rank: int, world: int, recipe: str, sets: list[str], out: str, steps: int) -> list[dict]:
     """One rank of a training run (inside a spawned world)."""
     from parallel_runtime.config import load_recipe
-    from parallel_runtime.trainer import Trainer
+    from parallel_runtime.training.trainer import Trainer
 
     return Trainer(load_recipe(recipe, sets), out).train(steps)
 
 
 def reference_losses(recipe: str, sets: list[str], out: str, steps: int) -> list[float]:
     from parallel_runtime.config import load_recipe
-    from parallel_runtime.trainer import Trainer
+    from parallel_runtime.training.trainer import Trainer
 
     Trainer(load_recipe(recipe, sets), out, reference=True).train(steps)
     return [m["loss"] for m in read_metrics(os.path.join(out, "metrics.jsonl"))]
@@ -120,7 +120,7 @@ def _perturbed(rank: int, world: int, sets: list[str], out: str) -> None:
     import dataclasses
 
     from parallel_runtime.config import load_recipe
-    from parallel_runtime.trainer import Trainer
+    from parallel_runtime.training.trainer import Trainer
 
     trainer = Trainer(load_recipe(HETERO, sets), out)
     if rank == 1:  # this rank plans something else: the same microbatches in the opposite order
@@ -137,8 +137,8 @@ def _perturbed(rank: int, world: int, sets: list[str], out: str) -> None:
 
 
 def _crash(rank: int, world: int, sets: list[str], out: str) -> None:
-    from parallel_runtime import trainer as tr
     from parallel_runtime.config import load_recipe
+    from parallel_runtime.training import trainer as tr
 
     real = tr.forward_backward
 

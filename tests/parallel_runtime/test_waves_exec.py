@@ -1,4 +1,4 @@
-"""Executing Spindle wave plans (parallel_runtime.waves) against the single-process reference.
+"""Executing Spindle wave plans (parallel_runtime.spindle.execute) against the single-process reference.
 
 Pure tier: the recipe's plan has side-by-side MetaOps and re-sharding; the moves tile every
 lane's samples; gradient unions match a hand count; bad input is one ValueError line.
@@ -17,14 +17,14 @@ import pytest
 from distributed import run_distributed
 
 from balanced_loader.spindle import Wave, WaveOp, WavePlan, graph_from_dict, load_graph, plan_waves
-from parallel_runtime.multitask_model import (
+from parallel_runtime.spindle.execute import build_exec_plan, compare, main, make_job, run_rank
+from parallel_runtime.spindle.model import (
     ModelConfig,
     MultiTaskModel,
     check_graph,
     max_rel_diff,
     reference_step,
 )
-from parallel_runtime.waves import build_exec_plan, compare, main, make_job, run_rank
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "spindle-cpu-4.yaml"
 SMALL = ModelConfig(hidden=16, ffn=32, tokens=4, seed=3)

@@ -1,0 +1,151 @@
+"""``balanced-loader analyze SOURCE_OR_LENGTHS``: length statistics, a histogram PNG and advice.
+
+SOURCE_OR_LENGTHS is a length file (.txt, .txt.gz, .npy), a shard folder or a .jsonl file.
+Writes ``OUT/histogram.png`` and ``OUT/analyze.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+DEFAULT_COST = "hydra-gpt7b-a100"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="SOURCE_OR_LENGTHS",
+                   help="length file (.txt, .txt.gz, .npy), shard folder or .jsonl file")
+    g = p.add_argument_group("cost model (one of; default: --cost " + DEFAULT_COST + ")")
+    g.add_argument("--cost-file", metavar="COST.yaml", help="contract-2 cost file (its lane cap drives the advice)")
+    g.add_argument("--cost", metavar="PRESET", help="cost preset name (see 'balanced-loader presets')")
+    p.add_argument("--world-size", type=int, metavar="R", help="ranks you plan to train on (checks CP fits)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size whose lane cap to use (default 1)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size whose lane cap to use (default 1)")
+    p.add_argument("--max-seq-len", "--max-len", dest="max_len", type=int, metavar="N",
+                   help="context limit: analyze docs as training sees them, split into N-token segments")
+    p.add_argument("--top", type=int, default=10, help="how many of the longest docs to list (default 10)")
+    p.add_argument("--out", default="analysis", metavar="DIR",
+                   help="folder for histogram.png and analyze.json (default ./analysis)")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of the text report")
+
+
+def read_source_lengths(path: str) -> tuple[Any, str]:
+    """``[num_docs]`` lengths of a length file, a shard folder or a .jsonl file, and a description."""
+    import os
+
+    if os.path.isdir(path) or path.endswith(".jsonl"):
+        from balanced_loader.data.sources import open_source
+
+        src = open_source(path)
+        try:
+            import numpy as np
+
+            return np.asarray(src.lengths, dtype=np.int64), src.describe()
+        finally:
+            src.close()
+    from balanced_loader.data.lengths import read_lengths
+
+    return read_lengths(path), f"length file {path}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    import numpy as np
+
+    from balanced_loader.cli import analysis as analyze
+    from balanced_loader.cli import charts
+    from balanced_loader.presets import load_cost
+
+    if args.top < 0:
+        raise ValueError(f"--top must be >= 0, got {args.top}")
+    if args.world_size is not None and args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    lengths, what = read_source_lengths(args.source)
+    preset = args.cost if (args.cost or args.cost_file) else DEFAULT_COST
+    cost = load_cost(args.cost_file, preset, world_size=args.world_size or 64)
+    cost_name = cost.name or args.cost_file
+    if args.max_len is not None:
+        from balanced_loader.data.batching import to_items
+
+        if args.max_len < 1:
+            raise ValueError(f"--max-seq-len must be >= 1, got {args.max_len}")
+        items, _ = to_items(lengths, np.arange(len(lengths), dtype=np.int64), args.max_len, "split")
+        analyzed = items.lengths
+        what += f", docs split at {args.max_len:,} tokens"
+    else:
+        analyzed = lengths
+    stats = analyze.length_stats(analyzed, top=args.top)
+    if args.max_len is not None:
+        stats["longest"] = []  # segment indices are not doc_ids
+    sc = analyze.advice_shape(cost, args.tp, args.pp)
+    degrees = analyze.degree_table(analyzed, sc)
+    adv = analyze.advise(analyzed, cost, world_size=args.world_size, tp=args.tp, pp=args.pp)
+
+    os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, "histogram.png")
+    marks = {k: float(v) for k, v in stats.get("percentiles", {}).items() if k in ("p50", "p99", "p99.9")}
+    charts.length_histogram(analyzed, png, lane_cap=sc.max_tokens_per_lane, marks=marks,
+                            title=f"{os.path.basename(args.source.rstrip('/'))}: {stats['docs']:,} docs, "
+                                  f"{stats['tokens']:,} tokens")
+    report = {"source": args.source, "description": what, "cost": cost_name, "stats": stats,
+              "degrees": degrees, "advice": adv.to_json(), "histogram": png}
+    jpath = os.path.join(args.out, "analyze.json")
+    with open(jpath, "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(format_report(report, sc_label=f"tp={sc.tp} pp={sc.pp}", default_cost=not (args.cost or args.cost_file)))
+    print(f"wrote {png} and {jpath}")
+    print("next, compare policies on your cluster size (adjust --world-size and --global-batch-tokens):")
+    print("  " + next_command(args, adv, cost_arg=(f"--cost-file {args.cost_file}" if args.cost_file
+                                                 else f"--cost {preset}")))
+    return 0
+
+
+def next_command(args: argparse.Namespace, adv, *, cost_arg: str) -> str:
+    """A ``balanced-loader compare`` command line that checks the advice."""
+    import os
+
+    world = args.world_size or 64
+    lanes = world // ((args.tp or 1) * (args.pp or 1)) or 1
+    src = "--source" if os.path.isdir(args.source) or args.source.endswith(".jsonl") else "--lengths"
+    cmd = (f"balanced-loader compare {src} {args.source} --policies {','.join(adv.compare)} --world-size {world} "
+           f"{cost_arg} --global-batch-tokens {lanes * adv.lane_cap * 4} --steps 5")
+    if args.max_len is not None or adv.max_seq_len is not None:
+        cmd += f" --max-seq-len {args.max_len if args.max_len is not None else adv.max_seq_len}"
+    return cmd + " --out compare"
+
+
+def format_report(report: dict, *, sc_label: str, default_cost: bool) -> str:
+    s = report["stats"]
+    out = [f"{report['description']}"]
+    if s["docs"] == 0:
+        out.append(f"no docs ({s['empty_docs']} empty)")
+        return "\n".join(out)
+    out.append(f"docs {s['docs']:,}   tokens {s['tokens']:,}   mean {s['mean']:,.1f}   min {s['min']:,}   "
+               f"max {s['max']:,}" + (f"   (+{s['empty_docs']:,} empty docs)" if s["empty_docs"] else ""))
+    out.append("percentiles (tokens): " + "   ".join(f"{k} {v:,}" for k, v in s["percentiles"].items()))
+    out.append("")
+    out.append(f"{'longer than':>12} {'docs':>10} {'% of docs':>10} {'% of tokens':>12}")
+    for r in s["above"]:
+        out.append(f"{r['threshold']:>12,} {r['docs']:>10,} {r['docs_share']:>10.3%} {r['tokens_share']:>12.2%}")
+    if s["longest"]:
+        out.append("longest docs: " + ", ".join(f"{d['length']:,} (doc {d['doc_id']})" for d in s["longest"]))
+    out.append("")
+    cost_note = " (default; pass --cost PRESET or --cost-file)" if default_cost else ""
+    adv = report["advice"]
+    out.append(f"memory-fit CP degrees at lane cap {adv['lane_cap']:,} tokens ({sc_label}), cost "
+               f"{report['cost']}{cost_note}:")
+    out.append(f"{'degree':>8} {'docs':>10} {'% of docs':>10} {'% of tokens':>12} {'% of compute':>13} "
+               f"{'longest':>10}")
+    for r in report["degrees"]:
+        out.append(f"{r['degree']:>8} {r['docs']:>10,} {r['docs_share']:>10.3%} {r['tokens_share']:>12.2%} "
+                   f"{r['compute_share']:>13.2%} {r['longest']:>10,}")
+    out.append("")
+    out.append("advice:")
+    out.extend(f"  - {line}" for line in adv["lines"])
+    return "\n".join(out)

@@ -1,0 +1,116 @@
+"""``balanced-loader plan``: plan global batches with a policy and write the plan JSON (contract 3).
+
+The whole length file is one global batch in file order, unless ``--global-batch-tokens N``
+cuts consecutive batches between docs (``--shuffle --seed S`` shuffles the docs first, as the
+loader's epoch 0 does). Every step is validated against its batch (contract 1) before it is
+written; ``plan_seconds`` and ``predicted_ms`` (contract 2) are filled per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+
+from balanced_loader.cli.cmd_simulate import add_cost_arguments
+from balanced_loader.cli.options import add_batch_arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_batch_arguments(p, max_seq_len_default="none, a doc no degree can hold is an error")
+    p.add_argument("--world-size", type=int, required=True, metavar="R", help="number of ranks")
+    add_cost_arguments(p)
+    p.add_argument("--policy", required=True, metavar="P",
+                   help="maxlen, static-sp, token-kk, mcore-dcp, hydra, batch-ada, flexsp, hydraulis, greedy")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (static shape; a shape of the cost file)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size (static shape; a shape of the cost file)")
+    p.add_argument("--cp", type=int, help="fixed CP/SP degree for maxlen, static-sp, token-kk")
+    p.add_argument("--steps", type=int, metavar="K", help="plan only the first K steps")
+    p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
+                   help="solver time limit per call for flexsp / hydraulis (default 1 s)")
+    p.add_argument("--candidates", metavar="CANDIDATES.yaml",
+                   help="hydraulis: candidate strategies from 'balanced-loader candidates' (default: per batch)")
+    p.add_argument("--out", metavar="PLAN.json", help="write the plan here (default: JSON on stdout)")
+
+
+def _lengths(args: argparse.Namespace):
+    from balanced_loader.data.lengths import read_batch_source
+
+    return read_batch_source(args.lengths, args.source, positive=True)
+
+
+@contextlib.contextmanager
+def native_stdout_to_stderr() -> Iterator[None]:
+    """Send whatever is written to file descriptor 1 (C/C++ code included) to stderr for the block."""
+    import ctypes
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # C stdio buffers: flush them while fd 1 is still stderr
+            ctypes.CDLL(None).fflush(None)
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    import numpy as np
+
+    from balanced_loader.data.batching import global_batches, validation_lengths
+    from balanced_loader.plan import BatchItems, Plan
+    from balanced_loader.planning import make_plan, warm_up
+    from balanced_loader.planning.config import PlanConfig
+    from balanced_loader.presets import load_cost
+
+    for name in ("world_size", "global_batch_tokens", "max_seq_len", "steps"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    config = PlanConfig(policy=args.policy, world_size=args.world_size, tp=args.tp, pp=args.pp, cp=args.cp,
+                        seed=args.seed, time_limit_s=args.time_limit, candidates=args.candidates)
+    cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
+    lengths, shard_bounds, what = _lengths(args)
+    batches, stats = global_batches(lengths, max_seq_len=args.max_seq_len, long_docs=args.long_docs,
+                                    global_batch_tokens=args.global_batch_tokens, shuffle=args.shuffle,
+                                    seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps)
+    if not batches:  # nothing to plan: one empty step
+        z = np.zeros(0, dtype=np.int64)
+        batches = [BatchItems(doc_ids=z, starts=z, lengths=z)]
+    check = validation_lengths(lengths, args.max_seq_len, args.long_docs)
+    steps = []
+    # with the plan JSON on stdout, keep native libraries' prints (HiGHS writes some diagnostics to the
+    # process's stdout) out of it
+    with contextlib.nullcontext() if args.out else native_stdout_to_stderr():
+        warm_up(batches, cost, [config])  # kernels and policy loaded first: plan_seconds is the step's own work
+        for k, items in enumerate(batches):
+            plan = make_plan(items, cost, config, step=k)
+            plan.validate(check, cost, doc_ids=np.unique(items.doc_ids))
+            steps.append(plan)
+    out = Plan(policy=args.policy, world_size=args.world_size, steps=tuple(steps))
+    report = sys.stdout if args.out else sys.stderr
+    unusual = {k: v for k, v in stats.to_json().items() if k not in ("docs", "tokens") and v}
+    print(f"{what}: {stats.docs:,} docs, {stats.tokens:,} tokens"
+          + (f" ({', '.join(f'{k} {v}' for k, v in unusual.items())})" if unusual else "")
+          + f"; planned {len(steps)} step(s) of {sum(len(b) for b in batches):,} sequences, "
+          f"{sum(int(b.lengths.sum()) for b in batches):,} tokens with policy {args.policy} on {args.world_size} "
+          f"ranks, cost {cost.name or args.cost_file}", file=report)
+    print(f"{'step':>5} {'sequences':>10} {'tokens':>12} {'microbatches':>12} {'groups':>7} "
+          f"{'plan_ms':>9} {'predicted_ms':>13}", file=report)
+    for items, s in zip(batches, steps):
+        mbs = max((len(p.microbatches) for p in s.pools), default=0)
+        print(f"{s.step:>5} {len(items):>10,} {int(items.lengths.sum()):>12,} {mbs:>12} {s.num_groups:>7} "
+              f"{s.plan_seconds * 1e3:>9.2f} {s.predicted_ms:>13.1f}", file=report)
+    if args.out:
+        out.save(args.out)
+        print(f"wrote {args.out}", file=report)
+    else:
+        sys.stdout.write(out.dumps() + "\n")
+    return 0

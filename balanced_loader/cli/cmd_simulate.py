@@ -1,0 +1,133 @@
+"""``balanced-loader simulate PLAN.json``: modeled step time, bubbles, skew, tokens/s and MFU per step.
+
+Definitions are in ``balanced_loader/simulate.py`` and ``docs/tool.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", metavar="PLAN.json", help="plan file written by 'balanced-loader plan --out'")
+    add_cost_arguments(p)
+    p.add_argument("--lengths", metavar="FILE",
+                   help="length file to validate the plan against (default: lengths implied by the plan)")
+    p.add_argument("--no-validate", action="store_true",
+                   help="skip validate() (faster for very large plans)")
+    p.add_argument("--model", metavar="NAME", help="model shape for MFU (see 'balanced-loader presets')")
+    p.add_argument("--hardware", metavar="NAME", help="hardware for MFU (see 'balanced-loader presets')")
+    p.add_argument("--pools", action="store_true",
+                   help="list every pool of multi-pool steps (default: only when there are at most 10 steps)")
+    p.add_argument("--json", action="store_true", help="print {\"steps\": [...], \"summary\": {...}} as JSON")
+
+
+def add_cost_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cost model (one of)")
+    g.add_argument("--cost-file", metavar="COST.yaml", help="contract-2 cost file")
+    g.add_argument("--cost", metavar="PRESET", help="cost preset name (see 'balanced-loader presets')")
+
+
+def model_and_hardware(model: str | None, hardware: str | None):
+    """``(ModelShape, Hardware)`` from names, both or neither."""
+    from balanced_loader.presets import HARDWARE, MODELS
+
+    if (model is None) != (hardware is None):
+        raise ValueError("MFU needs both --model NAME and --hardware NAME")
+    if model is None:
+        return None, None
+    if model not in MODELS:
+        raise ValueError(f"unknown model '{model}'; known: {', '.join(sorted(MODELS))}")
+    if hardware not in HARDWARE:
+        raise ValueError(f"unknown hardware '{hardware}'; known: {', '.join(sorted(HARDWARE))}")
+    return MODELS[model], HARDWARE[hardware]
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from balanced_loader import simulate as sim
+    from balanced_loader.plan import PLAN_FORMAT, PLAN_VERSION, Plan, read_plan_json
+    from balanced_loader.presets import load_cost
+
+    model, hw = model_and_hardware(args.model, args.hardware)
+    data = read_plan_json(args.plan)
+    if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
+        Plan.from_json(data)  # raises the one-line ValueError naming what is wrong
+    try:
+        world = int(data["world_size"])
+        policy = str(data.get("policy", "?"))
+        raw_steps = list(data["steps"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed plan file {args.plan}: {type(e).__name__}: {e}") from None
+    cost = load_cost(args.cost_file, args.cost, world_size=world)
+
+    if args.no_validate:
+        metrics = [sim.simulate_step_json(s, world, cost, model=model, hardware=hw) for s in raw_steps]
+        predicted = [float(s.get("predicted_ms", 0.0)) for s in raw_steps]
+    else:
+        plan = Plan.from_json(data)
+        if args.lengths:
+            from balanced_loader.data.lengths import read_lengths
+
+            lengths = read_lengths(args.lengths)
+        else:
+            lengths = sim.plan_lengths(plan)
+        for sp in plan.steps:
+            try:
+                sp.validate(lengths, cost)
+            except ValueError as e:
+                raise ValueError(f"plan {args.plan} fails validation: {e}") from None
+        metrics = sim.simulate_plan(plan, cost, model=model, hardware=hw)
+        predicted = [sp.predicted_ms for sp in plan.steps]
+
+    summary = sim.summarize(metrics)
+    mismatched = sum(1 for m, p in zip(metrics, predicted)
+                     if p > 0 and abs(m.step_ms - p) > 1e-4 * max(abs(p), 1.0))
+    if args.json:
+        out = {"plan": args.plan, "policy": policy, "world_size": world, "cost": cost.name or args.cost_file,
+               "steps": [m.to_json() for m in metrics], "summary": summary}
+        print(json.dumps(out))
+    else:
+        header = (f"plan {args.plan}: policy {policy}, {world} ranks, {len(metrics)} step(s); "
+                  f"cost {cost.name or args.cost_file}")
+        print(format_table(metrics, summary, header=header, pools=args.pools or len(metrics) <= 10))
+    if mismatched:
+        import sys
+
+        print(f"note: {mismatched} step(s) have a predicted_ms different from this cost model "
+              f"(was the plan made with another cost file?)", file=sys.stderr)
+    return 0
+
+
+def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -> str:
+    from balanced_loader.simulate import si_units
+
+    has_mfu = any(m.mfu is not None for m in metrics)
+    cols = f"{'step':>6} {'step_ms':>11} {'pp_bubble':>9} {'dp_bubble':>9} {'idle':>7} {'skew':>6} {'tokens/s':>9}"
+    cols += f" {'MFU':>6}" if has_mfu else ""
+    lines = [header] if header else []
+    lines.append(cols)
+    for m in metrics:
+        row = (f"{m.step:>6} {m.step_ms:>11.1f} {m.pp_bubble:>9.1%} {m.dp_bubble:>9.1%} {m.idle:>7.1%} "
+               f"{m.skew:>6.2f} {si_units(m.tokens_per_s):>9}")
+        if has_mfu:
+            row += f" {m.mfu:>6.1%}" if m.mfu is not None else f" {'-':>6}"
+        lines.append(row)
+        if pools and len(m.pools) > 1:
+            for i, p in enumerate(m.pools):
+                pj = p.to_json()
+                lines.append(f"{'':>6}   pool {i} (tp{p.tp} pp{p.pp}, {p.num_ranks} ranks): makespan "
+                             f"{p.makespan_ms:,.1f} ms, pp_bubble {p.pp_bubble:.1%}, lane skew {pj['skew']:.2f}")
+    if len(metrics) > 1:
+        row = (f"{'mean':>6} {summary['mean_step_ms']:>11.1f} {summary['pp_bubble']:>9.1%} "
+               f"{summary['dp_bubble']:>9.1%} {summary['idle']:>7.1%} {summary['skew']:>6.2f} "
+               f"{si_units(summary['tokens_per_s']):>9}")
+        if has_mfu:
+            row += f" {summary['mfu']:>6.1%}" if "mfu" in summary else f" {'-':>6}"
+        lines.append(row)
+    lines.append("step_ms: modeled step time (contract 2); pp_bubble/dp_bubble/idle: share of rank time idle "
+                 "inside pools / between pools / in total; skew: max/mean rank busy time")
+    if not pools and any(len(m.pools) > 1 for m in metrics):
+        lines.append("per-pool makespan, pp_bubble and skew: --pools (or --json)")
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""Plan the same global batches with several policies and compare them under one cost model.
+
+Batching follows contract 3 and the loader: docs in file order (or shuffled by seed for
+epoch 0), empty docs skipped, docs longer than ``max_seq_len`` handled by ``long_docs``,
+global batches of at most ``global_batch_tokens`` tokens cut between docs (the whole file is
+one batch without a budget). Every policy plans exactly the same batches; every plan is
+validated against the batch before it is simulated (:mod:`balanced_loader.simulate`).
+
+The speedup of a policy is ``total modeled time of the first policy / its total modeled time``
+over the compared steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from balanced_loader.cost import CostModel
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import get_policy, make_plan, warm_up
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.simulate import StepMetrics, si_units, simulate_step, summarize
+
+if TYPE_CHECKING:
+    from balanced_loader.plan import StepPlan
+    from balanced_loader.presets import Hardware, ModelShape
+
+COMPARE_FORMAT = "balanced-loader/compare"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyRun:
+    policy: str
+    config: PlanConfig
+    metrics: tuple[StepMetrics, ...]
+    summary: dict[str, float]
+    speedup: float  # over the first policy
+
+    def to_json(self, *, per_rank_step: int | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"policy": self.policy, "speedup": self.speedup, "summary": self.summary,
+                             "steps": [m.to_json() for m in self.metrics]}
+        if per_rank_step is not None and per_rank_step < len(self.metrics):
+            d["rank_busy_ms"] = {"step": per_rank_step,
+                                 "ms": [round(float(x), 3) for x in self.metrics[per_rank_step].rank_busy_ms]}
+        return d
+
+
+def check_policies(names: Sequence[str]) -> list[str]:
+    """The policy names, each available (one ValueError line otherwise)."""
+    out = [n.strip() for n in names if n.strip()]
+    if not out:
+        raise ValueError("--policies needs at least one policy name, e.g. --policies maxlen,hydra")
+    dup = sorted({n for n in out if out.count(n) > 1})
+    if dup:
+        raise ValueError(f"policy listed twice: {', '.join(dup)}")
+    for n in out:
+        get_policy(n)
+    return out
+
+
+def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: CostModel,
+                     configs: Sequence[PlanConfig], *, model: ModelShape | None = None,
+                     hardware: Hardware | None = None, validate: bool = True,
+                     progress: Callable[[int], None] | None = None,
+                     keep_plans: bool = False) -> tuple[list[PolicyRun], dict[str, list[StepPlan]]]:
+    """Plan every batch with every config, validate, simulate.
+
+    ``lengths`` (by doc_id) is what validation checks each planned doc covers (see
+    :func:`balanced_loader.data.batching.validation_lengths`).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    warm_up(batches, cost, configs)
+    per: dict[str, list[StepMetrics]] = {c.policy: [] for c in configs}
+    plans: dict[str, list[StepPlan]] = {c.policy: [] for c in configs}
+    for step, items in enumerate(batches):
+        for c in configs:
+            try:
+                plan = make_plan(items, cost, c, step)
+                if validate:
+                    plan.validate(lengths, cost, doc_ids=np.unique(items.doc_ids))
+            except ValueError as e:
+                raise ValueError(f"policy '{c.policy}', step {step}: {e}") from None
+            per[c.policy].append(simulate_step(plan, cost, model=model, hardware=hardware))
+            if keep_plans:
+                plans[c.policy].append(plan)
+        if progress is not None:
+            progress(1)
+    runs = []
+    base_total = None
+    for c in configs:
+        s = summarize(per[c.policy])
+        if base_total is None:
+            base_total = s["total_ms"]
+        speedup = base_total / s["total_ms"] if s["total_ms"] > 0 else float("nan")
+        runs.append(PolicyRun(policy=c.policy, config=c, metrics=tuple(per[c.policy]), summary=s, speedup=speedup))
+    return runs, plans
+
+
+def format_table(runs: Sequence[PolicyRun]) -> str:
+    has_mfu = any("mfu" in r.summary for r in runs)
+    w = max([len(r.policy) for r in runs] + [6])
+    head = (f"{'policy':<{w}} {'step_ms':>11} {'speedup':>8} {'skew':>6} {'pp_bubble':>9} {'dp_bubble':>9} "
+            f"{'idle':>7} {'tokens/s':>9} {'plan_ms':>9}")
+    head += f" {'MFU':>6}" if has_mfu else ""
+    lines = [head]
+    first = runs[0].policy if runs else ""
+    for r in runs:
+        s = r.summary
+        row = (f"{r.policy:<{w}} {s['mean_step_ms']:>11.1f} {r.speedup:>7.2f}x {s['skew']:>6.2f} "
+               f"{s['pp_bubble']:>9.1%} {s['dp_bubble']:>9.1%} {s['idle']:>7.1%} {si_units(s['tokens_per_s']):>9} "
+               f"{s['mean_plan_ms']:>9.1f}")
+        if has_mfu:
+            row += f" {s['mfu']:>6.1%}" if "mfu" in s else f" {'-':>6}"
+        lines.append(row)
+    lines.append(f"means over steps; speedup = total modeled time of '{first}' / the policy's; skew = max/mean "
+                 "rank busy time; plan_ms = planning time per step")
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""Contract 4 sources: a length index (``lengths[doc_id]``) plus, where there is data, token reads.
+
+* a folder of webdataset ``.tar`` shards with a memory-mapped length index (:mod:`.shards`);
+* a ``.jsonl`` file with a text field, tokenized on open (an offset index per line);
+* an in-memory list/array of lengths, or a length file (``.npy``, ``.txt``, ``.txt.gz``; planning only).
+
+Every source reads a doc's tokens through ``read(doc_id, start, length)``, counting the bytes
+it reads in ``bytes_read`` (the loader benchmark compares them with the bytes needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+
+class Source(ABC):
+    """Base of every source: ``lengths`` ([num_docs] int64) and token reads by doc_id."""
+
+    lengths: np.ndarray  # [num_docs] int64
+    shard_bounds: np.ndarray | None = None  # [num_shards + 1] doc offsets, when docs live in shards
+    bytes_read: int = 0
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def has_tokens(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+    def tokens(self, doc_id: int) -> np.ndarray:
+        """All token ids of one doc (``[length]``, the stored unsigned dtype)."""
+        return self.read(doc_id, 0, int(self.lengths[self._check_doc(doc_id)]))
+
+    @abstractmethod
+    def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of one doc."""
+
+    def close(self) -> None:  # noqa: B027 (sources without files have nothing to release)
+        """Release file handles (reads reopen them)."""
+
+    def _check_doc(self, doc_id: int) -> int:
+        d = int(doc_id)
+        if not 0 <= d < self.num_docs:
+            raise ValueError(f"doc_id {d} is outside 0..{self.num_docs - 1} of {self.describe()}")
+        return d
+
+    def _check_range(self, doc_id: int, start: int, length: int) -> tuple[int, int, int]:
+        d = self._check_doc(doc_id)
+        start, length = int(start), int(length)
+        n = int(self.lengths[d])
+        if start < 0 or length < 0 or start + length > n:
+            raise ValueError(f"tokens [{start}, {start + length}) are outside doc {d} "
+                             f"({n} tokens) of {self.describe()}")
+        return d, start, length
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def as_lengths(values: Any, where: str = "lengths") -> np.ndarray:
+    """A validated ``[num_docs]`` int64 array of non-negative token counts."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: not an array of integers ({e})") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{where}: expected a 1-D list of token counts, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer) and (
+            not np.issubdtype(arr.dtype, np.floating) or not np.all(np.floor(arr) == arr)):
+        raise ValueError(f"{where}: token counts must be integers (dtype {arr.dtype})")
+    arr = arr.astype(np.int64)
+    if arr.size and arr.min() < 0:
+        i = int(np.flatnonzero(arr < 0)[0])
+        raise ValueError(f"{where}: doc {i} has a negative length {int(arr[i])}")
+    return arr
+
+
+def jsonl_text(line: bytes, text_field: str, where: str) -> str:
+    """The ``text_field`` string of one ``.jsonl`` line; one ``ValueError`` naming ``where`` otherwise."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(obj, dict) or text_field not in obj:
+        raise ValueError(f"{where}: no '{text_field}' field; pass the key that holds the text "
+                         f"(text_field=, --text-field)")
+    text = obj[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: '{text_field}' is not a string")
+    return text
+
+
+class LengthSource(Source):
+    """Only lengths: enough to plan, not to materialize microbatches."""
+
+    def __init__(self, lengths: Any, name: str = "a list of lengths") -> None:
+        self.lengths = as_lengths(lengths)
+        self._name = name
+
+    @property
+    def has_tokens(self) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return self._name
+
+    def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
+        raise ValueError(f"{self.describe()} holds lengths only (planning only); open a shard folder or "
+                         f"a .jsonl file to read tokens")
+
+
+class JsonlSource(Source):
+    """A ``.jsonl`` file, one doc per non-blank line, text in ``text_field``.
+
+    Tokenized once on open to get the lengths; a read re-tokenizes that line (the last few
+    docs are cached, so the segments of a split doc do not re-tokenize it each time).
+    """
+
+    def __init__(self, path: str, *, text_field: str = "text", tokenizer: Any = None, cache_docs: int = 8) -> None:
+        from balanced_loader.data.tokenizers import get_tokenizer
+
+        self.path = os.fspath(path)
+        self.text_field = text_field
+        self.tokenizer = get_tokenizer(tokenizer)
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache_docs = cache_docs
+        self._lock = threading.Lock()
+        offsets: list[int] = []
+        sizes: list[int] = []
+        lengths: list[int] = []
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115 (closed by the with below)
+        except OSError as e:
+            raise ValueError(f"cannot read {self.path}: {e.strerror}") from None
+        with f:
+            pos = 0
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    toks = self._encode_line(line, lineno)
+                    offsets.append(pos)
+                    sizes.append(len(line))
+                    lengths.append(len(toks))
+                pos += len(line)
+        self._offsets = np.asarray(offsets, dtype=np.int64)  # [num_docs] byte offset of each line
+        self._sizes = np.asarray(sizes, dtype=np.int64)  # [num_docs] bytes of each line
+        self.lengths = np.asarray(lengths, dtype=np.int64)  # [num_docs]
+        self._fd: int | None = None
+
+    def describe(self) -> str:
+        return f"jsonl file {self.path}"
+
+    def _encode_line(self, line: bytes, lineno: int) -> np.ndarray:
+        return self.tokenizer.encode(jsonl_text(line, self.text_field, f"{self.path} line {lineno}"))
+
+    def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
+        d, start, length = self._check_range(doc_id, start, length)
+        with self._lock:
+            toks = self._cache.get(d)
+            if toks is None:
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY)
+                n = int(self._sizes[d])
+                line = os.pread(self._fd, n, int(self._offsets[d]))
+                if len(line) != n:
+                    raise ValueError(f"{self.path} is shorter than when it was opened (doc {d}); reopen it")
+                self.bytes_read += n
+                try:
+                    toks = self._encode_line(line, d + 1)
+                except ValueError:
+                    toks = None
+                if toks is None or len(toks) != int(self.lengths[d]):
+                    raise ValueError(f"{self.path} changed since it was opened (doc {d}); reopen it")
+                self._cache[d] = toks
+                while len(self._cache) > self._cache_docs:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(d)
+        return toks[start:start + length]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_fd=None, _lock=None, _cache=OrderedDict())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -> Source:
+    """Open a source: a shard folder, a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``;
+    planning only), or a list/array of lengths."""
+    if isinstance(spec, Source):
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        path = os.fspath(spec)
+        if os.path.isdir(path):
+            from balanced_loader.data.shards import ShardSource
+
+            return ShardSource(path)
+        if not os.path.exists(path):
+            raise ValueError(f"source {path} does not exist (expected a shard folder, a .jsonl file "
+                             f"or a length file)")
+        if path.endswith(".jsonl"):
+            return JsonlSource(path, text_field=text_field, tokenizer=tokenizer)
+        from balanced_loader.data.lengths import LENGTH_SUFFIXES, read_lengths
+
+        if path.endswith(LENGTH_SUFFIXES):
+            return LengthSource(read_lengths(path), name=f"lengths file {path}")
+        raise ValueError(f"source {path}: unsupported file type; use a shard folder (balanced-loader "
+                         f"build-shards), a .jsonl file or a length file (.npy, .txt, .txt.gz)")
+    if isinstance(spec, (list, tuple, np.ndarray)):
+        return LengthSource(spec)
+    raise ValueError(f"cannot open a source from {type(spec).__name__}; pass a shard folder, a .jsonl "
+                     f"path, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")

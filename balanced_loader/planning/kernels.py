@@ -1,0 +1,809 @@
+"""Numba kernels of the planning core: small functions, arrays in and arrays out.
+
+Each kernel has a pure-Python reference in :mod:`balanced_loader.planning.packing` with the same
+tie-breaking; the tests compare them. Callers should use the wrappers in ``packing.py``,
+which check their input; the kernels trust theirs (int64 / float64, 1-D, C order).
+
+Kernels:
+
+* :func:`order_desc`: stable order by length, longest first (counting sort when the
+  lengths are small integers, else a merge sort).
+* :func:`ffd_kernel`: first-fit-decreasing over a max segment tree of bin rooms.
+* :func:`bfd_kernel`: best-fit-decreasing over a segment tree of *room values* (one leaf
+  per possible room, set while some open bin has that room) plus a stack of bins per value.
+* :func:`cost_pack_kernel`: items in the given order into a fixed number of bins under a
+  token cap, each to the bin with the smallest cost load that still has room.
+* :func:`block_place_kernel`: longest-processing-time placement of items that each take an
+  aligned block of ``2**level`` lanes, through one lazy (versioned) min-heap of blocks per
+  block size; optionally load-driven larger blocks when a target would be exceeded.
+* :func:`fill_passes_kernel`: single-lane items onto the least-loaded lane, packed into
+  per-lane passes under a token cap; opening a pass costs ``beta``.
+* :func:`kk_kernel`: k-way Karmarkar-Karp largest differencing on workloads.
+
+Both packers place a run of equal lengths into the chosen bin at once (as many copies as
+fit). That is exactly what placing them one by one would do: the bins before the chosen
+one still do not fit, and the chosen one stays the first (or best) fit while it has room.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# ------------------------------------------------------------------------------------------
+# sorting
+# ------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def argsort_stable(keys):
+    """Stable ascending argsort (bottom-up merge sort): ``[n]`` indices."""
+    n = keys.shape[0]
+    a = np.arange(n)
+    b = np.empty(n, np.int64)
+    width = 1
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid = min(lo + width, n)
+            hi = min(lo + 2 * width, n)
+            i, j, k = lo, mid, lo
+            while i < mid and j < hi:
+                if keys[a[j]] < keys[a[i]]:
+                    b[k] = a[j]
+                    j += 1
+                else:
+                    b[k] = a[i]
+                    i += 1
+                k += 1
+            while i < mid:
+                b[k] = a[i]
+                i += 1
+                k += 1
+            while j < hi:
+                b[k] = a[j]
+                j += 1
+                k += 1
+        a, b = b, a
+        width *= 2
+    return a
+
+
+@njit(cache=True)
+def order_desc(lengths):
+    """Stable order of ``lengths`` (int64, >= 0), longest first: ``[n]`` indices.
+
+    A counting sort when the largest length is small next to n, else a merge sort."""
+    n = lengths.shape[0]
+    if n == 0:
+        return np.empty(0, np.int64)
+    maxval = lengths.max()
+    if maxval > 4 * n + 65536:
+        return argsort_stable(-lengths)
+    start = np.zeros(maxval + 1, np.int64)  # [maxval + 1] counts, then write positions
+    for i in range(n):
+        start[lengths[i]] += 1
+    acc = 0
+    for v in range(maxval, -1, -1):
+        c = start[v]
+        start[v] = acc
+        acc += c
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        v = lengths[i]
+        order[start[v]] = i
+        start[v] += 1
+    return order
+
+
+# ------------------------------------------------------------------------------------------
+# first-fit / best-fit decreasing
+# ------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def ffd_kernel(lengths, capacity):
+    """First-fit-decreasing. Returns (bin of every item ``[n]``, number of bins).
+
+    Bins are numbered in opening order. Items go longest first (ties: lower index first)
+    into the lowest-numbered bin with room. A max segment tree over the bins' rooms finds
+    that bin in O(log B); unopened bins are leaves with the full capacity.
+    """
+    n = lengths.shape[0]
+    bins = np.empty(n, np.int64)
+    if n == 0:
+        return bins, 0
+    order = order_desc(lengths)
+    total = lengths.sum()
+    bound = min(n, 2 * total // capacity + 2)  # any-fit: at most one bin is half full or less
+    size = 1
+    while size < bound:
+        size *= 2
+    tree = np.full(2 * size, capacity, np.int64)  # [2 * size] max room below each node
+    nbins = 0
+    i = 0
+    while i < n:
+        s = lengths[order[i]]
+        j = i + 1
+        while j < n and lengths[order[j]] == s:
+            j += 1
+        while i < j:
+            node = 1
+            while node < size:
+                node *= 2
+                if tree[node] < s:
+                    node += 1
+            b = node - size
+            room = tree[node]
+            k = min(j - i, room // s)
+            for t in range(i, i + k):
+                bins[order[t]] = b
+            i += k
+            tree[node] = room - k * s
+            node //= 2
+            while node >= 1:
+                m = max(tree[2 * node], tree[2 * node + 1])
+                if tree[node] == m:
+                    break
+                tree[node] = m
+                node //= 2
+            if b >= nbins:
+                nbins = b + 1
+    return bins, nbins
+
+
+@njit(cache=True)
+def _first_set_from(tree, size, v):
+    """Smallest leaf index >= v whose flag is set in an OR-tree of ``size`` leaves, or -1."""
+    if v >= size:
+        return -1
+    node = size + v
+    if tree[node]:
+        return v
+    while node > 1:
+        if node % 2 == 0 and tree[node + 1]:
+            node += 1
+            while node < size:
+                node *= 2
+                if not tree[node]:
+                    node += 1
+            return node - size
+        node //= 2
+    return -1
+
+
+@njit(cache=True)
+def _set_flag(tree, size, v, flag):
+    node = size + v
+    tree[node] = flag
+    node //= 2
+    while node >= 1:
+        m = tree[2 * node] | tree[2 * node + 1]
+        if tree[node] == m:
+            break
+        tree[node] = m
+        node //= 2
+
+
+@njit(cache=True)
+def bfd_kernel(lengths, capacity):
+    """Best-fit-decreasing. Returns (bin of every item ``[n]``, number of bins).
+
+    Items go longest first (ties: lower index first) into the open bin with the smallest
+    room that still fits; among bins with equal room, the one whose room changed last. A
+    new bin opens only when no open bin fits. The search is over room *values*: an OR
+    segment tree over ``0..capacity-1`` flags the values some open bin has, and each value
+    keeps a stack of its bins (top = changed last), so one placement is O(log capacity).
+    """
+    n = lengths.shape[0]
+    bins = np.empty(n, np.int64)
+    if n == 0:
+        return bins, 0
+    order = order_desc(lengths)
+    size = 1
+    while size < capacity:
+        size *= 2
+    tree = np.zeros(2 * size, np.uint8)  # [2 * size] OR of "some open bin has this room"
+    head = np.full(capacity, -1, np.int32)  # [capacity] room value -> bin on top of its stack
+    nxt = np.empty(n, np.int32)  # [n] bin -> next bin in the same stack
+    nbins = 0
+    i = 0
+    while i < n:
+        s = lengths[order[i]]
+        j = i + 1
+        while j < n and lengths[order[j]] == s:
+            j += 1
+        while i < j:
+            v = _first_set_from(tree, size, s) if s < capacity else -1
+            if v < 0 or v >= capacity:
+                b = nbins
+                nbins += 1
+                room = capacity
+            else:
+                b = head[v]
+                head[v] = nxt[b]
+                if head[v] < 0:
+                    _set_flag(tree, size, v, 0)
+                room = v
+            k = min(j - i, room // s)
+            for t in range(i, i + k):
+                bins[order[t]] = b
+            i += k
+            room -= k * s
+            if room > 0:
+                nxt[b] = head[room]
+                if head[room] < 0:
+                    _set_flag(tree, size, room, 1)
+                head[room] = b
+    return bins, nbins
+
+
+# ------------------------------------------------------------------------------------------
+# cost-aware packing into a fixed number of bins
+# ------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _min_load_with_room(mroom, mload, size, s, stack, bound_load, bound_leaf):
+    """Leaf with the smallest (load, index) among leaves with room >= s that beats
+    (``bound_load``, ``bound_leaf``); ``bound_leaf`` when none does (pass inf, -1 for no bound).
+
+    ``mroom`` / ``mload`` are a (max room, min load) segment tree of ``size`` leaves.
+    Best-first search: the child with the smaller load is explored first; nodes without
+    room, with a larger load than the best so far, or with the same load but only leaves
+    right of it, are pruned.
+    """
+    best = bound_leaf
+    best_load = bound_load
+    stack[0] = 1
+    top = 1
+    while top > 0:
+        top -= 1
+        node = stack[top]
+        if mroom[node] < s:
+            continue
+        ml = mload[node]
+        if ml > best_load:
+            continue
+        if ml == best_load:
+            lo = node
+            while lo < size:
+                lo *= 2
+            if lo - size > best:
+                continue
+        if node >= size:
+            best = node - size
+            best_load = ml
+            continue
+        left = 2 * node
+        if mload[left + 1] < mload[left]:
+            stack[top] = left
+            stack[top + 1] = left + 1
+        else:
+            stack[top] = left + 1
+            stack[top + 1] = left
+        top += 2
+    return best
+
+
+@njit(cache=True)
+def _set_leaf(mroom, mload, size, leaf, room, load):
+    node = size + leaf
+    mroom[node] = room
+    mload[node] = load
+    node //= 2
+    while node >= 1:
+        r = max(mroom[2 * node], mroom[2 * node + 1])
+        m = min(mload[2 * node], mload[2 * node + 1])
+        if r == mroom[node] and m == mload[node]:
+            break
+        mroom[node] = r
+        mload[node] = m
+        node //= 2
+
+
+@njit(cache=True)
+def cost_pack_kernel(tokens, work, load0, room0):
+    """Items in the given order into ``len(load0)`` bins; returns (bin ``[n]``, load, room).
+
+    Each item goes to the bin with the smallest load (sum of ``work``) among the bins whose
+    token room is at least its tokens; ties go to the lower bin index; -1 when no bin has
+    room. A segment tree keeps (largest room, smallest load) per node; the search descends
+    left first and prunes nodes without room or without a lower load than the best so far.
+    """
+    n = tokens.shape[0]
+    nb = load0.shape[0]
+    out = np.full(n, -1, np.int64)
+    load = load0.copy()
+    room = room0.copy()
+    if nb == 0:
+        return out, load, room
+    size = 1
+    while size < nb:
+        size *= 2
+    mroom = np.full(2 * size, -1, np.int64)  # [2 * size] max room below each node
+    mload = np.full(2 * size, np.inf)  # [2 * size] min load below each node
+    for b in range(nb):
+        mroom[size + b] = room[b]
+        mload[size + b] = load[b]
+    for node in range(size - 1, 0, -1):
+        mroom[node] = max(mroom[2 * node], mroom[2 * node + 1])
+        mload[node] = min(mload[2 * node], mload[2 * node + 1])
+    stack = np.empty(64, np.int64)
+    for i in range(n):
+        s = tokens[i]
+        best = _min_load_with_room(mroom, mload, size, s, stack, np.inf, -1)
+        if best < 0:
+            continue
+        out[i] = best
+        load[best] += work[i]
+        room[best] -= s
+        _set_leaf(mroom, mload, size, best, room[best], load[best])
+    return out, load, room
+
+
+# ------------------------------------------------------------------------------------------
+# block placement with lazy (versioned) heaps
+# ------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _heap_push(keys, blks, vers, base, sizes, lv, key, blk, ver):
+    """Push (key, blk, ver) onto heap ``lv``, stored at ``base[lv]:`` of the flat arrays."""
+    off = base[lv]
+    pos = sizes[lv]
+    sizes[lv] += 1
+    while pos > 0:
+        parent = (pos - 1) // 2
+        q = off + parent
+        if key < keys[q] or (key == keys[q] and blk < blks[q]):
+            keys[off + pos] = keys[q]
+            blks[off + pos] = blks[q]
+            vers[off + pos] = vers[q]
+            pos = parent
+        else:
+            break
+    keys[off + pos] = key
+    blks[off + pos] = blk
+    vers[off + pos] = ver
+
+
+@njit(cache=True)
+def _heap_pop(keys, blks, vers, base, sizes, lv):
+    """Remove the top of heap ``lv``."""
+    off = base[lv]
+    sizes[lv] -= 1
+    last = sizes[lv]
+    if last == 0:
+        return
+    key, blk, ver = keys[off + last], blks[off + last], vers[off + last]
+    pos = 0
+    while True:
+        c = 2 * pos + 1
+        if c >= last:
+            break
+        if c + 1 < last and (keys[off + c + 1] < keys[off + c]
+                             or (keys[off + c + 1] == keys[off + c] and blks[off + c + 1] < blks[off + c])):
+            c += 1
+        if keys[off + c] < key or (keys[off + c] == key and blks[off + c] < blk):
+            keys[off + pos] = keys[off + c]
+            blks[off + pos] = blks[off + c]
+            vers[off + pos] = vers[off + c]
+            pos = c
+        else:
+            break
+    keys[off + pos] = key
+    blks[off + pos] = blk
+    vers[off + pos] = ver
+
+
+@njit(cache=True)
+def block_place_kernel(times, pref, load0, next_k0, target):
+    """Place items on aligned lane blocks, in the given order.
+
+    ``times[i, v]`` is item i's time on a block of ``2**v`` lanes (``inf``: not allowed);
+    ``pref[i]`` its preferred level. An item goes to the block of its preferred size with
+    the smallest start (the largest lane load in the block; ties: the lower block), unless
+    start + time exceeds ``target``: then every allowed level from ``pref`` up is tried and
+    the one finishing first wins (ties: the smaller level). All lanes of the block then
+    finish at start + time, and the item's microbatch is one past the latest microbatch
+    of any of its lanes. Returns (level ``[n]``, first lane ``[n]``, start ``[n]``,
+    microbatch ``[n]``, lane loads ``[num_lanes]``, next microbatch per lane); level -1
+    when no allowed block exists.
+
+    A max segment tree over the lanes holds each aligned block's start at one node. One
+    min-heap per block size holds (start, block, version) entries; placing an item bumps
+    the version of every node it changes and pushes a fresh entry, and stale entries are
+    dropped when they reach the top. Cost: O(sum of block sizes * log lanes).
+    """
+    n, nlev = times.shape
+    num_lanes = load0.shape[0]
+    size = 1
+    logp = 0
+    while size < num_lanes:
+        size *= 2
+        logp += 1
+    levels = logp + 1
+    tree = np.full(2 * size, np.inf)  # [2 * size] lanes past num_lanes never start
+    for lane in range(num_lanes):
+        tree[size + lane] = load0[lane]
+    for node in range(size - 1, 0, -1):
+        tree[node] = max(tree[2 * node], tree[2 * node + 1])
+    version = np.zeros(2 * size, np.int64)
+    # heap capacity per level: its blocks, plus per item 2**(v' - v) subtree pushes if it can
+    # take a level v' >= v, else at most one ancestor push
+    cap = np.empty(levels, np.int64)
+    for lv in range(levels):
+        cap[lv] = size >> lv
+    for i in range(n):
+        top = -1
+        for lv in range(min(nlev, levels)):
+            if times[i, lv] < np.inf:
+                top = lv
+        for lv in range(levels):
+            cap[lv] += (1 << (top - lv)) if top >= lv else 1
+    base = np.zeros(levels + 1, np.int64)
+    for lv in range(levels):
+        base[lv + 1] = base[lv] + cap[lv]
+    keys = np.empty(base[levels], np.float64)
+    blks = np.empty(base[levels], np.int64)
+    vers = np.empty(base[levels], np.int64)
+    sizes = np.zeros(levels, np.int64)
+    for lv in range(levels):
+        first = size >> lv
+        for b in range(first):
+            _heap_push(keys, blks, vers, base, sizes, lv, tree[first + b], b, 0)
+    next_k = next_k0.copy()
+    out_lv = np.full(n, -1, np.int64)
+    out_lane = np.full(n, -1, np.int64)
+    out_start = np.zeros(n, np.float64)
+    out_k = np.full(n, -1, np.int64)
+    for i in range(n):
+        best_lv = -1
+        best_fin = np.inf
+        p = pref[i]
+        for lv in range(p, min(nlev, levels)):
+            if not times[i, lv] < np.inf:
+                continue
+            first = size >> lv
+            off = base[lv]
+            while sizes[lv] > 0 and vers[off] != version[first + blks[off]]:  # drop stale tops
+                _heap_pop(keys, blks, vers, base, sizes, lv)
+            if sizes[lv] == 0 or not keys[off] < np.inf:
+                continue
+            fin = keys[off] + times[i, lv]
+            if lv == p and fin <= target:
+                best_lv = lv
+                break
+            if fin < best_fin:
+                best_fin = fin
+                best_lv = lv
+        if best_lv < 0:
+            continue
+        lv = best_lv
+        first = size >> lv
+        b = blks[base[lv]]
+        start = keys[base[lv]]
+        _heap_pop(keys, blks, vers, base, sizes, lv)
+        fin = start + times[i, lv]
+        width = 1 << lv
+        lane0 = b * width
+        k = 0
+        for lane in range(lane0, lane0 + width):
+            k = max(k, next_k[lane])
+        for lane in range(lane0, lane0 + width):
+            next_k[lane] = k + 1
+        out_lv[i] = lv
+        out_lane[i] = lane0
+        out_start[i] = start
+        out_k[i] = k
+        for sub in range(lv, -1, -1):  # the block's subtree: every node becomes fin
+            cnt = 1 << (lv - sub)
+            first_sub = size >> sub
+            for node in range(first_sub + b * cnt, first_sub + (b + 1) * cnt):
+                tree[node] = fin
+                version[node] += 1
+                _heap_push(keys, blks, vers, base, sizes, sub, fin, node - first_sub, version[node])
+        node = (first + b) // 2  # ancestors: recompute the max while it changes
+        up = lv + 1
+        while node >= 1:
+            m = max(tree[2 * node], tree[2 * node + 1])
+            if tree[node] == m:
+                break
+            tree[node] = m
+            version[node] += 1
+            _heap_push(keys, blks, vers, base, sizes, up, m, node - (size >> up), version[node])
+            node //= 2
+            up += 1
+    load = tree[size:size + num_lanes].copy()
+    return out_lv, out_lane, out_start, out_k, load, next_k
+
+
+# ------------------------------------------------------------------------------------------
+# single-lane items into per-lane passes
+# ------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _set_min(tree, size, leaf, value):
+    node = size + leaf
+    tree[node] = value
+    node //= 2
+    while node >= 1:
+        m = min(tree[2 * node], tree[2 * node + 1])
+        if tree[node] == m:
+            break
+        tree[node] = m
+        node //= 2
+
+
+@njit(cache=True)
+def fill_passes_kernel(tokens, work, load0, cap, beta):
+    """Single-lane items (in the given order) onto lanes, packed into passes of ``cap`` tokens.
+
+    A lane's cost for an item is its load, plus ``beta`` when none of its passes has room
+    (a new pass opens). The item goes to the lane with the smallest cost (ties: the lower
+    lane); inside the lane to the pass with the least room that fits (ties: the lower
+    pass), or a new pass. Returns (lane ``[n]``, pass ``[n]``, passes per lane
+    ``[num_lanes]``, lane loads ``[num_lanes]``).
+
+    A min segment tree over the lanes holds each lane's cost: its load, or load + beta once
+    the lane is found without room (it is *retired* into a max-heap keyed by its largest
+    room, and woken when an item small enough comes). The leftmost minimum of the tree is
+    the answer once it is retired or has room, so each item costs O(log lanes) amortized.
+    """
+    n = tokens.shape[0]
+    nl = load0.shape[0]
+    load = load0.copy()
+    out_lane = np.full(n, -1, np.int64)
+    out_pass = np.full(n, -1, np.int64)
+    npass = np.zeros(nl, np.int64)
+    rooms = np.zeros((nl, 8), np.int64)  # [num_lanes, max passes] token room per pass
+    maxroom = np.full(nl, -1, np.int64)  # [num_lanes] largest pass room (-1: no pass yet)
+    retired = np.zeros(nl, np.bool_)
+    rver = np.zeros(nl, np.int64)  # retirement version: heap entries of older ones are stale
+    size = 1
+    while size < nl:
+        size *= 2
+    tree = np.full(2 * size, np.inf)  # [2 * size] min cost below each node
+    for lane in range(nl):
+        tree[size + lane] = load[lane]
+    for node in range(size - 1, 0, -1):
+        tree[node] = min(tree[2 * node], tree[2 * node + 1])
+    wk = np.empty(n + nl, np.int64)  # wake heap (max-heap by room): room, lane, version
+    wl = np.empty(n + nl, np.int64)
+    wv = np.empty(n + nl, np.int64)
+    wsize = 0
+    for i in range(n):
+        s = tokens[i]
+        while wsize > 0 and wk[0] >= s:  # wake the retired lanes that now have room
+            lane, ver = wl[0], wv[0]
+            wsize -= 1
+            key, lk, vk = wk[wsize], wl[wsize], wv[wsize]
+            pos = 0
+            while True:
+                c = 2 * pos + 1
+                if c >= wsize:
+                    break
+                if c + 1 < wsize and wk[c + 1] > wk[c]:
+                    c += 1
+                if wk[c] > key:
+                    wk[pos], wl[pos], wv[pos] = wk[c], wl[c], wv[c]
+                    pos = c
+                else:
+                    break
+            if wsize > 0:
+                wk[pos], wl[pos], wv[pos] = key, lk, vk
+            if retired[lane] and rver[lane] == ver:
+                retired[lane] = False
+                _set_min(tree, size, lane, load[lane])
+        while True:
+            node = 1  # the leftmost cheapest lane
+            while node < size:
+                node *= 2
+                if tree[node] != tree[node // 2]:
+                    node += 1
+            best = node - size
+            if retired[best] or maxroom[best] >= s:
+                break
+            retired[best] = True  # no room: it costs load + beta until woken
+            rver[best] += 1
+            pos = wsize
+            wsize += 1
+            while pos > 0:
+                parent = (pos - 1) // 2
+                if wk[parent] < maxroom[best]:
+                    wk[pos], wl[pos], wv[pos] = wk[parent], wl[parent], wv[parent]
+                    pos = parent
+                else:
+                    break
+            wk[pos], wl[pos], wv[pos] = maxroom[best], best, rver[best]
+            _set_min(tree, size, best, load[best] + beta)
+        bp = -1
+        for p in range(npass[best]):
+            r = rooms[best, p]
+            if r >= s and (bp < 0 or r < rooms[best, bp]):
+                bp = p
+        if bp < 0:
+            if npass[best] == rooms.shape[1]:
+                grown = np.zeros((nl, rooms.shape[1] * 2), np.int64)
+                grown[:, : rooms.shape[1]] = rooms
+                rooms = grown
+            bp = npass[best]
+            npass[best] += 1
+            rooms[best, bp] = cap
+            load[best] += beta
+        rooms[best, bp] -= s
+        load[best] += work[i]
+        out_lane[i] = best
+        out_pass[i] = bp
+        mr = -1
+        for p in range(npass[best]):
+            mr = max(mr, rooms[best, p])
+        maxroom[best] = mr
+        if retired[best]:
+            retired[best] = False
+            rver[best] += 1
+        _set_min(tree, size, best, load[best])
+    return out_lane, out_pass, npass, load
+
+
+# ------------------------------------------------------------------------------------------
+# Karmarkar-Karp
+# ------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _kk_less(spread, sid, a, b):
+    """Heap order: larger spread first, then the lower state id."""
+    return spread[a] > spread[b] or (spread[a] == spread[b] and sid[a] < sid[b])
+
+
+@njit(cache=True)
+def _kk_push(heap, hsize, st, spread, sid):
+    """Sift state ``st`` up from position ``hsize`` (the caller grows the heap by one)."""
+    pos = hsize
+    while pos > 0:
+        parent = (pos - 1) // 2
+        if _kk_less(spread, sid, st, heap[parent]):
+            heap[pos] = heap[parent]
+            pos = parent
+        else:
+            break
+    heap[pos] = st
+
+
+@njit(cache=True)
+def kk_kernel(work, k):
+    """k-way Karmarkar-Karp (largest differencing). Returns the part of every item ``[n]``.
+
+    Every item starts as a state of k sets (the item alone in set 0). The two states with
+    the largest spread (max - min set sum; ties: lower state id, items before merged
+    states in creation order) are merged: the first's sets sorted by sum descending are
+    paired with the second's sorted ascending (stable sorts), and the result is pushed as
+    a new state. Sets are linked lists of items; only merged states store k sums.
+    """
+    n = work.shape[0]
+    part = np.zeros(n, np.int64)
+    if n == 0 or k <= 1:
+        return part
+    nxt = np.full(n, -1, np.int64)  # [n] item -> next item of its set
+    total = 2 * n
+    spread = np.zeros(total, np.float64)  # state -> max - min of its set sums
+    sid = np.arange(total)  # state -> id (creation order)
+    slot = np.full(total, -1, np.int64)  # state -> row of sums/heads/tails (-1: singleton)
+    cap = 16
+    sums = np.zeros((cap, k), np.float64)
+    heads = np.full((cap, k), -1, np.int64)
+    tails = np.full((cap, k), -1, np.int64)
+    free = np.empty(cap, np.int64)
+    nfree = 0
+    nrows = 0
+    heap = np.empty(total, np.int64)
+    hsize = 0
+    for i in range(n):
+        spread[i] = work[i]
+        _kk_push(heap, hsize, i, spread, sid)
+        hsize += 1
+    nstates = n
+    a_sum = np.empty(k, np.float64)
+    b_sum = np.empty(k, np.float64)
+    a_head = np.empty(k, np.int64)
+    a_tail = np.empty(k, np.int64)
+    b_head = np.empty(k, np.int64)
+    b_tail = np.empty(k, np.int64)
+    popped = np.empty(2, np.int64)
+    while hsize > 1:
+        for t in range(2):
+            popped[t] = heap[0]
+            hsize -= 1
+            last = heap[hsize]
+            pos = 0
+            while True:
+                c = 2 * pos + 1
+                if c >= hsize:
+                    break
+                if c + 1 < hsize and _kk_less(spread, sid, heap[c + 1], heap[c]):
+                    c += 1
+                if _kk_less(spread, sid, heap[c], last):
+                    heap[pos] = heap[c]
+                    pos = c
+                else:
+                    break
+            if hsize > 0:
+                heap[pos] = last
+        for t in range(2):
+            st = popped[t]
+            dst_sum = a_sum if t == 0 else b_sum
+            dst_head = a_head if t == 0 else b_head
+            dst_tail = a_tail if t == 0 else b_tail
+            if slot[st] < 0:
+                dst_sum[:] = 0.0
+                dst_head[:] = -1
+                dst_tail[:] = -1
+                dst_sum[0] = work[st]
+                dst_head[0] = st
+                dst_tail[0] = st
+            else:
+                r = slot[st]
+                dst_sum[:] = sums[r]
+                dst_head[:] = heads[r]
+                dst_tail[:] = tails[r]
+                free[nfree] = r
+                nfree += 1
+        oa = argsort_stable(-a_sum)
+        ob = argsort_stable(b_sum)
+        if nfree > 0:
+            nfree -= 1
+            r = free[nfree]
+        else:
+            if nrows == sums.shape[0]:
+                cap2 = sums.shape[0] * 2
+                ns = np.zeros((cap2, k), np.float64)
+                nh = np.full((cap2, k), -1, np.int64)
+                nt = np.full((cap2, k), -1, np.int64)
+                ns[: sums.shape[0]] = sums
+                nh[: sums.shape[0]] = heads
+                nt[: sums.shape[0]] = tails
+                sums, heads, tails = ns, nh, nt
+                nf = np.empty(cap2, np.int64)
+                nf[:nfree] = free[:nfree]
+                free = nf
+            r = nrows
+            nrows += 1
+        lo = np.inf
+        hi = -np.inf
+        for j in range(k):
+            x = oa[j]
+            y = ob[j]
+            sm = a_sum[x] + b_sum[y]
+            sums[r, j] = sm
+            lo = min(lo, sm)
+            hi = max(hi, sm)
+            ha, ta, hb, tb = a_head[x], a_tail[x], b_head[y], b_tail[y]
+            if ha < 0:
+                heads[r, j] = hb
+                tails[r, j] = tb
+            elif hb < 0:
+                heads[r, j] = ha
+                tails[r, j] = ta
+            else:
+                nxt[ta] = hb
+                heads[r, j] = ha
+                tails[r, j] = tb
+        st = nstates
+        nstates += 1
+        slot[st] = r
+        spread[st] = hi - lo
+        _kk_push(heap, hsize, st, spread, sid)
+        hsize += 1
+    st = heap[0]
+    if slot[st] < 0:
+        part[st] = 0
+        return part
+    r = slot[st]
+    for j in range(k):
+        it = heads[r, j]
+        while it >= 0:
+            part[it] = j
+            it = nxt[it]
+    return part

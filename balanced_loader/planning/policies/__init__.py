@@ -1,0 +1,1 @@
+"""Planning policies, one module each; see :data:`balanced_loader.planning.POLICIES`."""

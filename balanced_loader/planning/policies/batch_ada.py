@@ -1,0 +1,78 @@
+"""``batch-ada``: FlexSP's BatchAda baseline, the best single sequence-parallel degree per batch.
+
+One pool of shape ``(config.tp or 1, config.pp or 1)``. For every power-of-two degree ``d``
+that holds the batch's longest doc, docs are packed best-fit decreasing into bins of
+``max(fill * max_tokens_per_lane * d, longest doc)`` tokens (FlexSP's ``adaptive_bfd``,
+``fill`` 0.9); the bins go longest-processing-time first onto the ``lanes // d`` aligned lane
+blocks (bin ``i`` of a block runs in microbatch ``i``, so every microbatch holds up to
+``lanes // d`` bins, as in FlexSP). The degree with the fastest contract-2 time wins.
+
+Knobs (``PlanConfig.extra``): ``fill`` (0.9), ``min_degree`` (1). Deterministic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from balanced_loader.cost import CostModel
+from balanced_loader.plan import BatchItems, Group, StepPlan
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.packing import pack
+from balanced_loader.planning.policies.common import check_fits, one_pool_plan
+from balanced_loader.planning.solvers.bins import lpt_blocks
+from balanced_loader.planning.solvers.sp_groups import degree_options
+
+_DEFAULTS = {"fill": 0.9, "min_degree": 1}
+
+
+def _options(config: PlanConfig) -> tuple[float, int]:
+    unknown = set(config.extra) - set(_DEFAULTS) - {"length_histogram"}
+    if unknown:
+        raise ValueError(f"policy 'batch-ada': unknown option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+    fill = config.extra.get("fill", _DEFAULTS["fill"])
+    mind = config.extra.get("min_degree", _DEFAULTS["min_degree"])
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 < fill <= 1:
+        raise ValueError(f"policy 'batch-ada': fill must be in (0, 1], got {fill!r}")
+    if isinstance(mind, bool) or not isinstance(mind, int) or mind < 1 or mind & (mind - 1):
+        raise ValueError(f"policy 'batch-ada': min_degree must be a power of two >= 1, got {mind!r}")
+    return float(fill), int(mind)
+
+
+def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
+    fill, min_degree = _options(config)
+    tp, pp = config.tp or 1, config.pp or 1
+    sc = cost.shape(tp, pp)
+    if not sc.usable:
+        raise ValueError(f"policy 'batch-ada': shape tp={tp}, pp={pp} is unusable (max_tokens_per_lane: 0)")
+    num_lanes = config.world_size // (tp * pp)
+    degrees = degree_options(num_lanes, min_degree)
+    if not degrees:
+        raise ValueError(f"policy 'batch-ada': min_degree {min_degree} exceeds the pool's {num_lanes} lanes")
+    cap = sc.max_tokens_per_lane
+    lengths = np.asarray(items.lengths, dtype=np.int64)
+    check_fits(items, cap, degrees[-1], "batch-ada")
+    if len(items) == 0:
+        return one_pool_plan(step, config.world_size, tp, pp, ())
+    longest = int(lengths.max())
+    best: tuple[float, int, np.ndarray, np.ndarray, np.ndarray] | None = None
+    for d in degrees:
+        if longest > cap * d:
+            continue
+        capacity = min(cap * d, max(int(fill * cap * d), longest))
+        bins = pack(lengths, capacity, "bfd")  # [n]
+        nb = int(bins.max()) + 1
+        seg = np.asarray(sc.segment_ms(lengths.astype(np.float64), d))  # [n]
+        times = sc.microbatch_ms + np.bincount(bins, weights=seg, minlength=nb)  # [num_bins]
+        block, pos = lpt_blocks(times, num_lanes // d)
+        span = float(np.bincount(block, weights=times, minlength=num_lanes // d).max() / pp
+                     + (pp - 1) * times.max() / pp)
+        if best is None or span < best[0] - 1e-9:
+            best = (span, d, bins, block, pos)
+    assert best is not None
+    _, d, bins, block, pos = best
+    microbatches: list[list[Group]] = [[] for _ in range(int(pos.max()) + 1)]
+    for b in range(len(block)):
+        docs = np.flatnonzero(bins == b)
+        lanes = tuple(range(int(block[b]) * d, (int(block[b]) + 1) * d))
+        microbatches[int(pos[b])].append(Group(lanes=lanes, segments=tuple(items.segment(int(i)) for i in docs)))
+    return one_pool_plan(step, config.world_size, tp, pp, tuple(tuple(mb) for mb in microbatches))

@@ -1,0 +1,239 @@
+"""``hydraulis``: heterogeneous pipelines per step (papers/hydraulis.md).
+
+Every pipeline is its own pool of shape ``(tp, pp)`` (from the cost file's ``strategies``)
+with exactly one lane; pools take consecutive rank ranges, largest first (TP inside a node).
+Each microbatch is one group ``lanes=[0]`` of packed docs, so a pool's contract-2 time is
+``sum_j t_j / pp + (pp - 1) max_j t_j / pp``: the paper's 1F1B ``(m + pp - 1) t_max`` when the
+microbatches are equal (the preset's whole-model coefficients are the paper's per-stage
+ones times pp). Replicas of a shape are separate pools.
+
+Per step, for every candidate strategy that holds the batch's longest doc: stage 1 sends
+docs to pipelines, stage 2 packs each pipeline's docs into microbatches
+(:mod:`balanced_loader.planning.solvers.assign`); the fastest candidate wins. Candidates come from
+``PlanConfig.candidates`` (a file written by ``balanced-loader candidates``), else from
+``extra["length_histogram"]`` (lengths, or a mapping length -> count), else from the current
+batch's own lengths (:mod:`balanced_loader.planning.solvers.candidates`). If no candidate holds the
+longest doc, the homogeneous plan of the fastest shape that holds it is added (noted).
+
+Cost-aware pruning keeps the ILPs few: every candidate is first planned with greedy stage 2;
+candidates are then refined in order of that time, and only while their lower bound can still
+win; within a candidate only the slowest pipeline is re-packed by ILP (the others cannot change
+the step time). Knobs (``PlanConfig.extra``): ``restarts`` (50), ``node_limit`` (100),
+``stage2_time_limit_s`` (0.5), ``max_v`` (16), ``delta_s`` (128), ``delta_n`` (1),
+``fixed_cost`` ("packed"), ``stage1_fixed`` ("none": the paper's cost; "packed": stage 1 adds
+each doc's share ``microbatch_ms * len / cap`` of a microbatch), ``ilp_min_gain``
+(0.01: a stage-2 ILP runs only where greedy packing is more than 1 % above its bound). Deterministic given
+(items, cost, config) unless a time limit is hit, which ``StepPlan.notes`` records.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from balanced_loader.cost import CostModel
+from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.solvers import candidates as cands
+from balanced_loader.planning.solvers.assign import Packing, dispatch, pack_pipeline, pipeline_ms
+
+_DEFAULTS: dict[str, object] = {"restarts": 50, "node_limit": 100, "stage2_time_limit_s": 0.5, "max_v": 16,
+                                "delta_s": 128, "delta_n": 1, "fixed_cost": "packed", "stage1_fixed": "none",
+                                "ilp_min_gain": 0.01}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HydraulisOptions:
+    restarts: int
+    node_limit: int
+    stage2_time_limit_s: float
+    max_v: int
+    delta_s: int
+    delta_n: int
+    fixed_cost: str
+    stage1_fixed: str
+    ilp_min_gain: float
+
+    @staticmethod
+    def from_config(config: PlanConfig) -> HydraulisOptions:
+        unknown = set(config.extra) - set(_DEFAULTS) - {"length_histogram"}
+        if unknown:
+            raise ValueError(f"policy 'hydraulis': unknown option(s) {sorted(unknown)}; "
+                             f"known: {sorted(_DEFAULTS) + ['length_histogram']}")
+        kw = {k: config.extra.get(k, v) for k, v in _DEFAULTS.items()}
+        for k in ("restarts", "node_limit", "max_v", "delta_s", "delta_n"):
+            if isinstance(kw[k], bool) or not isinstance(kw[k], int) or kw[k] < 1:
+                raise ValueError(f"policy 'hydraulis': '{k}' must be a positive integer, got {kw[k]!r}")
+        t = kw["stage2_time_limit_s"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ValueError(f"policy 'hydraulis': 'stage2_time_limit_s' must be > 0, got {t!r}")
+        g = kw["ilp_min_gain"]
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0:
+            raise ValueError(f"policy 'hydraulis': 'ilp_min_gain' must be >= 0, got {g!r}")
+        if kw["fixed_cost"] not in cands.FIXED_COST_MODES:
+            raise ValueError(f"policy 'hydraulis': 'fixed_cost' must be one of {cands.FIXED_COST_MODES}")
+        if kw["stage1_fixed"] not in ("packed", "none"):
+            raise ValueError("policy 'hydraulis': 'stage1_fixed' must be 'packed' or 'none'")
+        return HydraulisOptions(**kw)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=8)
+def _load_candidates(path: str, mtime_ns: int, world_size: int, cost: CostModel) -> tuple[cands.Candidate, ...]:
+    return tuple(cands.load(path, world_size, cost))
+
+
+def candidate_list(items: BatchItems, cost: CostModel, config: PlanConfig, opts: HydraulisOptions
+                   ) -> list[cands.Candidate]:
+    """The candidates this step considers (see module docstring for the source order)."""
+    if config.candidates:
+        try:
+            mtime = os.stat(config.candidates).st_mtime_ns
+        except OSError as e:
+            raise ValueError(f"cannot read candidates file {config.candidates}: {e.strerror}") from None
+        return list(_load_candidates(config.candidates, mtime, config.world_size, cost))
+    if "length_histogram" in config.extra:
+        ln, w = cands.histogram_of(config.extra["length_histogram"])
+    else:
+        ln, w = np.asarray(items.lengths, dtype=np.int64), None
+    return cands.generate(ln, w, cost, config.world_size, delta_s=opts.delta_s, delta_n=opts.delta_n,
+                          fixed_cost=opts.fixed_cost)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Trial:
+    cand: cands.Candidate
+    pipes: list[tuple[int, int]]  # [P] (tp, pp)
+    assign: np.ndarray  # [n] pipeline per item
+    packs: list[Packing]  # [P]
+    lower: float
+
+    @property
+    def ms(self) -> float:
+        return max((p.ms for p in self.packs), default=0.0)
+
+
+def _pipeline_lower(work: np.ndarray, lengths: np.ndarray, cap: int, c: float, pp: int) -> float:
+    """A lower bound on the pipeline's contract-2 time over every microbatch count it could use."""
+    if len(work) == 0:
+        return 0.0
+    v_lo = max(1, -(-int(lengths.sum()) // cap))
+    tw, wm = float(work.sum()), float(work.max())
+    v = np.arange(v_lo, max(v_lo, len(work)) + 1, dtype=np.float64)
+    return float((v * c + tw + (pp - 1) * (c + np.maximum(wm, tw / v))).min())
+
+
+def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
+    opts = HydraulisOptions.from_config(config)
+    shapes = cands.usable_shapes(cost, config.world_size)
+    lengths = np.asarray(items.lengths, dtype=np.int64)
+    biggest = max(shapes, key=lambda s: s.max_tokens_per_lane)
+    if len(lengths) and int(lengths.max()) > biggest.max_tokens_per_lane:
+        i = int(np.argmax(lengths))
+        raise ValueError(f"policy 'hydraulis': doc {int(items.doc_ids[i])} ({int(lengths[i])} tokens) fits no "
+                         f"shape: the largest max_tokens_per_lane is {biggest.max_tokens_per_lane} "
+                         f"(tp={biggest.tp}, pp={biggest.pp}); split long docs (long_docs: split) or add a shape")
+    notes: list[str] = []
+    if len(lengths) == 0 and not config.candidates and "length_histogram" not in config.extra:
+        empty = _homogeneous_for(0, cost, config.world_size, lengths)
+        return _plan(step, config.world_size, empty.expand(), [[] for _ in empty.expand()], items)
+    cand_list = candidate_list(items, cost, config, opts)
+    longest = int(lengths.max()) if len(lengths) else 0
+    usable = [c for c in cand_list if c.max_tokens(cost) >= longest]
+    if not usable:
+        fallback = _homogeneous_for(longest, cost, config.world_size, lengths)
+        notes.append(f"hydraulis: no candidate holds the {longest}-token doc; added {fallback.label()}")
+        usable = [fallback]
+    if len(lengths) == 0:
+        return _plan(step, config.world_size, usable[0].expand(), [[] for _ in usable[0].expand()], items)
+    trials = [_stage1(c, lengths, cost, config, opts) for c in usable]
+    # refine: best greedy first, only while the lower bound can still win, only the slowest pipeline
+    trials.sort(key=lambda t: (t.ms, usable.index(t.cand)))
+    best = trials[0].ms
+    for t in trials:
+        if t.lower >= best - 1e-9:
+            continue
+        refined: set[int] = set()
+        while True:
+            p = int(np.argmax([pk.ms for pk in t.packs]))
+            if p in refined or t.packs[p].source == "empty":
+                break
+            refined.add(p)
+            tp, pp = t.pipes[p]
+            sc = cost.shape(tp, pp)
+            docs = np.flatnonzero(t.assign == p)
+            work = np.asarray(sc.compute_ms(lengths[docs].astype(np.float64))) / pp
+            packed = pack_pipeline(lengths[docs], work, sc.max_tokens_per_lane, sc.microbatch_ms / pp, pp,
+                                   time_limit_s=opts.stage2_time_limit_s, node_limit=opts.node_limit,
+                                   max_v=opts.max_v, use_ilp=True, min_gain=opts.ilp_min_gain)
+            if packed.time_limit_hits:
+                notes.append(f"hydraulis: stage-2 ILP time limit {opts.stage2_time_limit_s:g}s hit "
+                             f"{packed.time_limit_hits}x ({t.cand.label()}, pipeline {p}); this plan depends "
+                             f"on machine speed")
+            for f in sorted(set(packed.failures)):
+                notes.append(f"hydraulis: {f} ({t.cand.label()}, pipeline {p}); greedy packing kept")
+            if packed.ms < t.packs[p].ms - 1e-9:
+                t.packs[p] = packed
+        best = min(best, t.ms)
+    win = min(trials, key=lambda t: (t.ms, usable.index(t.cand)))
+    bins = []
+    for p, pk in enumerate(win.packs):
+        docs = np.flatnonzero(win.assign == p)
+        bins.append([[int(docs[i]) for i in b] for b in pk.bins])
+    plan = _plan(step, config.world_size, win.pipes, bins, items)
+    return plan.with_timing(notes=tuple(notes))
+
+
+def _stage1(cand: cands.Candidate, lengths: np.ndarray, cost: CostModel, config: PlanConfig,
+            opts: HydraulisOptions) -> _Trial:
+    pipes = cand.expand()
+    scs = [cost.shape(tp, pp) for tp, pp in pipes]
+    ln = lengths.astype(np.float64)
+    work = np.stack([np.asarray(sc.compute_ms(ln)) / sc.pp for sc in scs], axis=1)  # [n, P] per-stage work
+    s1 = work.copy()
+    if opts.stage1_fixed == "packed":
+        s1 += np.stack([sc.microbatch_ms / sc.pp * ln / sc.max_tokens_per_lane for sc in scs], axis=1)
+    allowed = np.stack([lengths <= sc.max_tokens_per_lane for sc in scs], axis=1)  # [n, P]
+    ppm1 = np.asarray([sc.pp - 1 for sc in scs], dtype=np.float64)
+    assign, _ = dispatch(s1, allowed, ppm1, lengths, restarts=opts.restarts, seed=config.seed)
+    packs, lower = [], 0.0
+    for p, sc in enumerate(scs):
+        docs = np.flatnonzero(assign == p)
+        c = sc.microbatch_ms / sc.pp
+        packs.append(pack_pipeline(lengths[docs], work[docs, p], sc.max_tokens_per_lane, c, sc.pp,
+                                   time_limit_s=opts.stage2_time_limit_s, node_limit=opts.node_limit,
+                                   max_v=opts.max_v, use_ilp=False))
+        lower = max(lower, _pipeline_lower(work[docs, p], lengths[docs], sc.max_tokens_per_lane, c, sc.pp))
+    return _Trial(cand=cand, pipes=pipes, assign=assign, packs=packs, lower=lower)
+
+
+def _homogeneous_for(longest: int, cost: CostModel, world: int, lengths: np.ndarray) -> cands.Candidate:
+    """The homogeneous strategy of the shape that holds ``longest`` with the least total work per replica."""
+    best: tuple[float, cands.Candidate] | None = None
+    for sc in cands.usable_shapes(cost, world):
+        if sc.max_tokens_per_lane < longest or world % sc.gpus:
+            continue
+        reps = world // sc.gpus
+        w = np.asarray(sc.compute_ms(lengths.astype(np.float64))) / sc.pp
+        ms = pipeline_ms(np.array([w.sum() / reps]), sc.microbatch_ms / sc.pp, sc.pp)
+        if best is None or ms < best[0]:
+            best = (ms, cands.normalize({(sc.tp, sc.pp): reps}))
+    if best is None:
+        raise ValueError(f"policy 'hydraulis': no shape both holds a {longest}-token doc and divides the world "
+                         f"size {world}")
+    return best[1]
+
+
+def _plan(step: int, world: int, pipes: list[tuple[int, int]], bins: list[list[list[int]]],
+          items: BatchItems) -> StepPlan:
+    pools, offset = [], 0
+    for (tp, pp), mbs in zip(pipes, bins):
+        g = tp * pp
+        pools.append(Pool(tp=tp, pp=pp, ranks=single_pool_ranks(g, tp, pp, offset),
+                          microbatches=tuple((Group(lanes=(0,), segments=tuple(items.segment(i) for i in b)),)
+                                             for b in mbs)))
+        offset += g
+    assert offset == world
+    return StepPlan(step=step, world_size=world, pools=tuple(pools))

@@ -1,0 +1,19 @@
+"""``maxlen``: Megatron static (fixed ``--tp/--pp/--cp``, max-length packing).
+
+The pool shape is ``(tp, pp)`` from the cost file (``cost.shape(tp, pp)``; a shape not listed
+under ``strategies`` is an error). CP defaults to the smallest power of two whose lanes hold
+the longest doc. Docs are packed first-fit-decreasing into bins of ``cp * max_tokens_per_lane``
+tokens; bin b runs on CP group ``b % G`` in microbatch ``b // G`` (G = lanes / cp data-parallel
+replicas), and every replica runs the same number of microbatches (see ``deal_bins``).
+"""
+
+from __future__ import annotations
+
+from balanced_loader.cost import CostModel
+from balanced_loader.plan import BatchItems, StepPlan
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.policies._planning import static_plan
+
+
+def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
+    return static_plan(items, cost, config, step, policy="maxlen", algorithm="ffd")

@@ -1,0 +1,170 @@
+r"""``pools``: a fixed heterogeneous layout of pools, docs balanced across them, hydra inside each.
+
+The layout comes from ``PlanConfig.extra["pools"]``, a list of ``{tp, pp, lanes}`` (for example
+``[{tp: 1, pp: 2, lanes: 1}, {tp: 1, pp: 1, lanes: 2}]``); pools take consecutive rank ranges
+in that order (:func:`~balanced_loader.plan.single_pool_ranks`: TP inside a node, stage-major),
+and together they must cover the world. Every shape must be usable in the cost file.
+
+Per step:
+
+1. **Across pools** (cost-weighted LPT): items longest first; each goes to the pool, among
+   those that can hold it (``max_tokens_per_lane`` x the pool's largest aligned block), whose
+   estimated time after adding it is smallest (ties: the earlier pool). A pool's estimate is
+   ``max(area, critical) + (pp - 1) * g_max / pp`` with ``area`` = the lane time of its items
+   at their memory-fit degrees (work, CP communication, ``microbatch_ms`` per group and per
+   ``cap`` tokens of one-lane items) over ``lanes * pp``, ``critical`` = the longest item's group
+   time over ``pp`` and ``g_max`` the largest group time (pipeline fill and drain, contract 2).
+2. **Inside a pool**: the pool's items are planned by ``hydra`` on the pool's shape and lanes
+   (closed-form load target, load-driven CP degrees on aligned lane blocks, passes per lane).
+
+Deterministic given (items, cost, config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
+from balanced_loader.plan import BatchItems, Pool, StepPlan, single_pool_ranks
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.policies import hydra
+
+_POOL_KEYS = ("tp", "pp", "lanes")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PoolSpec:
+    """One pool of the fixed layout: shape, lanes and first rank."""
+
+    tp: int
+    pp: int
+    lanes: int
+    offset: int  # first rank of the pool
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp * self.pp * self.lanes
+
+
+def pool_specs(config: PlanConfig) -> list[PoolSpec]:
+    """The validated layout of ``config.extra["pools"]`` (one ValueError naming the entry)."""
+    unknown = sorted(set(config.extra) - {"pools"})
+    if unknown:
+        raise ValueError(f"policy 'pools': unknown option(s) {unknown}; known: ['pools']")
+    raw = config.extra.get("pools")
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ValueError("policy 'pools' needs extra.pools: a list of {tp, pp, lanes}, e.g. "
+                         "[{tp: 1, pp: 2, lanes: 1}, {tp: 1, pp: 1, lanes: 2}]")
+    out: list[PoolSpec] = []
+    offset = 0
+    for i, p in enumerate(raw):
+        where = f"policy 'pools': extra.pools[{i}]"
+        if not isinstance(p, dict):
+            raise ValueError(f"{where}: expected a mapping {{tp, pp, lanes}}, got {p!r}")
+        bad = sorted(set(p) - set(_POOL_KEYS))
+        if bad:
+            raise ValueError(f"{where}: unknown key(s) {bad}; allowed: {list(_POOL_KEYS)}")
+        vals = {}
+        for k in _POOL_KEYS:
+            v = p.get(k, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{where}: '{k}' must be a positive integer, got {v!r}")
+            vals[k] = v
+        spec = PoolSpec(offset=offset, **vals)
+        out.append(spec)
+        offset += spec.num_ranks
+    if offset != config.world_size:
+        sizes = " + ".join(str(s.num_ranks) for s in out)
+        raise ValueError(f"policy 'pools': extra.pools hold {sizes} = {offset} ranks (tp*pp*lanes each) "
+                         f"but the world has {config.world_size}; make them add up")
+    return out
+
+
+def _shape(cost: CostModel, spec: PoolSpec, i: int) -> ShapeCost:
+    sc = cost.shape(spec.tp, spec.pp)
+    if not sc.usable:
+        raise ValueError(f"policy 'pools': extra.pools[{i}] shape tp={spec.tp}, pp={spec.pp} is marked "
+                         f"unusable in the cost file (max_tokens_per_lane: 0)")
+    return sc
+
+
+class _PoolLoad:
+    """Running time estimate of one pool while items are assigned (module docstring)."""
+
+    def __init__(self, sc: ShapeCost, spec: PoolSpec) -> None:
+        self.sc, self.spec = sc, spec
+        self.degrees = allowed_degrees(spec.lanes)
+        self.capacity = sc.max_tokens_per_lane * self.degrees[-1]
+        self.lane_ms = 0.0  # lane time of items at degree > 1 plus work of one-lane items
+        self.short_tokens = 0
+        self.g_max = 0.0
+
+    def _item(self, s: int) -> tuple[float, float, bool]:
+        """(lane ms, group ms, one-lane) of an item of ``s`` tokens at its memory-fit degree."""
+        sc = self.sc
+        d = next(x for x in self.degrees if s <= sc.max_tokens_per_lane * x)
+        g = sc.group_ms([s], d)
+        if d == 1:
+            return float(sc.compute_ms(s)), g, True
+        return d * g, g, False
+
+    def estimate(self, s: int | None = None) -> float:
+        lane_ms, short, g_max = self.lane_ms, self.short_tokens, self.g_max
+        if s is not None:
+            add, g, one = self._item(s)
+            lane_ms += add
+            short += s if one else 0
+            g_max = max(g_max, g)
+        if g_max == 0.0:
+            return 0.0
+        pp, sc = self.spec.pp, self.sc
+        passes = -(-short // sc.max_tokens_per_lane)
+        area = (lane_ms + sc.microbatch_ms * passes) / (self.spec.lanes * pp)
+        return max(area, g_max / pp) + (pp - 1) * g_max / pp
+
+    def add(self, s: int) -> None:
+        add, g, one = self._item(s)
+        self.lane_ms += add
+        self.short_tokens += s if one else 0
+        self.g_max = max(self.g_max, g)
+
+
+def assign(items: BatchItems, cost: CostModel, specs: list[PoolSpec]) -> np.ndarray:
+    """``[n]`` pool index of every item (step 1 of the module docstring)."""
+    loads = [_PoolLoad(_shape(cost, s, i), s) for i, s in enumerate(specs)]
+    pool_of = np.zeros(len(items), dtype=np.int64)
+    for i in np.argsort(-items.lengths, kind="stable"):
+        s = int(items.lengths[i])
+        best, best_t = -1, 0.0
+        for p, load in enumerate(loads):
+            if s > load.capacity:
+                continue
+            t = load.estimate(s)
+            if best < 0 or t < best_t:
+                best, best_t = p, t
+        if best < 0:
+            largest = max(ld.capacity for ld in loads)
+            raise ValueError(f"policy 'pools': doc {int(items.doc_ids[i])} ({s} tokens) fits no pool: the "
+                             f"largest holds {largest} tokens (max_tokens_per_lane x largest CP block); "
+                             f"split long docs (long_docs: split) or add lanes")
+        loads[best].add(s)
+        pool_of[i] = best
+    return pool_of
+
+
+def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
+    specs = pool_specs(config)
+    pool_of = assign(items, cost, specs)
+    pools = []
+    for p, spec in enumerate(specs):
+        idx = np.flatnonzero(pool_of == p)
+        sub = BatchItems(doc_ids=items.doc_ids[idx], starts=items.starts[idx], lengths=items.lengths[idx])
+        micro: tuple = ()
+        if len(sub):
+            inner = PlanConfig(policy="hydra", world_size=spec.num_ranks, tp=spec.tp, pp=spec.pp, seed=config.seed)
+            micro = hydra.plan_step(sub, cost, inner, step).pools[0].microbatches
+        pools.append(Pool(tp=spec.tp, pp=spec.pp, ranks=single_pool_ranks(spec.num_ranks, spec.tp, spec.pp,
+                                                                           spec.offset), microbatches=micro))
+    return StepPlan(step=step, world_size=config.world_size, pools=tuple(pools))

@@ -1,1 +1,0 @@
-"""Planning policies, one module each; see :data:`balanced_loader.planner.POLICIES`."""

@@ -1,0 +1,280 @@
+"""Check a TP x CP layout against one process: ``python -m parallel_runtime.diagnostics.selfcheck``.
+
+Spawns ``--world-size`` gloo processes, builds a one-pool plan (``tp`` ranks per lane; groups of
+``cp`` consecutive lanes, the second microbatch with each group's lanes reversed), runs
+forward and backward of the model on a packed batch (1-token docs and docs not divisible
+by ``2 * cp`` included) with the chosen CP engine, and compares the loss and every parameter
+gradient with the single-process model on the same docs. Prints JSON; exits 1 when a
+difference exceeds the tolerance, 2 on a bad layout.
+
+Gradients are compared in full-model coordinates: each rank writes its local gradients at
+their place in a full-size buffer (replicated parameters from tp index 0 only) and the
+buffers are summed over the world, which also checks the loss normalisation (token sum /
+global valid tokens on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
+from parallel_runtime.engines.context import ENGINES, CommStats, make_engine, shard_microbatch
+from parallel_runtime.engines.tensor import TensorParallel
+from parallel_runtime.groups import ProcessGroups, WorldError, spawn_world
+from parallel_runtime.model import ModelConfig, Transformer, local_attention
+from parallel_runtime.topology import Topology
+
+TOLERANCE = 1e-5  # fp32, relative
+CUDA_TOLERANCE = 1e-4  # fp32 CUDA kernels reduce in other orders
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutSpec:
+    """One layout to check, and the knobs of its test batch."""
+
+    world_size: int
+    tp: int = 1
+    cp: int = 1
+    engine: str = "ring"
+    ulysses: int | None = None  # inner (Ulysses) size; ulysses engine: = cp; ring: 1
+    seed: int = 0
+    heads: int | None = None
+    kv_heads: int | None = None
+    hidden: int = 64
+    num_layers: int = 2
+    docs_per_group: int = 5
+    microbatches: int = 2
+    overlap: bool = True
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--cp-engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        for name in ("world_size", "tp", "cp", "microbatches", "docs_per_group", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.world_size % (self.tp * self.cp):
+            raise ValueError(f"--world-size {self.world_size} is not divisible by tp x cp = "
+                             f"{self.tp} x {self.cp} = {self.tp * self.cp}")
+        inner = self.inner
+        if self.cp % inner:
+            raise ValueError(f"--ulysses {inner} must divide --cp {self.cp}")
+
+    @property
+    def inner(self) -> int:
+        if self.engine == "ring":
+            if self.ulysses not in (None, 1):
+                raise ValueError("--ulysses applies to the ulysses and nested engines, not ring")
+            return 1
+        if self.engine == "ulysses":
+            if self.ulysses not in (None, self.cp):
+                raise ValueError(f"the ulysses engine uses all {self.cp} CP lanes as its degree; use "
+                                 f"--cp-engine nested for --ulysses {self.ulysses}")
+            return self.cp
+        if self.ulysses is not None:
+            if self.ulysses < 1:
+                raise ValueError(f"--ulysses must be >= 1, got {self.ulysses}")
+            return self.ulysses
+        proper = [u for u in range(2, self.cp) if self.cp % u == 0]
+        if not proper:
+            raise ValueError(f"nested CP needs --cp with a divisor 1 < u < cp for the inner Ulysses size; "
+                             f"cp={self.cp} has none: pass --ulysses, or use ring or ulysses")
+        return max(proper)  # a shallow outer ring (HyDra)
+
+    def model_config(self) -> ModelConfig:
+        """A shape the layout allows: KV heads a multiple of tp x inner, GQA ratio 2, vocab/ffn split by tp."""
+        kv = self.kv_heads if self.kv_heads is not None else self.tp * self.inner
+        heads = self.heads if self.heads is not None else 2 * kv
+        tp = self.tp
+        cfg = ModelConfig(vocab_size=-(-256 // tp) * tp, hidden=self.hidden, num_layers=self.num_layers,
+                          num_heads=heads, num_kv_heads=kv, head_dim=8, ffn_hidden=-(-128 // tp) * tp)
+        cfg.check_parallel(tp=tp, ulysses=self.inner)
+        return cfg
+
+
+def make_case(spec: LayoutSpec) -> tuple[StepPlan, list[np.ndarray]]:
+    """The plan and the docs' tokens (indexed by doc_id) of a layout's test batch."""
+    rng = np.random.default_rng(spec.seed)
+    num_lanes = spec.world_size // spec.tp
+    num_groups = num_lanes // spec.cp
+    two_c = 2 * spec.cp
+    docs: list[np.ndarray] = []
+    microbatches = []
+    for k in range(spec.microbatches):
+        groups = []
+        for g in range(num_groups):
+            lengths = [1, two_c + 1, 3 * two_c - 1][: spec.docs_per_group]
+            lengths += [int(x) for x in rng.integers(2, 4 * two_c + 9, size=spec.docs_per_group - len(lengths))]
+            rng.shuffle(lengths)
+            segs = []
+            for n in lengths:
+                segs.append((len(docs), 0, n))
+                docs.append(rng.integers(0, 256, size=n))
+            lanes = list(range(g * spec.cp, (g + 1) * spec.cp))
+            if k % 2 == 1:
+                lanes.reverse()  # lane order differs from rank order: engines must follow the plan's order
+            groups.append(Group(lanes=tuple(lanes), segments=tuple(segs)))
+        microbatches.append(tuple(groups))
+    pool = Pool(tp=spec.tp, pp=1, ranks=single_pool_ranks(spec.world_size, spec.tp), microbatches=tuple(microbatches))
+    return StepPlan(step=0, world_size=spec.world_size, pools=(pool,)), docs
+
+
+def reference(spec: LayoutSpec, docs: list[np.ndarray]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of the single-process model on all docs, whole and unpadded."""
+    cfg = spec.model_config()
+    model = Transformer(cfg, seed=spec.seed)
+    mb = shard_microbatch(docs, 1, 0)
+    valid = int((mb["labels"] != -100).sum())
+    loss = model(torch.from_numpy(mb["input_ids"]), torch.from_numpy(mb["position_ids"]),
+                 torch.from_numpy(mb["labels"]), attn=local_attention(torch.from_numpy(mb["cu_seqlens"]), "masked"),
+                 num_valid_tokens=valid)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_rank(rank: int, world_size: int, spec: LayoutSpec) -> dict | None:
+    """One rank's part of the check (inside an initialised world). Rank 0 returns the result."""
+    t0 = time.perf_counter()
+    plan, docs = make_case(spec)
+    cfg = spec.model_config()
+    inner = spec.inner
+    topo = Topology.from_plan(plan)
+    groups = ProcessGroups.build([topo], plans=[plan], inner_sizes=[inner] if spec.engine == "nested" else None)
+    coord = topo.coord(rank)
+    device = torch.device(spec.device)
+    tp = TensorParallel(size=spec.tp, index=coord.tp_index, group=groups.get(topo.tp_ranks(rank)))
+    model = Transformer(cfg, tp=tp, seed=spec.seed, device=device)
+    all_docs = shard_microbatch(docs, 1, 0)
+    num_valid = int((all_docs["labels"] != -100).sum())
+    stats = CommStats()
+    local_loss = torch.zeros((), dtype=torch.float64)
+    for work in topo.lane_work(rank, plan):
+        if work is None:
+            continue
+        engine = make_engine(spec.engine, groups, work.cp_ranks, rank, inner=inner, overlap=spec.overlap,
+                             stats=stats)
+        mb = shard_microbatch([docs[d] for d, _, _ in work.group.segments], work.group.degree, work.lane_index,
+                              inner=inner)
+        loss = model(torch.from_numpy(mb["input_ids"]).to(device), torch.from_numpy(mb["position_ids"]).to(device),
+                     torch.from_numpy(mb["labels"]).to(device), attn=engine.bind(mb["lengths"]),
+                     num_valid_tokens=num_valid)
+        loss.backward()
+        local_loss += float(loss.detach()) if coord.tp_index == 0 else 0.0
+    shapes = model.full_shapes()
+    names = list(shapes)
+    sizes = [int(np.prod(shapes[n][0])) for n in names]
+    flat = torch.zeros(sum(sizes), dtype=torch.float64)
+    params = dict(model.named_parameters())
+    off = 0
+    for name, size in zip(names, sizes):
+        shape, dim = shapes[name]
+        if dim is not None or coord.tp_index == 0:
+            full = flat[off:off + size].view(shape)
+            g = params[name].grad.detach().to("cpu", torch.float64)
+            if dim is None:
+                full.copy_(g)
+            else:
+                n = g.shape[dim]
+                full.narrow(dim, coord.tp_index * n, n).copy_(g)
+        off += size
+    dist.all_reduce(flat)
+    dist.all_reduce(local_loss)
+    bytes_sent = torch.tensor([stats.total()], dtype=torch.float64)
+    dist.all_reduce(bytes_sent)
+    if rank != 0:
+        return None
+    ref_loss, ref_grads = reference(spec, docs)
+    worst, worst_name, worst_abs = 0.0, "", 0.0
+    off = 0
+    for name, size in zip(names, sizes):
+        got = flat[off:off + size].view(shapes[name][0])
+        ref = ref_grads[name].to(torch.float64)
+        diff = float((got - ref).abs().max())
+        rel = diff / max(float(ref.abs().max()), 1e-30)
+        if rel > worst:
+            worst, worst_name = rel, name
+        worst_abs = max(worst_abs, diff)
+        off += size
+    tol = CUDA_TOLERANCE if device.type == "cuda" else TOLERANCE
+    loss = float(local_loss)
+    rel_loss = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+    return {
+        "layout": {"world_size": spec.world_size, "tp": spec.tp, "cp": spec.cp, "cp_engine": spec.engine,
+                   "ulysses": inner, "ring": spec.cp // inner, "dp": spec.world_size // (spec.tp * spec.cp),
+                   "overlap": spec.overlap, "device": spec.device, "seed": spec.seed},
+        "model": {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.dim_per_head,
+                  "hidden": cfg.hidden, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
+                  "ffn_hidden": cfg.ffn_hidden},
+        "batch": {"docs": len(docs), "tokens": int(sum(len(d) for d in docs)), "valid_tokens": num_valid,
+                  "lengths": [len(d) for d in docs], "microbatches": spec.microbatches},
+        "process_groups": len(groups),
+        "loss": loss,
+        "reference_loss": ref_loss,
+        "max_abs_diff_loss": abs(loss - ref_loss),
+        "max_rel_diff_loss": rel_loss,
+        "max_rel_diff_grad": worst,
+        "max_abs_diff_grad": worst_abs,
+        "worst_param": worst_name,
+        "cp_bytes_sent": int(bytes_sent.item()),
+        "tolerance": tol,
+        "ok": bool(rel_loss <= tol and worst <= tol),
+        "rank0_seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def check(spec: LayoutSpec, *, timeout_s: float = 300.0) -> dict:
+    """Spawn the world, run the check, return rank 0's result."""
+    spec.model_config()  # bad layouts fail here, before any process starts
+    t0 = time.perf_counter()
+    result = spawn_world(run_rank, spec.world_size, spec, timeout_s=timeout_s)[0]
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m parallel_runtime.diagnostics.selfcheck",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--cp-engine", choices=ENGINES, default="ring")
+    ap.add_argument("--ulysses", type=int, default=None, help="inner Ulysses size of the nested engine")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--docs-per-group", type=int, default=5)
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--no-overlap", action="store_true", help="wait for each ring transfer before computing")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (all ranks share cuda:0 through gloo)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds before the world is ended")
+    args = ap.parse_args(argv)
+    try:
+        spec = LayoutSpec(world_size=args.world_size, tp=args.tp, cp=args.cp, engine=args.cp_engine,
+                          ulysses=args.ulysses, seed=args.seed, heads=args.heads, kv_heads=args.kv_heads,
+                          num_layers=args.layers, docs_per_group=args.docs_per_group,
+                          microbatches=args.microbatches, overlap=not args.no_overlap, device=args.device)
+        if spec.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+        result = check(spec, timeout_s=args.timeout)
+    except ValueError as e:
+        print(f"selfcheck: {e}", file=sys.stderr)
+        return 2
+    except WorldError as e:
+        print(f"selfcheck: the distributed run failed:\n{e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=1))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,407 @@
+"""The trainer: ``train -> train_step -> forward_backward`` over a BalancedLoader's plans.
+
+One step on every rank:
+
+1. the loader yields the step's plan and this rank's microbatches (``policy.plan_source:
+   local``: every rank plans the same deterministic plan; ``broadcast``: rank 0 plans and
+   broadcasts it, for time-limited solvers);
+2. the plan fingerprints are all-gathered and must agree before any other collective of the step;
+3. groups the plan needs and that do not exist yet are created (same order everywhere);
+4. **pull**: the fixed fp32 optimizer shards are gathered into this rank's working parameters
+   for its (pool, stage, tp index) in this step's shape;
+5. :func:`~parallel_runtime.training.step.forward_backward`: 1F1B over the pool's microbatches, CP
+   groups per microbatch, loss = token sum / the step's global valid tokens;
+6. **push**: gradients reduce-scattered into the fixed shards (every pool shape in the same
+   coordinates); global-norm clipping and AdamW on the owned shard;
+7. rank 0 appends the step's metrics to ``OUT/metrics.jsonl``.
+
+Checkpoints (``OUT/checkpoint/step-N/``: one optimizer shard and RNG state per rank, loader
+state and step in ``meta.json``; ``latest`` names the newest and is replaced atomically) are
+written every ``train.checkpoint_every`` steps and at the end; a run whose OUT holds one
+resumes from it exactly. ``reference=True`` runs the same plans' docs in one process on the
+whole model (the check that a parallel setup is exact).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from balanced_loader.loader import BalancedLoader, StepBatch
+from balanced_loader.materialize import num_valid_tokens
+from balanced_loader.plan import StepPlan
+from balanced_loader.planning.policies.pools import pool_specs
+from parallel_runtime.config import STDLIB, Recipe, check_shape, dump_recipe
+from parallel_runtime.model import Transformer
+from parallel_runtime.topology import Topology
+from parallel_runtime.training import metrics as M
+from parallel_runtime.training.optimizer import FlatLayout, LocalParam, ShardedOptimizer
+from parallel_runtime.training.step import (
+    DTYPES,
+    FBResult,
+    GroupCache,
+    Runtime,
+    declared_groups,
+    fingerprint_int,
+    forward_backward,
+    init_params,
+    param_specs,
+    plan_groups,
+    reference_forward_backward,
+)
+
+CHECKPOINT_VERSION = 1
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks hold different plans for one step."""
+
+
+def open_data(recipe: Recipe, *, build: bool):
+    """The recipe's source; ``build``: this process may build the stdlib corpus (one per machine)."""
+    from balanced_loader.data.sources import open_source
+
+    d = recipe.data
+    if d.source == STDLIB:
+        from balanced_loader.data.corpus import stdlib_shards
+        from balanced_loader.data.shards import ShardSource
+
+        return stdlib_shards(d.shards_dir, limit=d.stdlib_limit) if build else ShardSource(d.shards_dir)
+    return open_source(recipe.resolve(d.source))
+
+
+def declared_topologies(recipe: Recipe) -> list[Topology]:
+    """Pool layouts known before the first plan (their groups are created up front)."""
+    w, p = recipe.world.size, recipe.policy
+    out = []
+    if p.name == "pools":
+        from balanced_loader.plan import single_pool_ranks
+        from balanced_loader.planning.config import PlanConfig
+        from parallel_runtime.topology import PoolShape
+
+        specs = pool_specs(PlanConfig(policy="pools", world_size=w, extra=dict(p.extra)))
+        out.append(Topology(world_size=w, pools=tuple(
+            PoolShape(tp=s.tp, pp=s.pp, ranks=single_pool_ranks(s.num_ranks, s.tp, s.pp, s.offset)) for s in specs)))
+    elif p.name != "hydraulis":
+        out.append(Topology.uniform(w, tp=p.tp or 1, pp=p.pp or 1))
+    if p.compare:
+        out.append(Topology.uniform(w))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo:
+    """Where this process sits."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    reference: bool
+
+
+class Trainer:
+    """Trains ``recipe`` on this rank (call on every rank of an initialised world, or alone with reference)."""
+
+    def __init__(self, recipe: Recipe, out_dir: str, *, reference: bool = False) -> None:
+        self.recipe = recipe
+        self.out_dir = out_dir
+        distributed = not reference
+        if distributed and not dist.is_initialized():
+            raise ValueError("the process group is not initialized: start with accelerate launch (or init_world)")
+        world = dist.get_world_size() if distributed else 1
+        if distributed and world != recipe.world.size:
+            raise ValueError(f"world.size is {recipe.world.size} but {world} processes were started; launch with "
+                             f"--num_processes {recipe.world.size} or --set world.size={world}")
+        rank = dist.get_rank() if distributed else 0
+        self.info = RunInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                            reference=reference)
+        w = recipe.world
+        if w.device == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("world.device is cuda but torch sees no CUDA device; use --set world.device=cpu")
+            self.device = torch.device("cuda", self.info.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(w.threads)
+        self.dtype = DTYPES[recipe.train.dtype]
+        self.cost = recipe.cost_model()
+        if rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+        self.source = open_data(recipe, build=self.info.local_rank == 0)
+        if distributed:
+            dist.barrier()  # the corpus is built before the other ranks open it
+            if self.info.local_rank != 0:
+                self.source = open_data(recipe, build=False)
+        self.loader = self._loader(recipe.policy.name)
+        self.compare = {} if reference else {name: self._loader(name) for name in recipe.policy.compare}
+        specs = param_specs(recipe.model)
+        self.optimizer = ShardedOptimizer(FlatLayout(specs, world), init_params(recipe.model, recipe.seed),
+                                          recipe.optimizer, rank=rank, device=self.device)
+        self.groups = None
+        # small collectives (fingerprints, per-rank stats) on the backend's device: NCCL moves CUDA tensors only
+        self.comm_device = self.device if distributed and dist.get_backend() == "nccl" else torch.device("cpu")
+        if distributed:
+            backend = None if w.backend == "auto" else w.backend
+            self.groups = GroupCache(rank=rank, backend=backend)
+            self.groups.ensure(declared_groups(declared_topologies(recipe), w.cp_engine, w.cp_inner))
+            self.runtime = Runtime(recipe.model, rank=rank, device=self.device, dtype=self.dtype,
+                                   attention=recipe.train.attention, groups=self.groups, specs=specs)
+        else:
+            self.model = Transformer(recipe.model, device=self.device, dtype=self.dtype, seed=None)
+            by_name = {s.name: s for s in specs}
+            self.ref_params = [LocalParam(spec=by_name[n], tensor=p) for n, p in self.model.named_parameters()]
+        self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
+        self.step = 0
+        self.resumed_from: int | None = None
+        self._load_checkpoint()
+
+    def _loader(self, policy: str) -> BalancedLoader:
+        r, d = self.recipe, self.recipe.data
+        return BalancedLoader(self.source, policy=policy, cost=self.cost, world_size=r.world.size,
+                              rank=self.info.rank, global_batch_tokens=d.global_batch_tokens, seed=r.seed,
+                              max_seq_len=d.max_seq_len, long_docs=d.long_docs, shuffle=d.shuffle,
+                              shuffle_window=d.shuffle_window, epochs=None, prefetch_steps=d.prefetch_steps,
+                              planner_workers=d.planner_workers, plan_config=r.plan_config(policy),
+                              cp_inner=r.loader_cp_inner())
+
+    # ---- the loop ---------------------------------------------------------------------
+    def train(self, steps: int | None = None) -> list[dict[str, Any]]:
+        """Train until global step ``steps`` (default: the recipe's); returns rank 0's metrics of this run."""
+        until = self.recipe.steps if steps is None else steps
+        every = self.recipe.train.checkpoint_every
+        out = []
+        saved = self.step if self._has_checkpoint() else None
+        try:
+            while self.step < until:
+                m = self.train_step(self.next_batch(self.loader))
+                out.append(m)
+                if self.info.rank == 0:
+                    print(M.format_step(m), flush=True)
+                if every and self.step % every == 0:
+                    self.save_checkpoint()
+                    saved = self.step
+            if saved != self.step:
+                self.save_checkpoint()
+        finally:
+            self.close()
+        return out
+
+    def next_batch(self, loader: BalancedLoader) -> StepBatch:
+        """The next step of ``loader``; with ``plan_source: broadcast`` rank 0's plan, materialized here."""
+        if self.recipe.policy.plan_source == "local" or self.info.reference:
+            return next(loader)
+        t0 = time.perf_counter()
+        box: list[Any] = [None]
+        if self.info.rank == 0:
+            b = next(loader)
+            box = [(b.plan, b.step, b.epoch, b.step_in_epoch, b.planner_wait_s)]
+        dist.broadcast_object_list(box, src=0)
+        plan, step, epoch, s_in, wait = box[0]
+        if self.info.rank != 0:
+            wait = time.perf_counter() - t0  # these ranks' loaders only materialize; checkpoints keep rank 0's cursor
+        return StepBatch(step=step, epoch=epoch, step_in_epoch=s_in, plan=plan,
+                         microbatches=tuple(loader.microbatches(plan, self.info.rank)),
+                         num_valid_tokens=num_valid_tokens(plan), planner_wait_s=wait,
+                         doc_stats=loader.epoch_stats(epoch), rank=self.info.rank)
+
+    def train_step(self, batch: StepBatch) -> dict[str, Any]:
+        """One optimizer step on ``batch``; returns the step's metrics (complete on rank 0)."""
+        t0 = time.perf_counter()
+        plan = batch.plan
+        if self.info.reference:
+            res = self._reference_fb(batch)
+            stats = np.array([[res.loss_sum, res.compute_ms, res.wall_ms, batch.planner_wait_s * 1e3,
+                               res.microbatches, 0]])
+            new_groups = 0
+        else:
+            stats, new_groups = self._execute(batch, push=True)
+        compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
+        norm = self.optimizer.step()
+        self.step = batch.step + 1
+        bal = M.balance(plan, self.cost, stats[:, 1], stats[:, 2])
+        if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
+            bal.update(skew=1.0, measured_bubble=0.0)
+        rec = {"step": batch.step, "loss": float(stats[:, 0].sum()), "tokens": plan.tokens,
+               "valid_tokens": batch.num_valid_tokens, "docs": int(len(plan.doc_ids())),
+               "policy": self.recipe.policy.name, "fingerprint": plan.fingerprint(), **M.plan_shape(plan), **bal,
+               "wall_ms": [round(float(x), 3) for x in stats[:, 2]],
+               "microbatches": [int(x) for x in stats[:, 4]],
+               "planner_wait_ms": round(float(stats[:, 3].max()), 3),
+               "grad_norm": norm, "lr": self.optimizer.config.lr_at(self.optimizer.steps - 1),
+               "pull_bytes": self.optimizer.bytes_pulled, "push_bytes": self.optimizer.bytes_pushed,
+               "pipeline_bytes": int(stats[:, 5].sum()), "new_groups": new_groups,
+               "step_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+        if compare:
+            rec["compare"] = compare
+        self.optimizer.bytes_pulled = self.optimizer.bytes_pushed = 0
+        if self.info.rank == 0:
+            self.metrics.write(rec)
+        return rec
+
+    # ---- pieces of a step ----------------------------------------------------------------
+    def check_plan(self, plan: StepPlan) -> None:
+        """All-gather the plan fingerprints; one clear error on every rank when they differ."""
+        mine = torch.tensor([fingerprint_int(plan), plan.step], dtype=torch.int64, device=self.comm_device)
+        every = [torch.zeros_like(mine) for _ in range(self.info.world_size)]
+        dist.all_gather(every, mine)
+        fps = [int(t[0]) for t in every]
+        if len(set(fps)) > 1:
+            odd = [r for r, f in enumerate(fps) if f != fps[0]]
+            raise PlanMismatchError(
+                f"plans differ across ranks at step {plan.step}: rank(s) {odd} disagree with rank 0 "
+                f"(fingerprints {[format(f, 'x') for f in fps]}); the policy is not deterministic here: set "
+                f"policy.plan_source: broadcast, or give every rank the same data, recipe and seed")
+
+    def _execute(self, batch: StepBatch, *, push: bool) -> tuple[np.ndarray, int]:
+        """Check ``batch``'s plan, create the groups it lacks, pull, forward/backward (and push the gradients);
+        returns the gathered per-rank stats (see :meth:`_gather`) and the number of groups created."""
+        plan = batch.plan
+        self.check_plan(plan)
+        topo = Topology.from_plan(plan)
+        check_hostable(plan, self.recipe)
+        new_groups = self.groups.ensure(plan_groups(plan, self.recipe.world.cp_engine, self.recipe.world.cp_inner))
+        sm = self.runtime.stage_model(topo)
+        self.optimizer.pull(sm.params)
+        res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
+        if push:
+            self.optimizer.push(sm.params)
+        _zero(sm.params)
+        return self._gather(res, batch.planner_wait_s), new_groups
+
+    def _gather(self, res: FBResult, wait_s: float) -> np.ndarray:
+        """``[world, 6]``: loss share, compute ms, wall ms, planner wait ms, microbatches, pipeline bytes."""
+        mine = torch.tensor([res.loss_sum, res.compute_ms, res.wall_ms, wait_s * 1e3, res.microbatches,
+                             res.pipeline_bytes], dtype=torch.float64, device=self.comm_device)
+        every = [torch.zeros_like(mine) for _ in range(self.info.world_size)]
+        dist.all_gather(every, mine)
+        return torch.stack(every).cpu().numpy()
+
+    def _compare_step(self, name: str, loader: BalancedLoader) -> dict[str, Any]:
+        """Forward and backward of another policy's plan of the same batch (same parameters, not trained)."""
+        batch = self.next_batch(loader)
+        plan = batch.plan
+        stats, _ = self._execute(batch, push=False)
+        return {"fingerprint": plan.fingerprint(), "loss": float(stats[:, 0].sum()), **M.plan_shape(plan),
+                **M.balance(plan, self.cost, stats[:, 1], stats[:, 2])}
+
+    def _reference_fb(self, batch: StepBatch) -> FBResult:
+        self.optimizer.pull(self.ref_params)
+        res = reference_forward_backward(self.model, batch.plan, self.source, batch.num_valid_tokens,
+                                         device=self.device, attention=_ref_attention(self.recipe))
+        self.optimizer.push(self.ref_params)
+        _zero(self.ref_params)
+        return res
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.out_dir, "checkpoint")
+
+    def _has_checkpoint(self) -> bool:
+        return os.path.exists(os.path.join(self.checkpoint_dir, "latest"))
+
+    def save_checkpoint(self) -> str:
+        """Write this rank's shard, then (rank 0) the meta file and the ``latest`` pointer, atomically."""
+        name = f"step-{self.step:08d}"
+        folder = os.path.join(self.checkpoint_dir, name)
+        os.makedirs(folder, exist_ok=True)
+        rank_file = os.path.join(folder, f"rank{self.info.rank:05d}.pt")
+        _atomic_torch_save({"version": CHECKPOINT_VERSION, "step": self.step, "rank": self.info.rank,
+                            "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}, rank_file)
+        if not self.info.reference:
+            dist.barrier()
+        if self.info.rank == 0:
+            meta = {"version": CHECKPOINT_VERSION, "step": self.step, "world_size": self.recipe.world.size,
+                    "processes": self.info.world_size, "reference": self.info.reference,
+                    "loader": self.loader.state_dict(),
+                    "compare": {n: ld.state_dict() for n, ld in self.compare.items()},
+                    "recipe": dump_recipe(self.recipe)}
+            _atomic_write(os.path.join(folder, "meta.json"), json.dumps(meta, indent=1, default=list))
+            _atomic_write(os.path.join(self.checkpoint_dir, "latest"), name + "\n")
+            for old in os.listdir(self.checkpoint_dir):
+                if old.startswith("step-") and old != name:
+                    shutil.rmtree(os.path.join(self.checkpoint_dir, old), ignore_errors=True)
+        if not self.info.reference:
+            dist.barrier()
+        return folder
+
+    def _load_checkpoint(self) -> None:
+        latest = os.path.join(self.checkpoint_dir, "latest")
+        if not os.path.exists(latest):
+            return
+        with open(latest) as f:
+            folder = os.path.join(self.checkpoint_dir, f.read().strip())
+        with open(os.path.join(folder, "meta.json")) as f:
+            meta = json.load(f)
+        if meta.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"checkpoint {folder}: version {meta.get('version')} is not supported")
+        if bool(meta["reference"]) != self.info.reference or meta["processes"] != self.info.world_size:
+            what = "a --reference run" if meta["reference"] else f"a run on {meta['processes']} processes"
+            raise ValueError(f"--out {self.out_dir} holds a checkpoint of {what}; this run is "
+                             f"{'a --reference run' if self.info.reference else f'on {self.info.world_size} processes'}"
+                             f"; use another --out")
+        state = torch.load(os.path.join(folder, f"rank{self.info.rank:05d}.pt"), weights_only=False)
+        if state["step"] != meta["step"]:
+            raise ValueError(f"checkpoint {folder}: rank {self.info.rank}'s shard is of step {state['step']}, "
+                             f"the meta file of step {meta['step']}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.loader.load_state_dict(meta["loader"])
+        for n, ld in self.compare.items():
+            if n not in meta["compare"]:
+                raise ValueError(f"checkpoint {folder} has no loader state for policy.compare '{n}'; "
+                                 f"resume with the same policy.compare")
+            ld.load_state_dict(meta["compare"][n])
+        self.step = int(meta["step"])
+        self.resumed_from = self.step
+        if self.info.rank == 0:
+            self.metrics.truncate_from(self.step)
+            print(f"resumed from {folder} at step {self.step}", flush=True)
+
+    def close(self) -> None:
+        self.loader.close()
+        for ld in self.compare.values():
+            ld.close()
+
+
+def check_hostable(plan: StepPlan, recipe: Recipe) -> None:
+    """ValueError naming the field when the recipe's model cannot run one of the plan's pool shapes."""
+    for i, pool in enumerate(plan.pools):
+        check_shape(recipe.model, pool.tp, pool.pp, recipe.world,
+                    where=f"plan step {plan.step}, pool {i} (tp={pool.tp}, pp={pool.pp})",
+                    degrees=sorted({g.degree for mb in pool.microbatches for g in mb}))
+
+
+def _ref_attention(recipe: Recipe) -> str:
+    """The reference runs whole segments per doc (``loop``) on CPU: no dense mask over a whole group."""
+    a = recipe.train.attention
+    return "loop" if a in ("auto", "masked") and recipe.world.device == "cpu" else a
+
+
+def _zero(params) -> None:
+    for lp in params:
+        lp.tensor.grad = None
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj: Any, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
