@@ -17,7 +17,7 @@ settings.register_profile("thorough", max_examples=500, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 REPO = Path(__file__).resolve().parents[1]
-WIKI = REPO.parent / "shared" / "data" / "wikipedia_lengths.txt.gz"
+WIKI = REPO / "data" / "wikipedia_lengths.txt.gz"
 
 
 def wikipedia_path() -> Path | None:
@@ -28,7 +28,7 @@ def wikipedia_path() -> Path | None:
 
 @pytest.fixture(scope="session")
 def wiki_lengths() -> np.ndarray:
-    """[1_000_000] token lengths of Wikipedia docs from ../shared/data (FlexSP, Apache-2.0)."""
+    """[1_000_000] token lengths of Wikipedia docs bundled in data/ (FlexSP, Apache-2.0)."""
     p = wikipedia_path()
     if p is None:
         pytest.skip(f"Wikipedia lengths not found at {WIKI} (set BALANCED_LOADER_WIKIPEDIA)")

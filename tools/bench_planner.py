@@ -49,7 +49,7 @@ from balanced_loader.presets import cost_preset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-WIKI = os.path.join(os.path.dirname(REPO), "shared", "data", "wikipedia_lengths.txt.gz")
+WIKI = os.path.join(REPO, "data", "wikipedia_lengths.txt.gz")
 COST = "hydra-gpt7b-a100"
 
 

@@ -42,7 +42,7 @@ from balanced_loader.planning.registry import POLICIES
 from balanced_loader.presets import cost_preset
 
 REPO = Path(__file__).resolve().parents[1]
-WIKI = REPO.parent / "shared" / "data" / "wikipedia_lengths.txt.gz"
+WIKI = REPO / "data" / "wikipedia_lengths.txt.gz"
 
 
 def load_wiki(path: Path) -> np.ndarray:
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setting", choices=("flexsp", "hydraulis", "both", "none"), default="both")
     p.add_argument("--batches", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--lengths", type=Path, default=WIKI, help="Wikipedia lengths (default ../shared/data)")
+    p.add_argument("--lengths", type=Path, default=WIKI, help="Wikipedia lengths (default data/, bundled)")
     p.add_argument("--candidates-out", type=Path, default=Path("/tmp/bench_strategies_candidates.yaml"))
     p.add_argument("--json", type=Path, help="write all numbers here")
     p.add_argument("--all-cores", action="store_true", help="do not pin to one CPU core")

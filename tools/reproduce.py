@@ -3,7 +3,7 @@
     .venv/bin/python tools/reproduce.py [--settings flexsp,hydra,hydraulis] [--batches 5]
                                         [--out results.md] [--json results.json]
 
-Every setting plans the same Wikipedia batches (``../shared/data/wikipedia_lengths.txt.gz``,
+Every setting plans the same Wikipedia batches (``data/wikipedia_lengths.txt.gz``, bundled,
 file order) with each policy through ``balanced_loader.cli.comparison`` (plans are validated, then
 simulated), and prints markdown tables that set our modeled speedups beside the published
 ones, each row saying what differs from the paper's setup. A policy that is not in this build
@@ -46,7 +46,7 @@ from balanced_loader.presets import cost_preset
 
 REPO = Path(__file__).resolve().parents[1]
 
-WIKI = REPO.parent / "shared" / "data" / "wikipedia_lengths.txt.gz"
+WIKI = REPO / "data" / "wikipedia_lengths.txt.gz"
 BEGIN = "<!-- reproduce:begin -->"
 END = "<!-- reproduce:end -->"
 K = 1024
