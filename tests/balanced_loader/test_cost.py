@@ -11,6 +11,7 @@ import yaml
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
 from balanced_loader.presets import HARDWARE, MODELS, analytic_cost, cost_preset, preset_names
+from balanced_loader.simulate import lane_finish_ms, pool_ms, step_ms
 
 DESIGN_EXAMPLE = """
 quadratic_ms: 5.128e-6
@@ -52,7 +53,7 @@ def test_pool_time_is_1f1b_for_uniform_microbatches(cost):
     g = Group(lanes=(0, 1), segments=((0, 0, 1000),))
     pool = Pool(tp=1, pp=2, ranks=single_pool_ranks(4, 1, 2), microbatches=tuple((g,) for _ in range(m)))
     t = c.shape(1, 2).group_ms([1000], 2)
-    assert math.isclose(c.pool_ms(pool), (m + 2 - 1) * t / 2, rel_tol=1e-12)
+    assert math.isclose(pool_ms(pool, c), (m + 2 - 1) * t / 2, rel_tol=1e-12)
 
 
 def _fields(sc):
@@ -67,9 +68,9 @@ def test_lanes_run_ahead_and_groups_wait_for_all_lanes(cost):
         (Group(lanes=(0,), segments=((3, 0, 5),)),),
     )
     plan = StepPlan(step=0, world_size=2, pools=(Pool(tp=1, pp=1, ranks=((0, 1),), microbatches=mbs),))
-    finish, gmax = c.lane_finish_ms(plan.pools[0])
+    finish, gmax = lane_finish_ms(plan.pools[0], c)
     assert finish.tolist() == [55.0, 50.0] and gmax == 30.0
-    assert c.step_ms(plan) == 55.0
+    assert step_ms(plan, c) == 55.0
 
 
 def test_strict_cost_file_errors(tmp_path):

@@ -15,6 +15,7 @@ from balanced_loader.planning.solvers import assign
 from balanced_loader.planning.solvers import candidates as cands
 from balanced_loader.planning.solvers.solver import MilpResult
 from balanced_loader.presets import cost_preset
+from balanced_loader.simulate import serial_pool_ms
 
 HYD = cost_preset("hydraulis-llama7b-a800")
 
@@ -63,7 +64,7 @@ def brute_pipeline(lengths, work, cap, c, pp):
     best = np.inf
     for part in partitions(list(range(len(lengths)))):
         if all(lengths[b].sum() <= cap for b in part):
-            best = min(best, assign.pipeline_ms(np.array([work[b].sum() for b in part]), c, pp))
+            best = min(best, serial_pool_ms(np.array([work[b].sum() for b in part]), pp, c))
     return best
 
 

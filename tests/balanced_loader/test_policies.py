@@ -13,6 +13,7 @@ from balanced_loader.data.batching import to_items
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import make_plan
 from balanced_loader.planning.config import PlanConfig
+from balanced_loader.simulate import step_ms
 
 CORE = ("maxlen", "static-sp", "token-kk", "mcore-dcp", "hydra")
 STATIC = ("maxlen", "static-sp", "token-kk")
@@ -68,7 +69,7 @@ def test_every_core_policy_plan_validates(case):
     plan = make_plan(items, COST, config, step=3)
     plan.validate(lengths, COST, doc_ids=range(len(lengths)))
     assert plan.step == 3
-    assert plan.predicted_ms == pytest.approx(COST.step_ms(plan))
+    assert plan.predicted_ms == pytest.approx(step_ms(plan, COST))
     assert [(p.tp, p.pp) for p in plan.pools] == [(config.tp or 1, config.pp or 1)]
     pool = plan.pools[0]
     cap = COST.shape(pool.tp, pool.pp).max_tokens_per_lane
@@ -173,4 +174,4 @@ def test_greedy_uses_the_configured_shape():
     plan.validate(lengths, COST, doc_ids=range(len(lengths)))
     (pool,) = plan.pools
     assert (pool.tp, pool.pp, pool.num_lanes) == (2, 2, 2)
-    assert plan.predicted_ms == pytest.approx(COST.step_ms(plan))
+    assert plan.predicted_ms == pytest.approx(step_ms(plan, COST))

@@ -16,10 +16,12 @@ from balanced_loader.plan import Group, Plan, Pool, StepPlan
 from balanced_loader.presets import HARDWARE, MODELS
 from balanced_loader.simulate import (
     PoolArrays,
+    lane_finish_ms,
     lane_schedule,
     lane_schedule_py,
     model_flops,
     plan_lengths,
+    pool_ms,
     simulate_plan,
     simulate_step,
     simulate_step_json,
@@ -70,19 +72,38 @@ def random_plans(draw) -> tuple[CostModel, StepPlan]:
     return cost, StepPlan(step=0, world_size=offset, pools=tuple(pools))
 
 
+def reference_pool(pool: Pool, cost: CostModel) -> tuple[list[float], float, float]:
+    """Contract 2 read literally, one group at a time: (lane finish, largest group ms, pool ms)."""
+    sc = cost.shape(pool.tp, pool.pp)
+    finish = [0.0] * pool.num_lanes
+    gmax = 0.0
+    for mb in pool.microbatches:
+        for g in mb:
+            t = sc.group_ms([s[2] for s in g.segments], len(g.lanes))
+            gmax = max(gmax, t)
+            start = max(finish[x] for x in g.lanes)
+            for x in g.lanes:
+                finish[x] = start + t / pool.pp
+    return finish, gmax, (max(finish) + (pool.pp - 1) * gmax / pool.pp) if gmax > 0 else 0.0
+
+
 @given(random_plans())
 def test_step_time_equals_the_cost_model(case):
     cost, plan = case
     m = simulate_step(plan, cost)
-    ref = cost.step_ms(plan)
+    refs = [reference_pool(pool, cost) for pool in plan.pools]
+    ref = max((r[2] for r in refs), default=0.0)
     assert math.isclose(m.step_ms, ref, rel_tol=1e-9, abs_tol=1e-12)
     assert math.isclose(step_ms(plan, cost), ref, rel_tol=1e-9, abs_tol=1e-12)
-    for pm, pool in zip(m.pools, plan.pools):
-        assert math.isclose(pm.makespan_ms, cost.pool_ms(pool), rel_tol=1e-9, abs_tol=1e-12)
+    for pm, pool, (ref_finish, ref_gmax, ref_ms) in zip(m.pools, plan.pools, refs):
+        assert math.isclose(pm.makespan_ms, ref_ms, rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(pool_ms(pool, cost), ref_ms, rel_tol=1e-9, abs_tol=1e-12)
         if pool.microbatches:
-            finish, gmax = cost.lane_finish_ms(pool)
-            np.testing.assert_allclose(pm.lane_finish_ms, finish, rtol=1e-9, atol=1e-9)
-            assert math.isclose(pm.max_group_ms, gmax, rel_tol=1e-9)
+            finish, gmax = lane_finish_ms(pool, cost)
+            np.testing.assert_allclose(pm.lane_finish_ms, ref_finish, rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose(finish, ref_finish, rtol=1e-9, atol=1e-9)
+            assert math.isclose(pm.max_group_ms, ref_gmax, rel_tol=1e-9)
+            assert math.isclose(gmax, ref_gmax, rel_tol=1e-9)
     # every rank-ms is either busy or idle, and the bubbles are shares in [0, 1]
     assert 0 <= m.idle <= 1 and 0 <= m.pp_bubble <= 1 and 0 <= m.dp_bubble <= 1
     assert m.skew >= 1 - 1e-12

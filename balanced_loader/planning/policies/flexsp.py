@@ -54,6 +54,7 @@ from balanced_loader.planning.solvers.sp_groups import (
     segment_table,
 )
 from balanced_loader.planning.solvers.sp_milp import solve_microbatch
+from balanced_loader.simulate import placed_pool_ms
 
 _DEFAULTS = {"min_degree": 1, "num_m": 5, "node_limit": 50, "rel_gap": 0.002, "buckets": 16, "max_solves": 24,
              "exact_vars": 64, "bisect_steps": 6, "bisect_tol": 0.005}
@@ -147,15 +148,9 @@ def _greedy_chunks(lengths: np.ndarray, order: np.ndarray, m: int, sc: ShapeCost
 
 def pool_time(microbatches: list[tuple[SpGroup, ...]], lanes: list[list[tuple[int, ...]]],
               num_lanes: int, pp: int) -> float:
-    """Contract-2 pool time of placed groups (same arithmetic as ``CostModel.pool_ms``)."""
-    finish = np.zeros(num_lanes)  # [num_lanes]
-    gmax = 0.0
-    for groups, placed in zip(microbatches, lanes):
-        for g, ln in zip(groups, placed):
-            idx = list(ln)
-            finish[idx] = finish[idx].max() + g.ms / pp
-            gmax = max(gmax, g.ms)
-    return float(finish.max() + (pp - 1) * gmax / pp)
+    """Contract-2 pool time of placed groups (:func:`balanced_loader.simulate.placed_pool_ms`)."""
+    groups = [(g, ln) for gs, placed in zip(microbatches, lanes) for g, ln in zip(gs, placed)]  # execution order
+    return placed_pool_ms([ln for _, ln in groups], [g.ms for g, _ in groups], pp, num_lanes)
 
 
 def plan_microbatches(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, opts: FlexSPOptions,

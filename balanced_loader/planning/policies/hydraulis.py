@@ -38,7 +38,8 @@ from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.solvers import candidates as cands
-from balanced_loader.planning.solvers.assign import Packing, dispatch, pack_pipeline, pipeline_ms
+from balanced_loader.planning.solvers.assign import Packing, dispatch, pack_pipeline
+from balanced_loader.simulate import serial_pool_ms
 
 _DEFAULTS: dict[str, object] = {"restarts": 50, "node_limit": 100, "stage2_time_limit_s": 0.5, "max_v": 16,
                                 "delta_s": 128, "delta_n": 1, "fixed_cost": "packed", "stage1_fixed": "none",
@@ -217,7 +218,7 @@ def _homogeneous_for(longest: int, cost: CostModel, world: int, lengths: np.ndar
             continue
         reps = world // sc.gpus
         w = np.asarray(sc.compute_ms(lengths.astype(np.float64))) / sc.pp
-        ms = pipeline_ms(np.array([w.sum() / reps]), sc.microbatch_ms / sc.pp, sc.pp)
+        ms = serial_pool_ms(np.array([w.sum() / reps]), sc.pp, sc.microbatch_ms / sc.pp)
         if best is None or ms < best[0]:
             best = (ms, cands.normalize({(sc.tp, sc.pp): reps}))
     if best is None:

@@ -36,6 +36,7 @@ import numpy as np
 from numba import njit
 
 from balanced_loader.cost import CostModel, ShapeCost
+from balanced_loader.simulate import solo_stage_ms
 
 CANDIDATES_FORMAT = "balanced-loader/candidates"
 CANDIDATES_VERSION = 1
@@ -103,8 +104,9 @@ class Grid:
 def stage_ms(sc: ShapeCost, lengths: np.ndarray, fixed_cost: str) -> np.ndarray:
     """One stage's time per doc (``[n]``) under ``fixed_cost`` (see module docstring)."""
     ln = np.asarray(lengths, dtype=np.float64)
+    # "doc": a group per doc; "packed": the doc's token share of one full microbatch's fixed cost
     fixed = sc.microbatch_ms if fixed_cost == "doc" else sc.microbatch_ms * ln / sc.max_tokens_per_lane
-    return (np.asarray(sc.compute_ms(ln)) + fixed) / sc.pp
+    return solo_stage_ms(sc, ln, fixed)
 
 
 def build_grid(lengths: np.ndarray, weights: np.ndarray, shapes: Sequence[ShapeCost], delta_s: int,
