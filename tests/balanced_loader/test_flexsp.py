@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader.cost import CostModel
+from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import make_plan
 from balanced_loader.planning.config import PlanConfig
@@ -20,7 +20,6 @@ from balanced_loader.planning.solvers.sp_groups import (
     SpGroup,
     _fill_kernel,
     _polish_kernel,
-    degree_options,
     fill_reference,
     greedy_homogeneous,
     makespan_lower_bound,
@@ -211,7 +210,7 @@ def test_slot_milp_equals_brute_force_on_tiny_instances(seed):
     while ln.sum() > 1000 * num_lanes:  # one microbatch: within the pool's tokens
         ln = rng.integers(100, 3 * 1000, n).astype(np.int64)
     sc = tiny_cost(1000).base
-    degrees = degree_options(num_lanes, 1)
+    degrees = allowed_degrees(num_lanes)
     bk = Buckets.build(ln, sc, num_lanes, degrees)
     out = slot_milp(bk, sc, num_lanes, time_limit_s=10, node_limit=None, rel_gap=0.0)
     exact = brute_force(ln, sc, num_lanes, degrees)

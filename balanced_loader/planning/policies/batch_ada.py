@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from balanced_loader.cost import CostModel
+from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.plan import BatchItems, Group, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import pack
 from balanced_loader.planning.policies.common import check_fits, one_pool_plan
 from balanced_loader.planning.solvers.bins import lpt_blocks
-from balanced_loader.planning.solvers.sp_groups import degree_options
 
 _DEFAULTS = {"fill": 0.9, "min_degree": 1}
 
@@ -45,7 +44,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     if not sc.usable:
         raise ValueError(f"policy 'batch-ada': shape tp={tp}, pp={pp} is unusable (max_tokens_per_lane: 0)")
     num_lanes = config.world_size // (tp * pp)
-    degrees = degree_options(num_lanes, min_degree)
+    degrees = allowed_degrees(num_lanes, min_degree=min_degree)
     if not degrees:
         raise ValueError(f"policy 'batch-ada': min_degree {min_degree} exceeds the pool's {num_lanes} lanes")
     cap = sc.max_tokens_per_lane

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, ShapeCost
+from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
 from balanced_loader.plan import BatchItems, Group, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies.common import check_fits, one_pool_plan
@@ -46,7 +46,6 @@ from balanced_loader.planning.solvers.blaster import chunk_cuts
 from balanced_loader.planning.solvers.sp_groups import (
     GroupChoice,
     SpGroup,
-    degree_options,
     greedy_homogeneous,
     makespan_lower_bound,
     place_lanes,
@@ -159,7 +158,7 @@ def plan_microbatches(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, opts: 
 
     Returns the microbatches (groups with item indices), their lane blocks and notes.
     """
-    degrees = degree_options(num_lanes, opts.min_degree)
+    degrees = allowed_degrees(num_lanes, min_degree=opts.min_degree)
     cap = sc.max_tokens_per_lane
     n = len(lengths)
     order = np.lexsort((np.arange(n), -lengths)).astype(np.int64)  # [n] longest first
@@ -230,7 +229,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     if not sc.usable:
         raise ValueError(f"policy 'flexsp': shape tp={tp}, pp={pp} is unusable (max_tokens_per_lane: 0)")
     num_lanes = config.world_size // (tp * pp)
-    degrees = degree_options(num_lanes, opts.min_degree)
+    degrees = allowed_degrees(num_lanes, min_degree=opts.min_degree)
     if not degrees:
         raise ValueError(f"policy 'flexsp': min_degree {opts.min_degree} exceeds the pool's {num_lanes} lanes")
     lengths = np.asarray(items.lengths, dtype=np.int64)

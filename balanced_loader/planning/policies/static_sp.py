@@ -11,7 +11,7 @@ from __future__ import annotations
 from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.policies._planning import static_plan
+from balanced_loader.planning.policies.common import static_plan
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:

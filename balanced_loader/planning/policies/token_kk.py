@@ -21,8 +21,14 @@ from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import karmarkar_karp
-from balanced_loader.planning.policies._planning import assemble, empty_plan, fixed_degree, pool_setup
-from balanced_loader.planning.policies.common import check_fits, one_pool_plan
+from balanced_loader.planning.policies.common import (
+    assemble,
+    check_fits,
+    empty_plan,
+    fixed_degree,
+    one_pool_plan,
+    pool_setup,
+)
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:

@@ -43,24 +43,6 @@ class GroupChoice:
     source: str  # "greedy d=8" or "milp"
 
 
-def degree_options(num_lanes: int, min_degree: int) -> list[int]:
-    """Powers of two from ``min_degree`` up to ``num_lanes``."""
-    out, d = [], 1
-    while d <= num_lanes:
-        if d >= min_degree:
-            out.append(d)
-        d *= 2
-    return out
-
-
-def min_degrees(lengths: np.ndarray, cap: int, degrees: list[int]) -> np.ndarray:
-    """Smallest allowed degree holding each doc ``[n]`` (0 where none does)."""
-    out = np.zeros(len(lengths), dtype=np.int64)  # [n]
-    for d in sorted(degrees, reverse=True):
-        out[np.asarray(lengths) <= cap * d] = d
-    return out
-
-
 def segment_table(lengths: np.ndarray, sc: ShapeCost, degrees: list[int]) -> np.ndarray:
     """``[num_degrees, n]`` time each doc adds to a group of each degree."""
     ln = np.asarray(lengths, dtype=np.float64)

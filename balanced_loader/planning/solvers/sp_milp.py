@@ -32,14 +32,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from balanced_loader.cost import ShapeCost
+from balanced_loader.cost import ShapeCost, fit_degrees
 from balanced_loader.planning.solvers.blaster import buckets_for
 from balanced_loader.planning.solvers.solver import MilpResult, solve_milp
 from balanced_loader.planning.solvers.sp_groups import (
     GroupChoice,
     SpGroup,
     group_time,
-    min_degrees,
     polish,
     segment_table,
 )
@@ -77,7 +76,7 @@ class Buckets:
         count = np.bincount(label, minlength=nq).astype(np.int64)
         mean_t = np.stack([np.bincount(label, weights=seg[j], minlength=nq) / count for j in range(len(degrees))])
         max_t = segment_table(bound, sc, degrees)
-        minsp = min_degrees(bound, cap, degrees)
+        minsp = fit_degrees(bound, cap, degrees)
         assert minsp.min() > 0, "every bucket bound is a real length that some degree holds"
         sp_max = int(minsp.max())
         big = minsp == sp_max
