@@ -17,22 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.strict import check_keys, number, read_yaml
+
 _BASE_KEYS = ("quadratic_ms", "linear_ms", "microbatch_ms", "comm_bytes_per_token", "max_tokens_per_lane")
 _OPTIONAL_KEYS = ("gpus_per_node", "strategies", "name", "bandwidth_gbs")
 _STRATEGY_KEYS = {"tp", "pp", *_BASE_KEYS, "bandwidth_gbs"}
-
-
-def _num(d: dict[str, Any], key: str, where: str, *, integer: bool = False, minimum: float = 0.0) -> float:
-    if key not in d:
-        raise ValueError(f"{where}: missing key '{key}'")
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{where}: '{key}' must be a number, got {v!r}")
-    if integer and float(v) != int(v):
-        raise ValueError(f"{where}: '{key}' must be an integer, got {v!r}")
-    if v < minimum or not math.isfinite(v):
-        raise ValueError(f"{where}: '{key}' must be >= {minimum}, got {v!r}")
-    return int(v) if integer else float(v)
 
 
 def _bandwidth(d: Any, where: str) -> tuple[tuple[int, float], ...]:
@@ -45,8 +34,8 @@ def _bandwidth(d: Any, where: str) -> tuple[tuple[int, float], ...]:
             bw = float(v)
         except (TypeError, ValueError):
             raise ValueError(f"{where}: bandwidth_gbs entry {k!r}: {v!r} is not degree: GB/s") from None
-        if deg < 2 or bw <= 0:
-            raise ValueError(f"{where}: bandwidth_gbs entry {k}: {v} needs degree >= 2 and GB/s > 0")
+        if deg < 2 or not 0 < bw < math.inf:  # nan and inf fail too
+            raise ValueError(f"{where}: bandwidth_gbs entry {k}: {v} needs degree >= 2 and a finite GB/s > 0")
         out.append((deg, bw))
     return tuple(sorted(out))
 
@@ -151,21 +140,18 @@ class CostModel:
     def from_dict(d: dict[str, Any], where: str = "cost file") -> CostModel:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected a mapping of cost keys")
-        unknown = set(d) - set(_BASE_KEYS) - set(_OPTIONAL_KEYS)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: "
-                             f"{sorted((*_BASE_KEYS, *_OPTIONAL_KEYS))}")
+        check_keys(d, (*_BASE_KEYS, *_OPTIONAL_KEYS), where)
         if "bandwidth_gbs" not in d:
             raise ValueError(f"{where}: missing key 'bandwidth_gbs'")
         base = dict(
-            quadratic_ms=_num(d, "quadratic_ms", where),
-            linear_ms=_num(d, "linear_ms", where),
-            microbatch_ms=_num(d, "microbatch_ms", where),
-            comm_bytes_per_token=_num(d, "comm_bytes_per_token", where),
+            quadratic_ms=number(d, "quadratic_ms", where, minimum=0),
+            linear_ms=number(d, "linear_ms", where, minimum=0),
+            microbatch_ms=number(d, "microbatch_ms", where, minimum=0),
+            comm_bytes_per_token=number(d, "comm_bytes_per_token", where, minimum=0),
             bandwidth_gbs=_bandwidth(d["bandwidth_gbs"], where),
-            max_tokens_per_lane=_num(d, "max_tokens_per_lane", where, integer=True),
+            max_tokens_per_lane=number(d, "max_tokens_per_lane", where, integer=True, minimum=0),
         )
-        gpn = _num(d, "gpus_per_node", where, integer=True, minimum=1) if "gpus_per_node" in d else 8
+        gpn = number(d, "gpus_per_node", where, integer=True, minimum=1, default=8)
         strategies = []
         raw = d.get("strategies") or []
         if not isinstance(raw, list):
@@ -174,15 +160,13 @@ class CostModel:
             sw = f"{where}: strategies[{i}]"
             if not isinstance(s, dict):
                 raise ValueError(f"{sw}: expected a mapping")
-            bad = set(s) - _STRATEGY_KEYS
-            if bad:
-                raise ValueError(f"{sw}: unknown key(s) {sorted(bad)}; allowed: {sorted(_STRATEGY_KEYS)}")
-            tp = _num(s, "tp", sw, integer=True, minimum=1)
-            pp = _num(s, "pp", sw, integer=True, minimum=1)
+            check_keys(s, _STRATEGY_KEYS, sw)
+            tp = number(s, "tp", sw, integer=True, minimum=1)
+            pp = number(s, "pp", sw, integer=True, minimum=1)
             merged = dict(base)
             for k in _BASE_KEYS:
                 if k in s:
-                    merged[k] = _num(s, k, sw, integer=(k == "max_tokens_per_lane"))
+                    merged[k] = number(s, k, sw, integer=(k == "max_tokens_per_lane"), minimum=0)
             if "bandwidth_gbs" in s:
                 merged["bandwidth_gbs"] = _bandwidth(s["bandwidth_gbs"], sw)
             if any(x.tp == tp and x.pp == pp for x in strategies):
@@ -192,8 +176,6 @@ class CostModel:
 
     @staticmethod
     def from_file(path: str) -> CostModel:
-        from balanced_loader.strict import read_yaml
-
         data = read_yaml(path, "cost file")
         return CostModel.from_dict(data, where=f"cost file {path}")
 

@@ -65,7 +65,7 @@ def _raw() -> dict:
      "world.cp_engine ulysses with Ulysses size 8 needs model.num_kv_heads / tp (4) divisible by it"),
     (["world.cp_engine=zigzag"], "world.cp_engine must be one of ring, ulysses, nested"),
     (["world.cp_inner=2"], "world.cp_inner applies to the nested engine only (cp_engine is 'ulysses')"),
-    (["seed=x"], "seed: expected an integer, got 'x'"),
+    (["seed=x"], "seed must be an integer, got 'x'"),
     (["optimizer.betas=[0.9]"], "optimizer.betas: expected a list of 2 values"),
     (["policy.compare=[fastest]"], "policy.compare: unknown policy 'fastest'"),
     (["cost.preset=analytic:tiny@cpu"], "cost: give exactly one of cost.file"),

@@ -20,14 +20,13 @@ from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import pack
 from balanced_loader.planning.policies.common import check_fits, one_pool_plan
 from balanced_loader.planning.solvers.bins import lpt_blocks
+from balanced_loader.strict import check_keys
 
 _DEFAULTS = {"fill": 0.9, "min_degree": 1}
 
 
 def _options(config: PlanConfig) -> tuple[float, int]:
-    unknown = set(config.extra) - set(_DEFAULTS) - {"length_histogram"}
-    if unknown:
-        raise ValueError(f"policy 'batch-ada': unknown option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+    check_keys(config.extra, (*_DEFAULTS, "length_histogram"), "policy 'batch-ada'", word="option")
     fill = config.extra.get("fill", _DEFAULTS["fill"])
     mind = config.extra.get("min_degree", _DEFAULTS["min_degree"])
     if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 < fill <= 1:

@@ -54,6 +54,7 @@ from balanced_loader.planning.solvers.sp_groups import (
 )
 from balanced_loader.planning.solvers.sp_milp import solve_microbatch
 from balanced_loader.simulate import placed_pool_ms
+from balanced_loader.strict import check_keys, check_number
 
 _DEFAULTS = {"min_degree": 1, "num_m": 5, "node_limit": 50, "rel_gap": 0.002, "buckets": 16, "max_solves": 24,
              "exact_vars": 64, "bisect_steps": 6, "bisect_tol": 0.005}
@@ -74,16 +75,12 @@ class FlexSPOptions:
 
     @staticmethod
     def from_config(config: PlanConfig) -> FlexSPOptions:
-        known = set(_DEFAULTS) | {"length_histogram"}
-        unknown = set(config.extra) - known
-        if unknown:
-            raise ValueError(f"policy 'flexsp': unknown option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+        check_keys(config.extra, (*_DEFAULTS, "length_histogram"), "policy 'flexsp'", word="option")
         kw = {k: config.extra.get(k, v) for k, v in _DEFAULTS.items()}
         for k, v in kw.items():
             low = 1 if k in ("min_degree", "num_m", "node_limit", "buckets") else 0
-            kind = (int, float) if k in ("rel_gap", "bisect_tol") else int
-            if isinstance(v, bool) or not isinstance(v, kind) or v < low:
-                raise ValueError(f"policy 'flexsp': option '{k}' must be a number >= {low}, got {v!r}")
+            kw[k] = check_number(v, f"policy 'flexsp': option '{k}'", integer=k not in ("rel_gap", "bisect_tol"),
+                                 minimum=low)
         if kw["min_degree"] & (kw["min_degree"] - 1):
             raise ValueError(f"policy 'flexsp': min_degree must be a power of two, got {kw['min_degree']}")
         if config.time_limit_s <= 0:

@@ -30,6 +30,7 @@ from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
 from balanced_loader.plan import BatchItems, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies import hydra
+from balanced_loader.strict import check_keys, number
 
 _POOL_KEYS = ("tp", "pp", "lanes")
 
@@ -50,9 +51,7 @@ class PoolSpec:
 
 def pool_specs(config: PlanConfig) -> list[PoolSpec]:
     """The validated layout of ``config.extra["pools"]`` (one ValueError naming the entry)."""
-    unknown = sorted(set(config.extra) - {"pools"})
-    if unknown:
-        raise ValueError(f"policy 'pools': unknown option(s) {unknown}; known: ['pools']")
+    check_keys(config.extra, ("pools",), "policy 'pools'", word="option")
     raw = config.extra.get("pools")
     if not isinstance(raw, (list, tuple)) or not raw:
         raise ValueError("policy 'pools' needs extra.pools: a list of {tp, pp, lanes}, e.g. "
@@ -63,15 +62,8 @@ def pool_specs(config: PlanConfig) -> list[PoolSpec]:
         where = f"policy 'pools': extra.pools[{i}]"
         if not isinstance(p, dict):
             raise ValueError(f"{where}: expected a mapping {{tp, pp, lanes}}, got {p!r}")
-        bad = sorted(set(p) - set(_POOL_KEYS))
-        if bad:
-            raise ValueError(f"{where}: unknown key(s) {bad}; allowed: {list(_POOL_KEYS)}")
-        vals = {}
-        for k in _POOL_KEYS:
-            v = p.get(k, 1)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{where}: '{k}' must be a positive integer, got {v!r}")
-            vals[k] = v
+        check_keys(p, _POOL_KEYS, where)
+        vals = {k: number(p, k, where, integer=True, minimum=1, default=1) for k in _POOL_KEYS}
         spec = PoolSpec(offset=offset, **vals)
         out.append(spec)
         offset += spec.num_ranks
