@@ -18,6 +18,8 @@ from typing import Any
 
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.data.batching import LONG_DOC_MODES
+from balanced_loader.planning import fixed_pools, pool_shapes
+from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
 from balanced_loader.strict import from_dict, read_yaml
 from parallel_runtime.engines.context import ENGINES
@@ -148,19 +150,15 @@ class Recipe:
         """(tp, pp) shapes plans of this recipe can use."""
         return sorted(self.shape_lanes())
 
+    def policy_config(self) -> PlanConfig:
+        """The recipe's policy as the planner's :class:`PlanConfig`."""
+        p = self.policy
+        return PlanConfig(policy=p.name, world_size=self.world.size, tp=p.tp, pp=p.pp, cp=p.cp, seed=self.seed,
+                          time_limit_s=p.time_limit_s, candidates=p.candidates, extra=dict(p.extra))
+
     def shape_lanes(self) -> dict[tuple[int, int], int]:
-        """The most lanes a pool of each (tp, pp) shape of this recipe has."""
-        p, w = self.policy, self.world.size
-        if p.name == "pools":
-            out: dict[tuple[int, int], int] = {}
-            for x in p.extra.get("pools", []):
-                key = (int(x.get("tp", 1)), int(x.get("pp", 1)))
-                out[key] = max(out.get(key, 0), int(x.get("lanes", 1)))
-            return out
-        if p.name == "hydraulis":  # one lane per pipeline
-            return {(s.tp, s.pp): 1 for s in self.cost_model().shapes() if w % s.gpus == 0}
-        tp, pp = p.tp or 1, p.pp or 1
-        return {(tp, pp): w // (tp * pp)}
+        """The most lanes a pool of each (tp, pp) shape of this recipe has (the policy says)."""
+        return pool_shapes(self.cost_model(), self.policy_config())
 
 
 def parse_shape(key: Any, where: str) -> tuple[int, int]:
@@ -301,11 +299,8 @@ def _validate_world_shapes(r: Recipe) -> None:
     """The world must host every shape the policy may plan, and the model must split over it."""
     p, w = r.policy, r.world
     if p.name == "pools":
-        from balanced_loader.planning.config import PlanConfig
-        from balanced_loader.planning.policies.pools import pool_specs
-
         try:
-            pool_specs(PlanConfig(policy="pools", world_size=w.size, extra=dict(p.extra)))
+            fixed_pools(PlanConfig(policy="pools", world_size=w.size, extra=dict(p.extra)))
         except ValueError as e:
             raise ValueError(f"world.size / policy.extra.pools: {e}") from None
     else:

@@ -6,18 +6,20 @@
 * :func:`assemble`: per-item (microbatch, first lane, degree) arrays -> contract-1 microbatches.
 * :func:`deal_bins`: bins dealt to groups in order with the same microbatch count everywhere.
 * :func:`static_plan`: a static trainer (one fixed CP/SP degree, packed bins dealt to groups).
+* :func:`longest_on`, :func:`one_pool_layout`: what the loader and runtime ask a policy before planning
+  (:func:`balanced_loader.planning.longest_segment`, :func:`~balanced_loader.planning.fixed_pools`).
 """
 
 from __future__ import annotations
 
 import gc
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, ShapeCost, fit_levels, pow2_divisor
+from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees, fit_levels, pow2_divisor
 from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
 
@@ -208,3 +210,36 @@ def static_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: in
     mb, grp = deal_bins(bins, int(bins.max()) + 1, groups)
     micro = assemble(items, mb, grp * cp, np.full(len(items), cp, dtype=np.int64))
     return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+
+
+# ---- what a policy tells the loader and the runtime before it plans ----------------------------
+
+
+def longest_on(pools: Iterable[tuple[ShapeCost, int]], cp: int | None, *, fixed_degree: bool = False) -> int:
+    """The longest segment some group of these ``(shape, lanes)`` pools holds: lane cap x the largest
+    degree (``cp`` when set; else the largest power of two dividing the lanes for a ``fixed_degree``
+    policy, the largest aligned power-of-two block otherwise); 0 when no pool is usable."""
+    best = 0
+    for sc, lanes in pools:
+        if not sc.usable or lanes < 1:
+            continue
+        if cp is not None:
+            degree = min(cp, lanes)
+        elif fixed_degree:
+            degree = pow2_divisor(lanes)  # static trainers split the lanes into equal groups
+        else:
+            degree = max(allowed_degrees(lanes))
+        best = max(best, sc.max_tokens_per_lane * degree)
+    return best
+
+
+def one_pool_longest_segment(cost: CostModel, config: PlanConfig, *, fixed_degree: bool = False) -> int:
+    """:func:`longest_on` the one pool of shape ``(tp or 1, pp or 1)`` over the whole world."""
+    sc = cost.shape(config.tp or 1, config.pp or 1)
+    return longest_on([(sc, config.world_size // sc.gpus)], config.cp, fixed_degree=fixed_degree)
+
+
+def one_pool_layout(config: PlanConfig) -> tuple[Pool, ...]:
+    """The one pool of shape ``(tp or 1, pp or 1)`` over the whole world (no microbatches)."""
+    tp, pp = config.tp or 1, config.pp or 1
+    return (Pool(tp=tp, pp=pp, ranks=single_pool_ranks(config.world_size, tp, pp), microbatches=()),)

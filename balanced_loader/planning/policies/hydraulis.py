@@ -233,3 +233,21 @@ def _plan(step: int, world: int, pipes: list[tuple[int, int]], bins: list[list[l
         offset += g
     assert offset == world
     return StepPlan(step=step, world_size=world, pools=tuple(pools))
+
+
+# ---- what the loader and the runtime ask before planning ----------------------------------------
+
+
+def longest_segment(cost: CostModel, config: PlanConfig) -> int:
+    """One lane per pipeline, on any usable shape: the largest lane cap."""
+    return max(sc.max_tokens_per_lane for sc in cands.usable_shapes(cost, config.world_size))
+
+
+def pool_shapes(cost: CostModel, config: PlanConfig) -> dict[tuple[int, int], int]:
+    """Every usable shape dividing the world, one lane per pipeline."""
+    return {(s.tp, s.pp): 1 for s in cost.shapes() if config.world_size % s.gpus == 0}
+
+
+def fixed_pools(config: PlanConfig) -> None:
+    """None: the pipelines change from step to step (a candidate per step)."""
+    return None

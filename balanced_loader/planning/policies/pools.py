@@ -30,6 +30,7 @@ from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
 from balanced_loader.plan import BatchItems, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies import hydra
+from balanced_loader.planning.policies.common import longest_on, one_pool_longest_segment
 from balanced_loader.strict import check_keys, number
 
 _POOL_KEYS = ("tp", "pp", "lanes")
@@ -160,3 +161,30 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         pools.append(Pool(tp=spec.tp, pp=spec.pp, ranks=single_pool_ranks(spec.num_ranks, spec.tp, spec.pp,
                                                                            spec.offset), microbatches=micro))
     return StepPlan(step=step, world_size=config.world_size, pools=tuple(pools))
+
+
+# ---- what the loader and the runtime ask before planning ----------------------------------------
+
+
+def longest_segment(cost: CostModel, config: PlanConfig) -> int:
+    """The layout's pools on aligned power-of-two blocks (``cp`` when set); a layout that does not
+    parse leaves its error to the first plan and counts as one pool of the configured shape."""
+    try:
+        specs = pool_specs(config)
+    except ValueError:
+        return one_pool_longest_segment(cost, config)
+    return longest_on([(cost.shape(s.tp, s.pp), s.lanes) for s in specs], config.cp)
+
+
+def pool_shapes(cost: CostModel, config: PlanConfig) -> dict[tuple[int, int], int]:
+    """The layout's shapes, each with its largest pool's lanes."""
+    out: dict[tuple[int, int], int] = {}
+    for s in pool_specs(config):
+        out[(s.tp, s.pp)] = max(out.get((s.tp, s.pp), 0), s.lanes)
+    return out
+
+
+def fixed_pools(config: PlanConfig) -> tuple[Pool, ...]:
+    """The layout (ranks per pool, no microbatches): the same in every step."""
+    return tuple(Pool(tp=s.tp, pp=s.pp, ranks=single_pool_ranks(s.num_ranks, s.tp, s.pp, s.offset), microbatches=())
+                 for s in pool_specs(config))
