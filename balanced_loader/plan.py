@@ -58,7 +58,11 @@ class Group:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Pool:
-    """Ranks sharing one ``(tp, pp)`` shape for this step, as a grid ``[pp][lanes][tp]``."""
+    """Ranks sharing one ``(tp, pp)`` shape for this step, as a grid ``[pp][lanes][tp]``.
+
+    The one home of the rank grid: :meth:`rank`, :meth:`lane_ranks`, :meth:`group_ranks` (a pool
+    with ``microbatches=()`` is a bare grid).
+    """
 
     tp: int
     pp: int
@@ -79,6 +83,10 @@ class Pool:
     def lane_ranks(self, lane: int, stage: int = 0) -> tuple[int, ...]:
         """The ``tp`` ranks of one lane at one stage (its TP group)."""
         return self.ranks[stage][lane * self.tp : (lane + 1) * self.tp]
+
+    def group_ranks(self, lanes: Sequence[int], stage: int = 0, tp_index: int = 0) -> tuple[int, ...]:
+        """Ranks of a group of lanes at one stage and tp index, in the group's lane order (its CP group)."""
+        return tuple(self.rank(stage, lane, tp_index) for lane in lanes)
 
     def check_lanes(self, where: str) -> None:
         """ValueError unless every group has lanes in range and the groups of a microbatch use disjoint lanes."""

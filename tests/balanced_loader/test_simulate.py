@@ -20,8 +20,10 @@ from balanced_loader.simulate import (
     lane_schedule,
     lane_schedule_py,
     model_flops,
+    placed_pool_ms,
     plan_lengths,
     pool_ms,
+    serial_pool_ms,
     simulate_plan,
     simulate_step,
     simulate_step_json,
@@ -125,6 +127,31 @@ def test_lane_kernel_equals_its_reference(case):
         b = lane_schedule_py(arr.lane_ptr, arr.lanes, gms, pool.pp, pool.num_lanes)
         np.testing.assert_array_equal(a[0], b[0])
         np.testing.assert_allclose(a[1], b[1], rtol=1e-12)
+
+
+@given(random_plans())
+def test_placed_groups_time_like_the_pool(case):
+    cost, plan = case
+    for pool in plan.pools:
+        sc = cost.shape(pool.tp, pool.pp)
+        groups = [g for mb in pool.microbatches for g in mb]
+        gms = [sc.group_ms([s[2] for s in g.segments], g.degree) for g in groups]
+        got = placed_pool_ms([g.lanes for g in groups], gms, pool.pp, pool.num_lanes)
+        assert math.isclose(got, pool_ms(pool, cost), rel_tol=1e-9, abs_tol=1e-12)
+
+
+@given(st.lists(st.integers(1, 30000), min_size=1, max_size=8), st.sampled_from(SHAPES[1:]), st.integers(1, 4))
+def test_serial_closed_form_equals_the_lane_schedule(seq, shape, lanes):
+    tp, pp = shape
+    cost = CostModel.from_dict({"quadratic_ms": 1e-6, "linear_ms": 0.01, "microbatch_ms": 3.0,
+                                "comm_bytes_per_token": 1e5, "bandwidth_gbs": {2: 50.0}, "max_tokens_per_lane": 10**6,
+                                "strategies": [{"tp": tp, "pp": pp, "microbatch_ms": 7.0}]})
+    sc = cost.shape(tp, pp)
+    mbs = tuple((Group(lanes=tuple(range(lanes)), segments=((i, 0, s),)),) for i, s in enumerate(seq))
+    pool = Pool(tp=tp, pp=pp, ranks=tuple(tuple(range(k * lanes * tp, (k + 1) * lanes * tp)) for k in range(pp)),
+                microbatches=mbs)
+    work = np.array([(sc.group_ms([s], lanes) - sc.microbatch_ms) / pp for s in seq])  # [v] per-stage work
+    assert math.isclose(serial_pool_ms(work, pp, sc.microbatch_ms / pp), pool_ms(pool, cost), rel_tol=1e-9)
 
 
 # ---- hand-computed plans -------------------------------------------------------------------
