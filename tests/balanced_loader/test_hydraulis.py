@@ -36,7 +36,7 @@ def test_dispatch_kernel_equals_reference(lengths, pipes, restarts, seed):
     allowed = ln[:, None] <= caps[None, :]
     ppm1 = rng.integers(0, 3, pipes).astype(np.float64)
     orders = assign.dispatch_orders(ln, allowed, restarts, seed)
-    a, obj = assign._dispatch_kernel(cost, allowed, ppm1, orders)
+    a, obj = assign.dispatch_kernel(cost, allowed, ppm1, orders)
     a_ref, obj_ref = assign.dispatch_reference(cost, allowed, ppm1, orders)
     assert np.array_equal(a, a_ref) and obj == pytest.approx(obj_ref)
     assert allowed[np.arange(len(ln)), a].all()

@@ -37,7 +37,7 @@ from balanced_loader.simulate import serial_pool_ms
 
 
 @njit(cache=True)
-def _dispatch_kernel(cost: np.ndarray, allowed: np.ndarray, ppm1: np.ndarray, orders: np.ndarray
+def dispatch_kernel(cost: np.ndarray, allowed: np.ndarray, ppm1: np.ndarray, orders: np.ndarray
                      ) -> tuple[np.ndarray, float]:
     n, p = cost.shape
     best_assign = np.full(n, -1, dtype=np.int64)
@@ -156,7 +156,7 @@ def dispatch(cost: np.ndarray, allowed: np.ndarray, ppm1: np.ndarray, lengths: n
     """Stage 1: pipeline per doc ``[n]`` and the largest pipeline value. ``cost``/``allowed``: ``[n, P]``."""
     assert allowed.any(axis=1).all(), "every doc must fit some pipeline"
     orders = dispatch_orders(np.asarray(lengths, dtype=np.int64), allowed, restarts, seed)
-    return _dispatch_kernel(np.asarray(cost, dtype=np.float64), np.asarray(allowed, dtype=np.bool_),
+    return dispatch_kernel(np.asarray(cost, dtype=np.float64), np.asarray(allowed, dtype=np.bool_),
                             np.asarray(ppm1, dtype=np.float64), orders)
 
 

@@ -61,7 +61,7 @@ def group_time(sc: ShapeCost, seg_row: np.ndarray, docs: list[int] | tuple[int, 
 
 
 @njit(cache=True)
-def _fill_kernel(lengths: np.ndarray, times: np.ndarray, order: np.ndarray, groups: int, cap: int) -> np.ndarray:
+def fill_kernel(lengths: np.ndarray, times: np.ndarray, order: np.ndarray, groups: int, cap: int) -> np.ndarray:
     load = np.zeros(groups, dtype=np.float64)  # [groups] ms
     tok = np.zeros(groups, dtype=np.int64)  # [groups]
     out = np.full(lengths.shape[0], -1, dtype=np.int64)  # [n]
@@ -101,7 +101,7 @@ def fill_groups(lengths: np.ndarray, times: np.ndarray, groups: int, cap: int) -
     """Group per doc ``[n]`` (longest first, least time with room), all -1 when some doc finds no room."""
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.lexsort((np.arange(len(lengths)), -lengths)).astype(np.int64)
-    return _fill_kernel(lengths, np.asarray(times, dtype=np.float64), order, int(groups), int(cap))
+    return fill_kernel(lengths, np.asarray(times, dtype=np.float64), order, int(groups), int(cap))
 
 
 def greedy_homogeneous(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, degrees: list[int],
@@ -154,7 +154,7 @@ def makespan_lower_bound(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, deg
 
 
 @njit(cache=True)
-def _polish_kernel(lengths: np.ndarray, seg: np.ndarray, gdeg: np.ndarray, gcap: np.ndarray,
+def polish_kernel(lengths: np.ndarray, seg: np.ndarray, gdeg: np.ndarray, gcap: np.ndarray,
                    assign: np.ndarray, beta: float, max_iter: int) -> np.ndarray:
     n = lengths.shape[0]
     ng = gdeg.shape[0]
@@ -293,7 +293,7 @@ def polish(choice: GroupChoice, lengths: np.ndarray, sc: ShapeCost, degrees: lis
         assign[list(grp.docs)] = g
     gdeg = np.asarray([dj[g.degree] for g in choice.groups], dtype=np.int64)  # [G]
     gcap = np.asarray([sc.max_tokens_per_lane * g.degree for g in choice.groups], dtype=np.int64)  # [G]
-    out = _polish_kernel(np.asarray(lengths, dtype=np.int64), seg, gdeg, gcap, assign,
+    out = polish_kernel(np.asarray(lengths, dtype=np.int64), seg, gdeg, gcap, assign,
                          float(sc.microbatch_ms), int(max_iter))
     groups = []
     for g, grp in enumerate(choice.groups):
