@@ -160,6 +160,8 @@ class PoolArrays:
 
     @staticmethod
     def _build(lanes_of: list[Sequence[int]], segments_of: list[Sequence[Sequence[int]]]) -> PoolArrays:
+        # CSR layout: group g's lanes are lanes[lane_ptr[g]:lane_ptr[g+1]], its segment lengths
+        # seg_len[seg_ptr[g]:seg_ptr[g+1]]; fromiter with a count fills each array in one pass
         n = len(lanes_of)
         degree = np.fromiter(map(len, lanes_of), dtype=np.int64, count=n)
         nseg = np.fromiter(map(len, segments_of), dtype=np.int64, count=n)
@@ -287,6 +289,7 @@ def _step_metrics(step: int, world_size: int, plan_seconds: float,
         if pm.num_lanes:
             if int(ranks.min()) < 0 or int(ranks.max()) >= w:
                 raise ValueError(f"step {step}: pool tp={tp} pp={pp} has a rank outside 0..{w - 1}")
+            # ranks is [pp][lanes * tp]: every tp rank of a lane, at every stage, is busy as long as the lane
             rank_busy[ranks] = np.repeat(pm.lane_busy_ms, tp)[None, :]
     step_ms = max((p.makespan_ms for p in pools), default=0.0)
     tokens = sum(p.tokens for p in pools)
@@ -381,7 +384,7 @@ def plan_lengths(plan: Plan | Sequence[StepPlan]) -> np.ndarray:
     if d.min() < 0:
         raise ValueError(f"plan has a negative doc_id {int(d.min())}")
     out = np.zeros(int(d.max()) + 1, dtype=np.int64)
-    np.maximum.at(out, d, np.asarray(ends, dtype=np.int64))
+    np.maximum.at(out, d, np.asarray(ends, dtype=np.int64))  # unbuffered: a doc's several segments all count
     return out
 
 

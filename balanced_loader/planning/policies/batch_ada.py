@@ -20,6 +20,7 @@ from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import pack
 from balanced_loader.planning.policies.common import check_fits, one_pool_plan
 from balanced_loader.planning.solvers.bins import lpt_blocks
+from balanced_loader.simulate import makespan_ms
 from balanced_loader.strict import check_keys
 
 _DEFAULTS = {"fill": 0.9, "min_degree": 1}
@@ -62,8 +63,9 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         seg = np.asarray(sc.segment_ms(lengths.astype(np.float64), d))  # [n]
         times = sc.microbatch_ms + np.bincount(bins, weights=seg, minlength=nb)  # [num_bins]
         block, pos = lpt_blocks(times, num_lanes // d)
-        span = float(np.bincount(block, weights=times, minlength=num_lanes // d).max() / pp
-                     + (pp - 1) * times.max() / pp)
+        # each block runs its bins back to back: its finish is the sum of their stage shares
+        finish = np.bincount(block, weights=times, minlength=num_lanes // d) / pp  # [num_lanes // d]
+        span = makespan_ms(finish, float(times.max()), pp)
         if best is None or span < best[0] - 1e-9:
             best = (span, d, bins, block, pos)
     assert best is not None

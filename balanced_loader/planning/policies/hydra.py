@@ -254,6 +254,7 @@ def _place(items: BatchItems, sc: ShapeCost, lanes: int, pp: int, levels: np.nda
         if pp > 1:
             per_pass = np.bincount(fp.lane * (int(fp.passes.max()) + 1) + fp.pass_, weights=work)
             gmax = max(gmax, float(per_pass.max()) + sc.microbatch_ms)
+    # lane loads are whole-model ms: contract 2's last finish plus fill and drain (simulate.makespan_ms)
     return mb, lane0, deg, (float(load.max()) + (pp - 1) * gmax) / pp
 
 

@@ -52,6 +52,7 @@ def dispatch_kernel(cost: np.ndarray, allowed: np.ndarray, ppm1: np.ndarray, ord
             i = orders[r, t]
             top1 = -1
             top2 = -1
+            # the two largest pipeline values: the largest value "elsewhere" is top1's, or top2's for top1 itself
             for q in range(p):
                 if top1 < 0 or val[q] > val[top1]:
                     top2 = top1
@@ -280,6 +281,7 @@ def pack_pipeline(lengths: np.ndarray, work: np.ndarray, cap: int, c: float, pp:
     for v in sorted(set(range(v_lo, min(n, v_lo + max_v - 1) + 1)) | {v_ffd}):
         if v > n:
             continue
+        # no packing into v microbatches beats perfectly even ones (largest = max(longest doc, average))
         lower = v * c + total_w + (pp - 1) * (c + max(w_max, total_w / v))
         if lower >= best.ms - 1e-9:
             if pp == 1:

@@ -163,6 +163,8 @@ def _dp_kernel(prefix: np.ndarray, tmax: np.ndarray, fits: np.ndarray, units: np
                 dmax = n // units[k]
                 one = (ppm1[k] + 1.0) * tmax[k, b - 1]  # a replica is never faster than its longest doc
                 for lo in range(b):
+                    # interval (lo, b] on shape k: its docs' stage times plus (pp - 1) x its longest (fill
+                    # and drain), split over d replicas; never below the longest doc alone (`one`)
                     c = prefix[k, b] - prefix[k, lo] + ppm1[k] * tmax[k, b - 1]
                     for d in range(1, dmax + 1):
                         prev = t[n - d * units[k], lo]

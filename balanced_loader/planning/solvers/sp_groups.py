@@ -317,6 +317,8 @@ def place_lanes(microbatches: list[tuple[SpGroup, ...]], num_lanes: int, pp: int
     each onto the free aligned block whose lanes become idle earliest (contract-2 run-ahead).
     The degrees of one microbatch must sum to at most ``num_lanes``.
     """
+    # the contract-2 lane recurrence (balanced_loader.simulate.lane_schedule), kept incremental here
+    # because each group's block is chosen from the finish times the groups before it leave
     finish = np.zeros(num_lanes)  # [num_lanes] ms
     out: list[list[tuple[int, ...]]] = []
     for groups in microbatches:
@@ -327,6 +329,8 @@ def place_lanes(microbatches: list[tuple[SpGroup, ...]], num_lanes: int, pp: int
         for k in order:
             d = groups[k].degree
             nb = num_lanes // d
+            # aligned blocks of d lanes as rows: a block is free when none of its lanes is taken in this
+            # microbatch, and it can start when its last lane is idle
             blocks_free = ~used[:nb * d].reshape(nb, d).any(axis=1)  # [num_lanes // d]
             starts = np.where(blocks_free, finish[:nb * d].reshape(nb, d).max(axis=1), np.inf)
             b = int(np.argmin(starts))
@@ -351,7 +355,7 @@ def rebalance_single_lanes(microbatches: list[tuple[SpGroup, ...]], lanes: list[
     the microbatch keeps its 1-lane groups). Larger groups keep their docs and lanes.
     ``lengths`` ``[n]`` are indexed by the groups' doc indices.
     """
-    finish = np.zeros(num_lanes)  # [num_lanes] ms
+    finish = np.zeros(num_lanes)  # [num_lanes] ms, the lane recurrence as in place_lanes
     out_mbs: list[tuple[SpGroup, ...]] = []
     out_lanes: list[list[tuple[int, ...]]] = []
     for groups, placed in zip(microbatches, lanes):
@@ -391,6 +395,7 @@ def _redeal(docs: list[int], free: list[int], finish: np.ndarray, lengths: np.nd
         room = tok + lengths[i] <= cap
         if not room.any():
             return None
+        # each lane's one-lane group is still growing: its time is microbatch_ms plus the work dealt so far
         end = finish[free_arr] + (sc.microbatch_ms + load + work[k]) / pp
         j = int(np.argmin(np.where(room, end, np.inf)))
         load[j] += work[k]
