@@ -298,15 +298,13 @@ def validate(r: Recipe) -> None:
 def _validate_world_shapes(r: Recipe) -> None:
     """The world must host every shape the policy may plan, and the model must split over it."""
     p, w = r.policy, r.world
-    if p.name == "pools":
-        try:
-            fixed_pools(PlanConfig(policy="pools", world_size=w.size, extra=dict(p.extra)))
-        except ValueError as e:
-            raise ValueError(f"world.size / policy.extra.pools: {e}") from None
-    else:
-        tp, pp = p.tp or 1, p.pp or 1
-        if w.size % (tp * pp):
-            raise ValueError(f"world.size {w.size} is not divisible by policy.tp x policy.pp = {tp} x {pp}")
+    tp, pp = p.tp or 1, p.pp or 1
+    if w.size % (tp * pp):
+        raise ValueError(f"world.size {w.size} is not divisible by policy.tp x policy.pp = {tp} x {pp}")
+    try:
+        fixed_pools(r.policy_config())  # a layout fixed in the policy's options (pools) must fill the world
+    except ValueError as e:
+        raise ValueError(f"world.size / policy.extra: {e}") from None
     cost = r.cost_model()
     shapes = r.shape_lanes()
     if not shapes:

@@ -52,7 +52,7 @@ def _raw() -> dict:
     (["data.global_batch_tokns=5"], "unknown key 'data.global_batch_tokns'; allowed in data: source, "),
     (["optimiser.lr=1"], "unknown key 'optimiser'; allowed in recipe: seed, steps, data, model"),
     (["model.num_heads=6"], "model: ModelConfig.num_heads (6) must be a multiple of num_kv_heads (4)"),
-    (["world.size=6"], "world.size / policy.extra.pools: policy 'pools': extra.pools hold 2 + 2 = 4 ranks"),
+    (["world.size=6"], "world.size / policy.extra: policy 'pools': extra.pools hold 2 + 2 = 4 ranks"),
     (["policy.extra.pools=[{tp: 3, pp: 1, lanes: 1}, {tp: 1, pp: 1, lanes: 1}]"],
      "shape tp=3, pp=1 of policy 'pools': ModelConfig.num_heads (4) is not divisible by tp=3"),
     (["policy.extra.pools=[{tp: 1, pp: 8, lanes: 1}]", "world.size=8"],
