@@ -85,14 +85,13 @@ class ShapeCost:
     def comm_ms(self, s: float | np.ndarray, d: int | np.ndarray) -> float | np.ndarray:
         """Per-lane CP/SP communication of a segment spread over ``d`` lanes (0 for d == 1).
 
-        ``d`` is one degree or one per segment (``[S]``, as ``s``)."""
+        ``d`` is one degree or an array broadcasting with ``s`` (one per segment, or ``[n, 1]`` x ``[levels]``)."""
         if np.ndim(d) == 0:
             if d <= 1:
                 return 0.0 * s
             return self.comm_bytes_per_token * s / d / (self.bandwidth(d) * 1e6)
-        d = np.asarray(d, dtype=np.float64)
-        s = np.broadcast_to(np.asarray(s, dtype=np.float64), d.shape)
-        out = np.zeros(d.shape, dtype=np.float64)  # [S]
+        s, d = np.broadcast_arrays(np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64))
+        out = np.zeros(d.shape, dtype=np.float64)  # [S] (or any shape s and d broadcast to)
         multi = d > 1  # one-lane groups send nothing
         if multi.any():
             out[multi] = self.comm_bytes_per_token * s[multi] / d[multi] / (self.bandwidths(d[multi]) * 1e6)
