@@ -4,9 +4,8 @@ Times are whole-model forward+backward on one lane, in milliseconds::
 
     group_ms = microbatch_ms + sum_s ((q*s^2 + l*s) / d + [d > 1] * comm_bytes_per_token*s / d / (bw(d)*1e6))
 
-Execution: each lane runs its groups in microbatch order; a group starts when all its
-lanes are free and occupies them for ``group_ms / pp``. A pool's time is its last lane's
-finish plus ``(pp - 1) * max_g group_ms / pp``; a step's time is the max over pools.
+This module holds the formula (per segment and per group) and the degree helpers; the
+execution order (lane schedule, pool and step times) lives in :mod:`balanced_loader.simulate`.
 """
 
 from __future__ import annotations
@@ -14,29 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from balanced_loader.plan import Pool, StepPlan
+from balanced_loader.strict import check_keys, number, read_yaml
 
 _BASE_KEYS = ("quadratic_ms", "linear_ms", "microbatch_ms", "comm_bytes_per_token", "max_tokens_per_lane")
 _OPTIONAL_KEYS = ("gpus_per_node", "strategies", "name", "bandwidth_gbs")
 _STRATEGY_KEYS = {"tp", "pp", *_BASE_KEYS, "bandwidth_gbs"}
-
-
-def _num(d: dict[str, Any], key: str, where: str, *, integer: bool = False, minimum: float = 0.0) -> float:
-    if key not in d:
-        raise ValueError(f"{where}: missing key '{key}'")
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{where}: '{key}' must be a number, got {v!r}")
-    if integer and float(v) != int(v):
-        raise ValueError(f"{where}: '{key}' must be an integer, got {v!r}")
-    if v < minimum or not math.isfinite(v):
-        raise ValueError(f"{where}: '{key}' must be >= {minimum}, got {v!r}")
-    return int(v) if integer else float(v)
 
 
 def _bandwidth(d: Any, where: str) -> tuple[tuple[int, float], ...]:
@@ -49,8 +34,8 @@ def _bandwidth(d: Any, where: str) -> tuple[tuple[int, float], ...]:
             bw = float(v)
         except (TypeError, ValueError):
             raise ValueError(f"{where}: bandwidth_gbs entry {k!r}: {v!r} is not degree: GB/s") from None
-        if deg < 2 or bw <= 0:
-            raise ValueError(f"{where}: bandwidth_gbs entry {k}: {v} needs degree >= 2 and GB/s > 0")
+        if deg < 2 or not 0 < bw < math.inf:  # nan and inf fail too
+            raise ValueError(f"{where}: bandwidth_gbs entry {k}: {v} needs degree >= 2 and a finite GB/s > 0")
         out.append((deg, bw))
     return tuple(sorted(out))
 
@@ -86,22 +71,39 @@ class ShapeCost:
                 break
         return bw
 
+    def bandwidths(self, d: np.ndarray) -> np.ndarray:
+        """:meth:`bandwidth` of every degree in ``d`` (``[S]`` -> ``[S]`` GB/s)."""
+        keys = np.asarray([k for k, _ in self.bandwidth_gbs], dtype=np.float64)
+        vals = np.asarray([v for _, v in self.bandwidth_gbs], dtype=np.float64)
+        # searchsorted(side="right") - 1 is the largest key <= d; degrees below every key take the first
+        return vals[np.maximum(np.searchsorted(keys, d, side="right") - 1, 0)]
+
     def compute_ms(self, s: float | np.ndarray) -> float | np.ndarray:
         """Work of a segment of ``s`` tokens on one lane: ``q*s^2 + l*s``."""
         return self.quadratic_ms * s * s + self.linear_ms * s
 
-    def comm_ms(self, s: float | np.ndarray, d: int) -> float | np.ndarray:
-        """Per-lane CP/SP communication of a segment spread over ``d`` lanes (0 for d == 1)."""
-        if d <= 1:
-            return 0.0 * s
-        return self.comm_bytes_per_token * s / d / (self.bandwidth(d) * 1e6)
+    def comm_ms(self, s: float | np.ndarray, d: int | np.ndarray) -> float | np.ndarray:
+        """Per-lane CP/SP communication of a segment spread over ``d`` lanes (0 for d == 1).
 
-    def segment_ms(self, s: float | np.ndarray, d: int) -> float | np.ndarray:
-        """Time a segment adds to a group of ``d`` lanes."""
+        ``d`` is one degree or an array broadcasting with ``s`` (one per segment, or ``[n, 1]`` x ``[levels]``)."""
+        if np.ndim(d) == 0:
+            if d <= 1:
+                return 0.0 * s
+            return self.comm_bytes_per_token * s / d / (self.bandwidth(d) * 1e6)
+        s, d = np.broadcast_arrays(np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64))
+        out = np.zeros(d.shape, dtype=np.float64)  # [S] (or any shape s and d broadcast to)
+        multi = d > 1  # one-lane groups send nothing
+        if multi.any():
+            out[multi] = self.comm_bytes_per_token * s[multi] / d[multi] / (self.bandwidths(d[multi]) * 1e6)
+        return out
+
+    def segment_ms(self, s: float | np.ndarray, d: int | np.ndarray) -> float | np.ndarray:
+        """Time a segment adds to a group of ``d`` lanes (``d`` one degree or one per segment)."""
         return self.compute_ms(s) / d + self.comm_ms(s, d)
 
     def group_ms(self, lengths: Iterable[int] | np.ndarray, d: int) -> float:
-        """Contract-2 time of one group: segments of ``lengths`` tokens on ``d`` lanes."""
+        """Contract-2 time of one group: segments of ``lengths`` tokens on ``d`` lanes (the formula;
+        many groups at once: :meth:`balanced_loader.simulate.PoolArrays.group_ms`)."""
         arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
         return float(self.microbatch_ms + np.sum(self.segment_ms(arr, d)))
 
@@ -137,21 +139,18 @@ class CostModel:
     def from_dict(d: dict[str, Any], where: str = "cost file") -> CostModel:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected a mapping of cost keys")
-        unknown = set(d) - set(_BASE_KEYS) - set(_OPTIONAL_KEYS)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: "
-                             f"{sorted((*_BASE_KEYS, *_OPTIONAL_KEYS))}")
+        check_keys(d, (*_BASE_KEYS, *_OPTIONAL_KEYS), where)
         if "bandwidth_gbs" not in d:
             raise ValueError(f"{where}: missing key 'bandwidth_gbs'")
         base = dict(
-            quadratic_ms=_num(d, "quadratic_ms", where),
-            linear_ms=_num(d, "linear_ms", where),
-            microbatch_ms=_num(d, "microbatch_ms", where),
-            comm_bytes_per_token=_num(d, "comm_bytes_per_token", where),
+            quadratic_ms=number(d, "quadratic_ms", where, minimum=0),
+            linear_ms=number(d, "linear_ms", where, minimum=0),
+            microbatch_ms=number(d, "microbatch_ms", where, minimum=0),
+            comm_bytes_per_token=number(d, "comm_bytes_per_token", where, minimum=0),
             bandwidth_gbs=_bandwidth(d["bandwidth_gbs"], where),
-            max_tokens_per_lane=_num(d, "max_tokens_per_lane", where, integer=True),
+            max_tokens_per_lane=number(d, "max_tokens_per_lane", where, integer=True, minimum=0),
         )
-        gpn = _num(d, "gpus_per_node", where, integer=True, minimum=1) if "gpus_per_node" in d else 8
+        gpn = number(d, "gpus_per_node", where, integer=True, minimum=1, default=8)
         strategies = []
         raw = d.get("strategies") or []
         if not isinstance(raw, list):
@@ -160,15 +159,13 @@ class CostModel:
             sw = f"{where}: strategies[{i}]"
             if not isinstance(s, dict):
                 raise ValueError(f"{sw}: expected a mapping")
-            bad = set(s) - _STRATEGY_KEYS
-            if bad:
-                raise ValueError(f"{sw}: unknown key(s) {sorted(bad)}; allowed: {sorted(_STRATEGY_KEYS)}")
-            tp = _num(s, "tp", sw, integer=True, minimum=1)
-            pp = _num(s, "pp", sw, integer=True, minimum=1)
+            check_keys(s, _STRATEGY_KEYS, sw)
+            tp = number(s, "tp", sw, integer=True, minimum=1)
+            pp = number(s, "pp", sw, integer=True, minimum=1)
             merged = dict(base)
             for k in _BASE_KEYS:
                 if k in s:
-                    merged[k] = _num(s, k, sw, integer=(k == "max_tokens_per_lane"))
+                    merged[k] = number(s, k, sw, integer=(k == "max_tokens_per_lane"), minimum=0)
             if "bandwidth_gbs" in s:
                 merged["bandwidth_gbs"] = _bandwidth(s["bandwidth_gbs"], sw)
             if any(x.tp == tp and x.pp == pp for x in strategies):
@@ -178,8 +175,6 @@ class CostModel:
 
     @staticmethod
     def from_file(path: str) -> CostModel:
-        from balanced_loader.strict import read_yaml
-
         data = read_yaml(path, "cost file")
         return CostModel.from_dict(data, where=f"cost file {path}")
 
@@ -243,36 +238,30 @@ class CostModel:
     def base(self) -> ShapeCost:
         return self._shapes[(1, 1)]
 
-    # ---- contract-2 timing ---------------------------------------------
+    def lane_cap(self, tp: int = 1, pp: int = 1) -> int:
+        """``max_tokens_per_lane`` of a shape (0: unusable); what :meth:`StepPlan.validate` asks for."""
+        return self.shape(tp, pp).max_tokens_per_lane
+
     def group_ms(self, lengths: Iterable[int] | np.ndarray, d: int, tp: int = 1, pp: int = 1) -> float:
+        """:meth:`ShapeCost.group_ms` of shape ``(tp, pp)`` (lane schedules, pool and step times:
+        :mod:`balanced_loader.simulate`)."""
         return self.shape(tp, pp).group_ms(lengths, d)
 
-    def lane_finish_ms(self, pool: Pool) -> tuple[np.ndarray, float]:
-        """Per-lane finish times ([num_lanes] ms, one stage's share) and the largest group time."""
-        sc = self.shape(pool.tp, pool.pp)
-        finish = np.zeros(pool.num_lanes, dtype=np.float64)  # [num_lanes]
-        gmax = 0.0
-        for mb in pool.microbatches:
-            for g in mb:
-                t = sc.group_ms([s[2] for s in g.segments], len(g.lanes))
-                gmax = max(gmax, t)
-                lanes = list(g.lanes)
-                start = finish[lanes].max()
-                finish[lanes] = start + t / pool.pp
-        return finish, gmax
 
-    def pool_ms(self, pool: Pool) -> float:
-        """Contract-2 time of a pool: last lane's finish plus pipeline fill and drain."""
-        if not pool.microbatches:
-            return 0.0
-        finish, gmax = self.lane_finish_ms(pool)
-        if gmax == 0.0:
-            return 0.0
-        return float(finish.max() + (pool.pp - 1) * gmax / pool.pp)
+# ---- degree helpers (the one home of power-of-two and memory-fit degree arithmetic) ----------
 
-    def step_ms(self, plan: StepPlan) -> float:
-        """Contract-2 step time: the slowest pool."""
-        return max((self.pool_ms(p) for p in plan.pools), default=0.0)
+
+def floor_level(n: int) -> int:
+    """Largest level ``v`` with ``2**v <= n`` (``n >= 1``): the largest aligned block of ``n`` lanes is
+    ``2**v`` lanes, and a power-of-two degree ``d`` is level ``floor_level(d)``."""
+    return int(n).bit_length() - 1
+
+
+def pow2_divisor(n: int) -> int:
+    """Largest power of two dividing ``n`` (``n >= 1``): the largest fixed degree that splits ``n`` lanes
+    into equal groups of a power-of-two size."""
+    n = int(n)
+    return n & -n  # two's complement: only the lowest set bit survives
 
 
 def fit_levels(lengths: Sequence[int] | np.ndarray, cap: int) -> np.ndarray:
@@ -288,14 +277,25 @@ def fit_levels(lengths: Sequence[int] | np.ndarray, cap: int) -> np.ndarray:
     return level
 
 
-def allowed_degrees(num_lanes: int, *, powers_of_two: bool = True) -> list[int]:
-    """Group sizes the runtime pre-creates for a pool of ``num_lanes`` lanes (aligned blocks)."""
+def fit_degrees(lengths: Sequence[int] | np.ndarray, cap: int, degrees: Sequence[int]) -> np.ndarray:
+    """``[n]`` smallest degree of ``degrees`` whose ``d * cap`` tokens hold each doc (0 where none does)."""
+    ln = np.asarray(lengths)
+    out = np.zeros(len(ln), dtype=np.int64)  # [n]
+    for d in sorted(degrees, reverse=True):  # smaller degrees overwrite larger ones
+        out[ln <= cap * d] = d
+    return out
+
+
+def allowed_degrees(num_lanes: int, *, powers_of_two: bool = True, min_degree: int = 1) -> list[int]:
+    """Group sizes the runtime pre-creates for a pool of ``num_lanes`` lanes (aligned blocks), from
+    ``min_degree`` up: powers of two up to ``num_lanes``, else the divisors of ``num_lanes``."""
     if num_lanes < 1:
         return []
     if powers_of_two:
         out, d = [], 1
         while d <= num_lanes:
-            out.append(d)
+            if d >= min_degree:
+                out.append(d)
             d *= 2
         return out
-    return [d for d in range(1, num_lanes + 1) if num_lanes % d == 0]
+    return [d for d in range(1, num_lanes + 1) if num_lanes % d == 0 and d >= min_degree]

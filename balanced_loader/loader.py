@@ -32,12 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, allowed_degrees
+from balanced_loader.cost import CostModel
 from balanced_loader.data.batching import LONG_DOC_MODES, DocStats, batch_bounds, epoch_order, to_items
 from balanced_loader.data.sources import Source, open_source
 from balanced_loader.materialize import Microbatch, materialize_rank, num_valid_tokens
 from balanced_loader.plan import BatchItems, StepPlan
-from balanced_loader.planning import get_policy, make_plan
+from balanced_loader.planning import get_policy, longest_segment, make_plan
 from balanced_loader.planning.config import PlanConfig
 
 log = logging.getLogger("balanced_loader")
@@ -103,39 +103,9 @@ def resolve_cost(cost: Any, world_size: int) -> CostModel:
                      "name such as 'analytic:tiny@cpu'")
 
 
-_FIXED_DEGREE_POLICIES = ("maxlen", "static-sp", "token-kk")  # one CP/SP degree dividing the lanes
-
-
 def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:
-    """The longest segment ``config.policy`` can plan: lane cap x the largest degree it may use.
-
-    ``hydraulis`` runs one lane per pool on any usable shape; ``pools`` the layout in
-    ``extra["pools"]``; the other policies one pool of shape ``(tp or 1, pp or 1)``: ``maxlen``,
-    ``static-sp`` and ``token-kk`` with ``cp`` or a power of two dividing the lanes, the others on
-    aligned power-of-two blocks of lanes (``cp`` when it is set).
-    """
-    if config.policy == "hydraulis":
-        from balanced_loader.planning.solvers.candidates import usable_shapes
-
-        return max(sc.max_tokens_per_lane for sc in usable_shapes(cost, config.world_size))
-    layout = config.extra.get("pools") if config.policy == "pools" else None
-    if isinstance(layout, list) and layout and all(
-            isinstance(p, dict) and all(isinstance(p.get(k, 1), int) for k in ("tp", "pp", "lanes")) for p in layout):
-        options = [(cost.shape(p.get("tp", 1), p.get("pp", 1)), p.get("lanes", 1)) for p in layout]
-    else:  # one pool of the configured shape
-        sc = cost.shape(config.tp or 1, config.pp or 1)
-        options = [(sc, config.world_size // sc.gpus)]
-    best = 0
-    for sc, lanes in options:
-        if not sc.usable or lanes < 1:
-            continue
-        if config.cp is not None:
-            degree = min(config.cp, lanes)
-        elif config.policy in _FIXED_DEGREE_POLICIES:
-            degree = lanes & -lanes
-        else:
-            degree = max(allowed_degrees(lanes))
-        best = max(best, sc.max_tokens_per_lane * degree)
+    """The longest segment ``config.policy`` can plan (:func:`balanced_loader.planning.longest_segment`)."""
+    best = longest_segment(cost, config)
     if best <= 0:
         raise ValueError(f"no usable shape of the cost model fits world size {config.world_size}; "
                          f"pass max_seq_len or a cost model with a usable shape")

@@ -11,17 +11,23 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from balanced_loader.cost import CostModel
 
 PLAN_FORMAT = "balanced-loader/plan"
 PLAN_VERSION = 1
 
 Segment = tuple[int, int, int]  # (doc_id, start, length)
+
+
+class LaneCaps(Protocol):
+    """What :meth:`StepPlan.validate` needs of a cost model: the token cap of a lane of each shape
+    (``CostModel`` is one; this module imports nothing of ours)."""
+
+    def lane_cap(self, tp: int, pp: int) -> int:
+        """``max_tokens_per_lane`` of shape ``(tp, pp)``; 0 marks an unusable shape."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,7 +58,11 @@ class Group:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Pool:
-    """Ranks sharing one ``(tp, pp)`` shape for this step, as a grid ``[pp][lanes][tp]``."""
+    """Ranks sharing one ``(tp, pp)`` shape for this step, as a grid ``[pp][lanes][tp]``.
+
+    The one home of the rank grid: :meth:`rank`, :meth:`lane_ranks`, :meth:`group_ranks` (a pool
+    with ``microbatches=()`` is a bare grid).
+    """
 
     tp: int
     pp: int
@@ -73,6 +83,10 @@ class Pool:
     def lane_ranks(self, lane: int, stage: int = 0) -> tuple[int, ...]:
         """The ``tp`` ranks of one lane at one stage (its TP group)."""
         return self.ranks[stage][lane * self.tp : (lane + 1) * self.tp]
+
+    def group_ranks(self, lanes: Sequence[int], stage: int = 0, tp_index: int = 0) -> tuple[int, ...]:
+        """Ranks of a group of lanes at one stage and tp index, in the group's lane order (its CP group)."""
+        return tuple(self.rank(stage, lane, tp_index) for lane in lanes)
 
     def check_lanes(self, where: str) -> None:
         """ValueError unless every group has lanes in range and the groups of a microbatch use disjoint lanes."""
@@ -181,12 +195,14 @@ class StepPlan:
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     # ---- validation ----------------------------------------------------
-    def validate(self, lengths: Sequence[int] | np.ndarray, cost: CostModel | None = None,
+    def validate(self, lengths: Sequence[int] | np.ndarray | None = None, caps: LaneCaps | None = None,
                  doc_ids: Iterable[int] | None = None) -> None:
         """Check every contract-1 invariant; raise ``ValueError`` naming step, pool, microbatch and doc.
 
-        ``lengths`` is indexed by doc_id. ``doc_ids`` (optional) is the exact set of docs
-        this step must hold. ``cost`` (optional) enables the shape and memory-cap checks.
+        ``lengths`` is indexed by doc_id (``None``: each doc's segments must still tile ``[0, end)``
+        without gaps or overlaps, but its length is not known). ``doc_ids`` (optional) is the exact set
+        of docs this step must hold. ``caps`` (optional, e.g. the ``CostModel``) enables the shape and
+        memory-cap checks. The runtime calls ``plan.validate(caps=cost)`` before executing a plan.
         """
         where = f"step {self.step}"
         if self.world_size < 1:
@@ -209,8 +225,8 @@ class StepPlan:
                     raise ValueError(f"{pw}: rank {r} appears twice")
                 seen_ranks.add(r)
             cap = None
-            if cost is not None:
-                cap = cost.shape(pool.tp, pool.pp).max_tokens_per_lane
+            if caps is not None:
+                cap = caps.lane_cap(pool.tp, pool.pp)
                 if cap <= 0:
                     raise ValueError(f"{pw}: shape is marked unusable (max_tokens_per_lane: 0)")
             pool.check_lanes(pw)
@@ -231,9 +247,9 @@ class StepPlan:
         if len(seen_ranks) != self.world_size:
             missing = sorted(set(range(self.world_size)) - seen_ranks)[:8]
             raise ValueError(f"{where}: pools do not cover the world; missing ranks {missing}")
-        lengths_arr = np.asarray(lengths)
+        lengths_arr = None if lengths is None else np.asarray(lengths)
         for doc, segs in pieces.items():
-            if not 0 <= doc < len(lengths_arr):
+            if doc < 0 or (lengths_arr is not None and doc >= len(lengths_arr)):
                 raise ValueError(f"{segs[0][2]}: doc {doc} is not in the length index")
             segs.sort()
             pos = 0
@@ -242,7 +258,7 @@ class StepPlan:
                     what = "overlaps" if start < pos else "leaves a gap before"
                     raise ValueError(f"{gw}: doc {doc} segment at {start} {what} token {pos}")
                 pos = start + length
-            if pos != int(lengths_arr[doc]):
+            if lengths_arr is not None and pos != int(lengths_arr[doc]):
                 raise ValueError(f"{where}: doc {doc} covers {pos} of its {int(lengths_arr[doc])} tokens")
         if doc_ids is not None:
             expected = {int(d) for d in doc_ids}

@@ -6,8 +6,8 @@ Definitions (all times in ms, one step, ``W`` = world size, ``T`` = step time):
 * **lane busy time** ``b(l)``: the sum of ``t(g) / pp`` over the groups that include lane ``l``.
   Every rank of a lane (its ``tp`` ranks at each of the ``pp`` stages) is busy for ``b(l)``.
 * **lane finish**: the contract-2 execution order (a group starts when all its lanes are free).
-* **pool makespan** ``M(p)`` = ``CostModel.pool_ms(pool)``: last lane finish plus pipeline fill
-  and drain ``(pp - 1) * max_g t(g) / pp``. **Step time** ``T = max_p M(p)`` = ``CostModel.step_ms``.
+* **pool makespan** ``M(p)`` = :func:`pool_ms`: last lane finish plus pipeline fill
+  and drain ``(pp - 1) * max_g t(g) / pp``. **Step time** ``T = max_p M(p)`` = :func:`step_ms`.
 * **pp_bubble of a pool** = ``1 - sum_{ranks r of p} busy(r) / (N(p) * M(p)) = 1 - mean_l b(l) / M(p)``
   with ``N(p) = lanes * tp * pp`` ranks: the idle share inside the pool, from pipeline fill/drain
   and from lanes of the pool finishing at different times. 0 for a pool with no work.
@@ -23,9 +23,13 @@ Definitions (all times in ms, one step, ``W`` = world size, ``T`` = step time):
 
 An empty step (no groups) has ``T = 0``, bubbles 0 and skew 1.
 
+This module is the one implementation of contract-2 timing: the per-segment formula is
+``ShapeCost.segment_ms`` (:mod:`balanced_loader.cost`); everything that schedules groups on
+lanes is here: :func:`lane_finish_ms`, :func:`pool_ms`, :func:`step_ms`, :func:`placed_pool_ms`
+(groups not yet in a :class:`~balanced_loader.plan.Pool`), :func:`serial_pool_ms` (its closed form
+when each microbatch is one group on all lanes) and :func:`solo_stage_ms` (one doc alone on a lane).
 The lane recurrence is a numba kernel (:func:`lane_schedule`) with a pure-Python reference
-(:func:`lane_schedule_py`); group times are vectorised over segments. Together they equal
-``CostModel.step_ms`` to rounding (tests check 1e-9 relative) and run 100 steps of a
+(:func:`lane_schedule_py`); group times are vectorised over segments. They run 100 steps of a
 2,048-rank plan in well under a second after the plan is read.
 """
 
@@ -47,7 +51,7 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels
+# Contract-2 timing: the lane schedule
 # ---------------------------------------------------------------------------------------------
 
 
@@ -64,6 +68,7 @@ def lane_schedule(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarray,
     for g in range(group_ms.shape[0]):
         a = lane_ptr[g]
         b = lane_ptr[g + 1]
+        # a group starts once the last of its lanes is free, then holds all of them for one stage's share
         start = 0.0
         for j in range(a, b):
             if finish[lanes[j]] > start:
@@ -88,6 +93,43 @@ def lane_schedule_py(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarr
             finish[x] = start + t
             busy[x] += t
     return np.asarray(finish, dtype=np.float64), np.asarray(busy, dtype=np.float64)
+
+
+def makespan_ms(finish: np.ndarray, gmax: float, pp: int) -> float:
+    """Contract-2 pool time from its lanes' finish times ``[num_lanes]`` and its largest group time:
+    the last lane's finish plus pipeline fill and drain ``(pp - 1) * gmax / pp`` (0 without work)."""
+    return float(finish.max() + (pp - 1) * gmax / pp) if gmax > 0 else 0.0
+
+
+def placed_pool_ms(lanes_of: Sequence[Sequence[int]], group_ms: Sequence[float] | np.ndarray, pp: int,
+                   num_lanes: int) -> float:
+    """Contract-2 time of a pool's groups in execution order: group ``g`` on lanes ``lanes_of[g]``
+    taking ``group_ms[g]`` (for planners whose groups are not yet a :class:`Pool`)."""
+    gms = np.asarray(group_ms, dtype=np.float64)  # [G]
+    if gms.size == 0:
+        return 0.0
+    degree = np.fromiter(map(len, lanes_of), dtype=np.int64, count=len(lanes_of))
+    lane_ptr = np.zeros(len(degree) + 1, dtype=np.int64)  # [G + 1]
+    np.cumsum(degree, out=lane_ptr[1:])
+    lanes = np.fromiter(itertools.chain.from_iterable(lanes_of), dtype=np.int64, count=int(lane_ptr[-1]))
+    finish, _ = lane_schedule(lane_ptr, lanes, gms, pp, num_lanes)
+    return makespan_ms(finish, float(gms.max()), pp)
+
+
+def serial_pool_ms(work: np.ndarray, pp: int, fixed_ms: float = 0.0) -> float:
+    """Contract-2 time of a pool whose every microbatch is one group on all its lanes, taking
+    ``fixed_ms + work[j]`` per stage (``[v]``): the lane schedule in closed form,
+    ``sum_j (c + W_j) + (pp - 1) (c + max_j W_j)`` (1F1B's ``(v + pp - 1) t`` when balanced)."""
+    if len(work) == 0:
+        return 0.0
+    return float(len(work) * fixed_ms + work.sum() + (pp - 1) * (fixed_ms + work.max()))
+
+
+def solo_stage_ms(sc: ShapeCost, lengths: np.ndarray, fixed_ms: float | np.ndarray) -> np.ndarray:
+    """``[n]`` one stage's share of each doc run alone on one lane, with ``fixed_ms`` (one value or
+    ``[n]``) charged in place of ``microbatch_ms`` (planners that amortise it over packed docs)."""
+    ln = np.asarray(lengths, dtype=np.float64)
+    return (np.asarray(sc.compute_ms(ln)) + fixed_ms) / sc.pp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +160,8 @@ class PoolArrays:
 
     @staticmethod
     def _build(lanes_of: list[Sequence[int]], segments_of: list[Sequence[Sequence[int]]]) -> PoolArrays:
+        # CSR layout: group g's lanes are lanes[lane_ptr[g]:lane_ptr[g+1]], its segment lengths
+        # seg_len[seg_ptr[g]:seg_ptr[g+1]]; fromiter with a count fills each array in one pass
         n = len(lanes_of)
         degree = np.fromiter(map(len, lanes_of), dtype=np.int64, count=n)
         nseg = np.fromiter(map(len, segments_of), dtype=np.int64, count=n)
@@ -131,20 +175,19 @@ class PoolArrays:
         return PoolArrays(degree=degree, lane_ptr=lane_ptr, lanes=lanes, seg_ptr=seg_ptr, seg_len=seg_len)
 
     def group_ms(self, sc: ShapeCost) -> np.ndarray:
-        """Contract-2 time of every group, ``[G]`` ms (the same float operations as ``ShapeCost``)."""
+        """Contract-2 time of every group, ``[G]`` ms (``ShapeCost.segment_ms`` per segment, summed per group)."""
         n = len(self.degree)
         nseg = np.diff(self.seg_ptr)  # [G]
-        d = np.repeat(self.degree, nseg).astype(np.float64)  # [S]
-        s = self.seg_len
-        seg = (sc.quadratic_ms * s * s + sc.linear_ms * s) / d  # [S]
-        multi = d > 1
-        if multi.any():
-            keys = np.asarray([k for k, _ in sc.bandwidth_gbs], dtype=np.float64)
-            vals = np.asarray([v for _, v in sc.bandwidth_gbs], dtype=np.float64)
-            idx = np.maximum(np.searchsorted(keys, d[multi], side="right") - 1, 0)
-            seg[multi] += sc.comm_bytes_per_token * s[multi] / d[multi] / (vals[idx] * 1e6)
+        d = np.repeat(self.degree, nseg).astype(np.float64)  # [S] degree of each segment's group
+        seg = sc.segment_ms(self.seg_len, d)  # [S]
         group_of_seg = np.repeat(np.arange(n, dtype=np.int64), nseg)  # [S]
         return sc.microbatch_ms + np.bincount(group_of_seg, weights=seg, minlength=n)
+
+    def schedule(self, sc: ShapeCost, pp: int, num_lanes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(group_ms [G], finish [num_lanes], busy [num_lanes])``: the pool's contract-2 lane schedule."""
+        gms = self.group_ms(sc)
+        finish, busy = lane_schedule(self.lane_ptr, self.lanes, gms, pp, num_lanes)
+        return gms, finish, busy
 
     def attention_tokens2(self) -> float:
         """Sum of squared segment lengths (for attention FLOPs)."""
@@ -162,7 +205,7 @@ class PoolMetrics:
     pp: int
     num_lanes: int
     num_ranks: int
-    makespan_ms: float  # CostModel.pool_ms
+    makespan_ms: float  # pool_ms
     pp_bubble: float
     lane_busy_ms: np.ndarray  # [num_lanes]
     lane_finish_ms: np.ndarray  # [num_lanes]
@@ -218,10 +261,9 @@ def _pool_metrics(tp: int, pp: int, ranks: np.ndarray, arr: PoolArrays,
                            lane_busy_ms=z, lane_finish_ms=z.copy(), max_group_ms=0.0, tokens=0), 0.0
     if int(arr.lanes.min()) < 0 or int(arr.lanes.max()) >= nl:
         raise ValueError(f"pool tp={tp} pp={pp}: a group uses a lane outside 0..{nl - 1}")
-    gms = arr.group_ms(sc)  # [G]
-    finish, busy = lane_schedule(arr.lane_ptr, arr.lanes, gms, pp, nl)
+    gms, finish, busy = arr.schedule(sc, pp, nl)  # [G], [nl], [nl]
     gmax = float(gms.max())
-    makespan = _makespan(finish, gmax, pp)
+    makespan = makespan_ms(finish, gmax, pp)
     ppb = 1.0 - float(busy.mean()) / makespan if makespan > 0 else 0.0
     pm = PoolMetrics(tp=tp, pp=pp, num_lanes=nl, num_ranks=nranks, makespan_ms=makespan, pp_bubble=ppb,
                      lane_busy_ms=busy, lane_finish_ms=finish, max_group_ms=gmax, tokens=int(arr.seg_len.sum()))
@@ -247,6 +289,7 @@ def _step_metrics(step: int, world_size: int, plan_seconds: float,
         if pm.num_lanes:
             if int(ranks.min()) < 0 or int(ranks.max()) >= w:
                 raise ValueError(f"step {step}: pool tp={tp} pp={pp} has a rank outside 0..{w - 1}")
+            # ranks is [pp][lanes * tp]: every tp rank of a lane, at every stage, is busy as long as the lane
             rank_busy[ranks] = np.repeat(pm.lane_busy_ms, tp)[None, :]
     step_ms = max((p.makespan_ms for p in pools), default=0.0)
     tokens = sum(p.tokens for p in pools)
@@ -292,22 +335,24 @@ def simulate_step_json(step: dict[str, Any], world_size: int, cost: CostModel, *
         raise ValueError(f"malformed plan step: {type(e).__name__}: {e}") from None
 
 
+def lane_finish_ms(pool: Pool, cost: CostModel) -> tuple[np.ndarray, float]:
+    """Per-lane finish times (``[num_lanes]`` ms, one stage's share) and the largest group time."""
+    arr = PoolArrays.from_pool(pool)
+    if len(arr.degree) == 0:
+        return np.zeros(pool.num_lanes, dtype=np.float64), 0.0
+    gms, finish, _ = arr.schedule(cost.shape(pool.tp, pool.pp), pool.pp, pool.num_lanes)
+    return finish, float(gms.max())
+
+
+def pool_ms(pool: Pool, cost: CostModel) -> float:
+    """Contract-2 time of a pool: its last lane's finish plus pipeline fill and drain."""
+    finish, gmax = lane_finish_ms(pool, cost)
+    return makespan_ms(finish, gmax, pool.pp)
+
+
 def step_ms(plan: StepPlan, cost: CostModel) -> float:
-    """``CostModel.step_ms(plan)`` through the vectorised group times and the numba lane kernel (faster)."""
-    out = 0.0
-    for pool in plan.pools:
-        arr = PoolArrays.from_pool(pool)
-        if len(arr.degree) == 0:
-            continue
-        gms = arr.group_ms(cost.shape(pool.tp, pool.pp))  # [G]
-        finish, _ = lane_schedule(arr.lane_ptr, arr.lanes, gms, pool.pp, pool.num_lanes)
-        out = max(out, _makespan(finish, float(gms.max()), pool.pp))
-    return out
-
-
-def _makespan(finish: np.ndarray, gmax: float, pp: int) -> float:
-    """Contract-2 pool time: the last lane's finish plus pipeline fill and drain (0 without work)."""
-    return float(finish.max() + (pp - 1) * gmax / pp) if gmax > 0 else 0.0
+    """Contract-2 step time: the slowest pool."""
+    return max((pool_ms(p, cost) for p in plan.pools), default=0.0)
 
 
 def simulate_plan(plan: Plan | Sequence[StepPlan], cost: CostModel, *, model: ModelShape | None = None,
@@ -339,7 +384,7 @@ def plan_lengths(plan: Plan | Sequence[StepPlan]) -> np.ndarray:
     if d.min() < 0:
         raise ValueError(f"plan has a negative doc_id {int(d.min())}")
     out = np.zeros(int(d.max()) + 1, dtype=np.int64)
-    np.maximum.at(out, d, np.asarray(ends, dtype=np.int64))
+    np.maximum.at(out, d, np.asarray(ends, dtype=np.int64))  # unbuffered: a doc's several segments all count
     return out
 
 

@@ -1,8 +1,30 @@
-"""Reading the project's YAML files (cost files, graphs, candidates, recipes) with one-line errors."""
+"""Strict reading of the project's YAML files and mappings (cost files, graphs, candidates, recipes).
+
+The one home of config parsing; every error is one ``ValueError`` line naming the file or section
+and the key:
+
+* :func:`read_yaml`: a file's parsed YAML.
+* :func:`check_keys`: unknown keys of a flat mapping fail, naming them and the allowed ones.
+* :func:`number` / :func:`check_number`: a number checked for type (``true`` is not 1), integrality,
+  finiteness (no ``.inf`` / ``.nan``) and range.
+* :func:`from_dict`: a (kw_only, frozen) dataclass built from a mapping, field by field from its type
+  hints (nested dataclasses, ``X | None``, ``tuple[...]``, ``dict``, scalars); unknown keys fail.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import math
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_MISSING: Any = object()
+# YAML 1.1 (PyYAML) reads 1e-3 (no dot) as a string; such a string is accepted where a float is expected
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def read_yaml(path: str, what: str) -> Any:
@@ -18,3 +40,115 @@ def read_yaml(path: str, what: str) -> Any:
         raise ValueError(f"{what} {path} is not text (expected YAML)") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def check_keys(d: Mapping[str, Any], allowed: Iterable[str], where: str, *, word: str = "key") -> None:
+    """ValueError ``"{where}: unknown key(s) [...]; allowed: [...]"`` when ``d`` has a key outside ``allowed``."""
+    allowed = sorted(allowed)
+    unknown = sorted(set(d) - set(allowed), key=str)
+    if unknown:
+        raise ValueError(f"{where}: unknown {word}(s) {unknown}; allowed: {allowed}")
+
+
+def check_number(v: Any, what: str, *, integer: bool = False, minimum: float | None = None,
+                 maximum: float | None = None) -> Any:
+    """``v`` as an ``int`` (``integer``) or ``float``; ValueError ``"{what} must be ..."`` otherwise.
+
+    Booleans are not numbers; an integer may be written ``2.0``; ``inf`` and ``nan`` never pass."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{what} must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if integer and (not math.isfinite(v) or float(v) != int(v)):
+        raise ValueError(f"{what} must be an integer, got {v!r}")
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be a finite number, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {v!r}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{what} must be <= {maximum}, got {v!r}")
+    return int(v) if integer else float(v)
+
+
+def number(d: Mapping[str, Any], key: str, where: str, *, integer: bool = False, minimum: float | None = None,
+           maximum: float | None = None, default: Any = _MISSING) -> Any:
+    """``d[key]`` through :func:`check_number` (messages ``"{where}: 'key' must be ..."``); a missing key
+    is an error unless ``default`` is given."""
+    if key not in d:
+        if default is _MISSING:
+            raise ValueError(f"{where}: missing key '{key}'")
+        return default
+    return check_number(d[key], f"{where}: '{key}'", integer=integer, minimum=minimum, maximum=maximum)
+
+
+def from_dict(cls: type[T], d: Any, where: str, *, file: str = "") -> T:
+    """A dataclass ``cls`` from mapping ``d`` (``None``: all defaults), checked field by field.
+
+    ``where`` names the section (``"recipe"`` for the top level; nested sections get dotted names);
+    ``file`` (optional) is prefixed to every error. Fields starting with ``_`` and a field named
+    ``path`` are not read from the mapping. A ``ValueError`` from ``cls`` itself is prefixed with ``where``.
+    """
+    try:
+        return _build(cls, d, where)
+    except ValueError as e:
+        if file:
+            raise ValueError(f"{file}: {e}") from None
+        raise
+
+
+def _build(cls: type[T], d: Any, where: str) -> T:
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a mapping, got {d!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "path" and not f.name.startswith("_")]
+    unknown = sorted(set(d) - set(names), key=str)
+    if unknown:
+        pre = f"{where}." if where != "recipe" else ""
+        raise ValueError(f"unknown key '{pre}{unknown[0]}'; allowed in {where}: {', '.join(names)}")
+    kw = {name: _convert(d[name], hints[name], name if where == "recipe" else f"{where}.{name}")
+          for name in names if name in d}
+    try:
+        return cls(**kw)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """``value`` as type ``tp`` (int, float, bool, str, dict, tuple[...], X | None, dataclass)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], where)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ValueError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        return check_number(value, where, integer=True)
+    if tp is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)
+        return check_number(value, where)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return value
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    raise AssertionError(f"unsupported field type {tp!r} at {where}")

@@ -13,15 +13,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.data.batching import LONG_DOC_MODES
+from balanced_loader.planning import fixed_pools, pool_shapes
+from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
+from balanced_loader.strict import from_dict, read_yaml
 from parallel_runtime.engines.context import ENGINES
 from parallel_runtime.model import ModelConfig
 from parallel_runtime.training.optimizer import AdamWConfig as OptimizerConfig
@@ -31,7 +31,6 @@ DEVICES = ("cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 PLAN_SOURCES = ("local", "broadcast")
 STDLIB = "stdlib"
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,19 +150,15 @@ class Recipe:
         """(tp, pp) shapes plans of this recipe can use."""
         return sorted(self.shape_lanes())
 
+    def policy_config(self) -> PlanConfig:
+        """The recipe's policy as the planner's :class:`PlanConfig`."""
+        p = self.policy
+        return PlanConfig(policy=p.name, world_size=self.world.size, tp=p.tp, pp=p.pp, cp=p.cp, seed=self.seed,
+                          time_limit_s=p.time_limit_s, candidates=p.candidates, extra=dict(p.extra))
+
     def shape_lanes(self) -> dict[tuple[int, int], int]:
-        """The most lanes a pool of each (tp, pp) shape of this recipe has."""
-        p, w = self.policy, self.world.size
-        if p.name == "pools":
-            out: dict[tuple[int, int], int] = {}
-            for x in p.extra.get("pools", []):
-                key = (int(x.get("tp", 1)), int(x.get("pp", 1)))
-                out[key] = max(out.get(key, 0), int(x.get("lanes", 1)))
-            return out
-        if p.name == "hydraulis":  # one lane per pipeline
-            return {(s.tp, s.pp): 1 for s in self.cost_model().shapes() if w % s.gpus == 0}
-        tp, pp = p.tp or 1, p.pp or 1
-        return {(tp, pp): w // (tp * pp)}
+        """The most lanes a pool of each (tp, pp) shape of this recipe has (the policy says)."""
+        return pool_shapes(self.cost_model(), self.policy_config())
 
 
 def parse_shape(key: Any, where: str) -> tuple[int, int]:
@@ -191,79 +186,6 @@ def with_lane_caps(cost: CostModel, caps: dict) -> CostModel:
             strategies = [dataclasses.replace(s, max_tokens_per_lane=value) if (s.tp, s.pp) == (tp, pp) else s
                           for s in strategies]
     return cost.replace(max_tokens_per_lane=base, strategies=tuple(strategies))
-
-
-# ---- strict YAML -> dataclasses -----------------------------------------------------------
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
-
-
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    """``value`` as type ``tp`` (int, float, bool, str, dict, tuple[...], X | None, dataclass)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], where)
-    if dataclasses.is_dataclass(tp):
-        return _from_dict(tp, value, where)
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where}: expected a list, got {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ValueError(f"{where}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: expected a string, got {value!r}")
-        return value
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    raise AssertionError(f"unsupported recipe field type {tp!r} at {where}")
-
-
-def _from_dict(cls: type, d: Any, where: str) -> Any:
-    if d is None:
-        d = {}
-    if not isinstance(d, dict):
-        raise ValueError(f"{where}: expected a mapping, got {d!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "path" and not f.name.startswith("_")]
-    unknown = sorted(set(d) - set(names))
-    if unknown:
-        pre = f"{where}." if where != "recipe" else ""
-        raise ValueError(f"unknown key '{pre}{unknown[0]}'; allowed in {where}: {', '.join(names)}")
-    kw = {}
-    for name in names:
-        if name in d:
-            kw[name] = _convert(d[name], hints[name], name if where == "recipe" else f"{where}.{name}")
-    try:
-        return cls(**kw)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -296,7 +218,7 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
         raise ValueError("a recipe must be a YAML mapping with seed, steps, data, model, policy, cost, world, ...")
     if "seed" not in raw:
         raise ValueError("missing key 'seed': every recipe sets a top-level seed")
-    recipe = _from_dict(Recipe, raw, "recipe")
+    recipe = from_dict(Recipe, raw, "recipe", file=path)
     recipe = dataclasses.replace(recipe, path=path)
     validate(recipe)
     return recipe
@@ -304,8 +226,6 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
 
 def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe file (one ValueError line naming the field)."""
-    from balanced_loader.strict import read_yaml
-
     raw = read_yaml(path, "recipe")
     return recipe_from_dict(apply_overrides(raw or {}, overrides or []), path)
 
@@ -378,18 +298,13 @@ def validate(r: Recipe) -> None:
 def _validate_world_shapes(r: Recipe) -> None:
     """The world must host every shape the policy may plan, and the model must split over it."""
     p, w = r.policy, r.world
-    if p.name == "pools":
-        from balanced_loader.planning.config import PlanConfig
-        from balanced_loader.planning.policies.pools import pool_specs
-
-        try:
-            pool_specs(PlanConfig(policy="pools", world_size=w.size, extra=dict(p.extra)))
-        except ValueError as e:
-            raise ValueError(f"world.size / policy.extra.pools: {e}") from None
-    else:
-        tp, pp = p.tp or 1, p.pp or 1
-        if w.size % (tp * pp):
-            raise ValueError(f"world.size {w.size} is not divisible by policy.tp x policy.pp = {tp} x {pp}")
+    tp, pp = p.tp or 1, p.pp or 1
+    if w.size % (tp * pp):
+        raise ValueError(f"world.size {w.size} is not divisible by policy.tp x policy.pp = {tp} x {pp}")
+    try:
+        fixed_pools(r.policy_config())  # a layout fixed in the policy's options (pools) must fill the world
+    except ValueError as e:
+        raise ValueError(f"world.size / policy.extra: {e}") from None
     cost = r.cost_model()
     shapes = r.shape_lanes()
     if not shapes:

@@ -46,6 +46,7 @@ from balanced_loader.planning.kernels import order_desc
 from balanced_loader.planning.policies.common import one_pool_plan
 from balanced_loader.planning.policies.hydra import LowerBound
 from balanced_loader.presets import cost_preset
+from balanced_loader.simulate import step_ms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -264,7 +265,7 @@ def bench_megatron(lengths, contexts, lanes, passes, count) -> None:
             real, real_s = megatron_plan(mod, b, lanes, cap)
             real.validate(b, cost, doc_ids=range(len(b)))
             ours = make_plan(BatchItems.from_lengths(b), cost, PlanConfig(policy="mcore-dcp", world_size=lanes))
-            real_ms = cost.step_ms(real)
+            real_ms = step_ms(real, cost)
             same = real.pools[0].microbatches == ours.pools[0].microbatches
             print(f"| {ctx // 1024}K | {k} | {len(b):,} | {real_ms:,.1f} | {ours.predicted_ms:,.1f} | "
                   f"{ours.predicted_ms / real_ms:.4f} | {same} | {real_s:.2f} | {ours.plan_seconds:.2f} |")

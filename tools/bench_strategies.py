@@ -174,15 +174,16 @@ def hydraulis_setting(wiki: np.ndarray, batches: int, repeats: int, cand_path: P
 
 def milp_study(wiki: np.ndarray, batches: int) -> list[dict]:
     """FlexSP's per-slot MILP against the aggregated class MILP on the first microbatch (M = 2) of each batch."""
+    from balanced_loader.cost import allowed_degrees
     from balanced_loader.planning.solvers.blaster import chunk_cuts
-    from balanced_loader.planning.solvers.sp_groups import degree_options, greedy_homogeneous, makespan_lower_bound
+    from balanced_loader.planning.solvers.sp_groups import greedy_homogeneous, makespan_lower_bound
     from balanced_loader.planning.solvers.sp_milp import Buckets, slot_milp, solve_microbatch
 
     cost = cost_preset("flexsp-gpt7b-a100")
     sc = cost.base
     pool = wiki[wiki <= 64 * sc.max_tokens_per_lane]
     order = np.random.default_rng(0).permutation(len(pool))
-    degrees = degree_options(64, 1)
+    degrees = allowed_degrees(64)
     rows = []
     for b in range(batches):
         ln = np.sort(pool[order[b * 512:(b + 1) * 512]])[::-1]

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from balanced_loader.data.corpus import stdlib_shards
+from balanced_loader.simulate import lane_finish_ms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,7 +163,7 @@ def rank_times(plan, cost, world: int) -> np.ndarray:
     for pool in plan.pools:
         if not pool.microbatches:
             continue
-        finish, gmax = cost.lane_finish_ms(pool)
+        finish, gmax = lane_finish_ms(pool, cost)
         extra = (pool.pp - 1) * gmax / pool.pp
         for stage in pool.ranks:
             for idx, r in enumerate(stage):

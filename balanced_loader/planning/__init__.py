@@ -3,6 +3,17 @@
 A policy is a module in ``balanced_loader.planning.policies`` with a function
 ``plan_step(items, cost, config, step) -> StepPlan``. Planning is a pure function of
 (items, cost, config): every rank can compute the same plan.
+
+What the loader and the runtime need to know before the first plan comes from the policy too,
+through optional module functions (one pool of shape ``(tp or 1, pp or 1)`` on aligned
+power-of-two blocks when a policy does not define them), so that no caller names a policy:
+
+* :func:`longest_segment` ``(cost, config) -> int``: the longest segment it can plan (the
+  loader's default context limit);
+* :func:`pool_shapes` ``(cost, config) -> {(tp, pp): lanes}``: every pool shape it may plan, with
+  the most lanes a pool of that shape has (the runtime checks the model splits over them);
+* :func:`fixed_pools` ``(config) -> tuple[Pool, ...] | None``: the rank grid of its pools when it
+  is the same in every step (the runtime creates their groups up front), else ``None``.
 """
 
 from __future__ import annotations
@@ -11,29 +22,56 @@ import contextlib
 import importlib
 import time
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 
 from balanced_loader.cost import CostModel
-from balanced_loader.plan import BatchItems, StepPlan
+from balanced_loader.plan import BatchItems, Pool, StepPlan
 from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.policies.common import one_pool_layout, one_pool_longest_segment
 from balanced_loader.planning.registry import POLICIES
 
-__all__ = ["POLICIES", "BatchItems", "PlanConfig", "get_policy", "make_plan", "warm_up"]
+__all__ = ["POLICIES", "BatchItems", "PlanConfig", "fixed_pools", "get_policy", "longest_segment", "make_plan",
+           "policy_module", "pool_shapes", "warm_up"]
 
 
-
-def get_policy(name: str):
-    """The ``plan_step`` function of a policy."""
+def policy_module(name: str) -> ModuleType:
+    """The module of a policy (imported on first use: the CLI starts fast; numba loads only when needed)."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy '{name}'; choose one of: {', '.join(POLICIES)}")
     try:
-        mod = importlib.import_module(f"balanced_loader.planning.policies.{POLICIES[name]}")
+        return importlib.import_module(f"balanced_loader.planning.policies.{POLICIES[name]}")
     except ModuleNotFoundError as e:
         if e.name and e.name.startswith("balanced_loader.planning.policies"):
             raise ValueError(f"policy '{name}' is not available in this build") from None
         raise
-    return mod.plan_step
+
+
+def get_policy(name: str):
+    """The ``plan_step`` function of a policy."""
+    return policy_module(name).plan_step
+
+
+def longest_segment(cost: CostModel, config: PlanConfig) -> int:
+    """The longest segment ``config.policy`` can plan (0 when no shape it may use is usable)."""
+    fn = getattr(policy_module(config.policy), "longest_segment", None)
+    return fn(cost, config) if fn is not None else one_pool_longest_segment(cost, config)
+
+
+def pool_shapes(cost: CostModel, config: PlanConfig) -> dict[tuple[int, int], int]:
+    """Every ``(tp, pp)`` shape ``config.policy`` may plan, with the most lanes a pool of it has."""
+    fn = getattr(policy_module(config.policy), "pool_shapes", None)
+    if fn is not None:
+        return fn(cost, config)
+    tp, pp = config.tp or 1, config.pp or 1
+    return {(tp, pp): config.world_size // (tp * pp)}
+
+
+def fixed_pools(config: PlanConfig) -> tuple[Pool, ...] | None:
+    """The pools (ranks, no microbatches) of every plan of ``config.policy``, or ``None`` when they vary."""
+    fn = getattr(policy_module(config.policy), "fixed_pools", None)
+    return fn(config) if fn is not None else one_pool_layout(config)
 
 
 def make_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: int = 0) -> StepPlan:
@@ -42,7 +80,7 @@ def make_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: int 
     t0 = time.perf_counter()
     plan = fn(items, cost, config, step)
     dt = time.perf_counter() - t0
-    from balanced_loader.simulate import step_ms  # vectorised contract-2 step time (equals cost.step_ms)
+    from balanced_loader.simulate import step_ms  # numba: loaded when a plan is made, not when the CLI starts
 
     return plan.with_timing(plan_seconds=dt, predicted_ms=step_ms(plan, cost))
 

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from balanced_loader.cost import floor_level
+
 ALGORITHMS = ("ffd", "bfd")
 BFD_MAX_CAPACITY = 1 << 23  # the room-value tree of bfd has one leaf per token of capacity
 
@@ -212,7 +214,7 @@ class BlockPlacement(NamedTuple):
 
 
 def _levels_of(num_lanes: int) -> int:
-    return int(num_lanes).bit_length()  # levels 0..floor(log2(num_lanes))
+    return floor_level(num_lanes) + 1  # levels 0..floor(log2(num_lanes))
 
 
 def block_place(times, pref, num_lanes: int, load=None, next_microbatch=None,

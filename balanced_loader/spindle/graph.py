@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.spindle.scaling import AlphaBeta, ShapeScaling, shape_scaling
+from balanced_loader.strict import number
 
 _TOP_KEYS = {"gpus", "gpus_per_node", "metaops", "counts", "hardware"}
 _OP_KEYS = {"name", "task", "layers", "after", "module", "min_gpus", "batch", "alpha_ms", "beta_ms",
@@ -153,19 +154,6 @@ def load_graph(path: str) -> Graph:
     return graph_from_dict(data, where=f"graph file {path}")
 
 
-def _int(d: Mapping[str, Any], key: str, where: str, *, minimum: int = 1, default: int | None = None) -> int:
-    if key not in d:
-        if default is None:
-            raise ValueError(f"{where}: missing key '{key}'")
-        return default
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or float(v) != int(v):
-        raise ValueError(f"{where}: '{key}' must be an integer, got {v!r}")
-    if int(v) < minimum:
-        raise ValueError(f"{where}: '{key}' must be >= {minimum}, got {v!r}")
-    return int(v)
-
-
 def _float(d: Mapping[str, Any], key: str, where: str) -> float:
     if key not in d:
         raise ValueError(f"{where}: missing key '{key}'")
@@ -193,8 +181,8 @@ def graph_from_dict(data: Any, where: str = "graph") -> Graph:
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
-    gpus = _int(data, "gpus", where)
-    node = min(_int(data, "gpus_per_node", where, default=8), gpus)
+    gpus = number(data, "gpus", where, integer=True, minimum=1)
+    node = min(number(data, "gpus_per_node", where, default=8, integer=True, minimum=1), gpus)
     if gpus % node:
         raise ValueError(f"{where}: gpus {gpus} is not a multiple of gpus_per_node {node}")
     rule = data.get("counts", "divisors")
@@ -235,7 +223,7 @@ def _metaop(d: dict[str, Any], where: str, *, known: set[str], gpus: int, node: 
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_OP_KEYS)}")
     name = d["name"]
     task = _str(d, "task", where)
-    layers = _int(d, "layers", where, minimum=0)
+    layers = number(d, "layers", where, minimum=0, integer=True)
     if layers == 0:
         raise ValueError(f"{where}: 'layers' is 0; a MetaOp needs at least one layer")
     after = d.get("after", [])
@@ -247,7 +235,7 @@ def _metaop(d: dict[str, Any], where: str, *, known: set[str], gpus: int, node: 
     if len(set(after)) != len(after):
         raise ValueError(f"{where}: 'after' lists a MetaOp twice: {after}")
     module = _str(d, "module", where) if "module" in d else name
-    min_gpus = _int(d, "min_gpus", where, default=1)
+    min_gpus = number(d, "min_gpus", where, default=1, integer=True, minimum=1)
     if min_gpus > gpus:
         raise ValueError(f"{where}: needs at least {min_gpus} devices (min_gpus) but only {gpus} exist")
 
@@ -263,7 +251,7 @@ def _metaop(d: dict[str, Any], where: str, *, known: set[str], gpus: int, node: 
         for k in ("seq_len", "tokens", "hardware"):
             if k in d:
                 raise ValueError(f"{where}: '{k}' only applies to a MetaOp given by model shape")
-        batch = _int(d, "batch", where)
+        batch = number(d, "batch", where, integer=True, minimum=1)
         scaling = AlphaBeta(alpha_ms=_float(d, "alpha_ms", where), beta_ms=_float(d, "beta_ms", where), batch=batch)
         divisible_by = batch if rule == "divisors" else 0
 
@@ -296,7 +284,8 @@ def _shape_op(d: dict[str, Any], where: str, *, layers: int, gpus: int, node: in
         bad = set(m) - _SHAPE_KEYS
         if bad:
             raise ValueError(f"{where}: model: unknown key(s) {sorted(bad)}; allowed: {sorted(_SHAPE_KEYS)}")
-        hidden, heads, kv_heads, ffn = (_int(m, k, f"{where}: model") for k in ("hidden", "heads", "kv_heads", "ffn"))
+        hidden, heads, kv_heads, ffn = (number(m, k, f"{where}: model", integer=True, minimum=1)
+                                        for k in ("hidden", "heads", "kv_heads", "ffn"))
         if hidden % heads or heads % kv_heads:
             raise ValueError(f"{where}: model: hidden must be a multiple of heads, heads of kv_heads")
     else:
@@ -315,8 +304,8 @@ def _shape_op(d: dict[str, Any], where: str, *, layers: int, gpus: int, node: in
             raise ValueError(f"{where}: 'tokens' must be a non-empty list of positive integers")
         arr = np.asarray(tokens, dtype=np.int64)  # [batch]
     else:
-        seq_len = _int(d, "seq_len", where)
-        arr = np.full(_int(d, "batch", where), seq_len, dtype=np.int64)  # [batch]
+        seq_len = number(d, "seq_len", where, integer=True, minimum=1)
+        arr = np.full(number(d, "batch", where, integer=True, minimum=1), seq_len, dtype=np.int64)  # [batch]
     scaling = shape_scaling(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, layers=layers, tokens=arr,
                             hardware=hw, max_gpus=gpus, gpus_per_node=node, world_size=gpus)
     return scaling, int(arr.size)

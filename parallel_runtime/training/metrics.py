@@ -23,21 +23,12 @@ import numpy as np
 
 from balanced_loader.cost import CostModel
 from balanced_loader.plan import StepPlan
+from balanced_loader.simulate import simulate_step
 
 
 def predicted_rank_ms(plan: StepPlan, cost: CostModel) -> np.ndarray:
-    """``[world_size]`` contract-2 busy ms of every rank in a step."""
-    out = np.zeros(plan.world_size)
-    for pool in plan.pools:
-        sc = cost.shape(pool.tp, pool.pp)
-        busy = np.zeros(pool.num_lanes)  # [num_lanes]
-        for mb in pool.microbatches:
-            for g in mb:
-                busy[list(g.lanes)] += sc.group_ms([s[2] for s in g.segments], g.degree) / pool.pp
-        for stage in pool.ranks:
-            for idx, r in enumerate(stage):
-                out[r] = busy[idx // pool.tp]
-    return out
+    """``[world_size]`` contract-2 busy ms of every rank in a step (:func:`balanced_loader.simulate.simulate_step`)."""
+    return simulate_step(plan, cost).rank_busy_ms
 
 
 def skew(values: Sequence[float] | np.ndarray) -> float:
@@ -62,8 +53,8 @@ def plan_shape(plan: StepPlan) -> dict[str, Any]:
 
 def balance(plan: StepPlan, cost: CostModel, compute_ms: Sequence[float], wall_ms: Sequence[float]) -> dict[str, Any]:
     """Predicted and measured balance of one executed plan (keys as in ``metrics.jsonl``)."""
-    pred = predicted_rank_ms(plan, cost)
-    step_ms = float(cost.step_ms(plan))
+    sim = simulate_step(plan, cost)
+    pred, step_ms = sim.rank_busy_ms, sim.step_ms
     return {
         "compute_ms": [round(float(x), 3) for x in compute_ms],
         "predicted_ms": [round(float(x), 3) for x in pred],

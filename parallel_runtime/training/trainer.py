@@ -38,7 +38,7 @@ import torch.distributed as dist
 from balanced_loader.loader import BalancedLoader, StepBatch
 from balanced_loader.materialize import num_valid_tokens
 from balanced_loader.plan import StepPlan
-from balanced_loader.planning.policies.pools import pool_specs
+from balanced_loader.planning import fixed_pools
 from parallel_runtime.config import STDLIB, Recipe, check_shape, dump_recipe
 from parallel_runtime.model import Transformer
 from parallel_runtime.topology import Topology
@@ -83,13 +83,10 @@ def declared_topologies(recipe: Recipe) -> list[Topology]:
     w, p = recipe.world.size, recipe.policy
     out = []
     if p.name == "pools":
-        from balanced_loader.plan import single_pool_ranks
-        from balanced_loader.planning.config import PlanConfig
         from parallel_runtime.topology import PoolShape
 
-        specs = pool_specs(PlanConfig(policy="pools", world_size=w, extra=dict(p.extra)))
-        out.append(Topology(world_size=w, pools=tuple(
-            PoolShape(tp=s.tp, pp=s.pp, ranks=single_pool_ranks(s.num_ranks, s.tp, s.pp, s.offset)) for s in specs)))
+        pools = fixed_pools(recipe.policy_config())
+        out.append(Topology(world_size=w, pools=tuple(PoolShape(tp=x.tp, pp=x.pp, ranks=x.ranks) for x in pools)))
     elif p.name != "hydraulis":
         out.append(Topology.uniform(w, tp=p.tp or 1, pp=p.pp or 1))
     if p.compare:

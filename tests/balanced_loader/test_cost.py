@@ -7,10 +7,13 @@ import math
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
-from balanced_loader.cost import CostModel, allowed_degrees
+from balanced_loader.cost import CostModel, allowed_degrees, fit_degrees, fit_levels, floor_level, pow2_divisor
 from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
 from balanced_loader.presets import HARDWARE, MODELS, analytic_cost, cost_preset, preset_names
+from balanced_loader.simulate import lane_finish_ms, pool_ms, step_ms
 
 DESIGN_EXAMPLE = """
 quadratic_ms: 5.128e-6
@@ -52,7 +55,7 @@ def test_pool_time_is_1f1b_for_uniform_microbatches(cost):
     g = Group(lanes=(0, 1), segments=((0, 0, 1000),))
     pool = Pool(tp=1, pp=2, ranks=single_pool_ranks(4, 1, 2), microbatches=tuple((g,) for _ in range(m)))
     t = c.shape(1, 2).group_ms([1000], 2)
-    assert math.isclose(c.pool_ms(pool), (m + 2 - 1) * t / 2, rel_tol=1e-12)
+    assert math.isclose(pool_ms(pool, c), (m + 2 - 1) * t / 2, rel_tol=1e-12)
 
 
 def _fields(sc):
@@ -67,9 +70,9 @@ def test_lanes_run_ahead_and_groups_wait_for_all_lanes(cost):
         (Group(lanes=(0,), segments=((3, 0, 5),)),),
     )
     plan = StepPlan(step=0, world_size=2, pools=(Pool(tp=1, pp=1, ranks=((0, 1),), microbatches=mbs),))
-    finish, gmax = c.lane_finish_ms(plan.pools[0])
+    finish, gmax = lane_finish_ms(plan.pools[0], c)
     assert finish.tolist() == [55.0, 50.0] and gmax == 30.0
-    assert c.step_ms(plan) == 55.0
+    assert step_ms(plan, c) == 55.0
 
 
 def test_strict_cost_file_errors(tmp_path):
@@ -126,3 +129,27 @@ def test_analytic_cost_orders_shapes_sensibly():
 def test_allowed_degrees():
     assert allowed_degrees(12) == [1, 2, 4, 8]
     assert allowed_degrees(12, powers_of_two=False) == [1, 2, 3, 4, 6, 12]
+    assert allowed_degrees(12, min_degree=4) == [4, 8]
+
+
+@given(st.integers(1, 5000))
+def test_power_of_two_helpers_match_their_definitions(n):
+    assert floor_level(n) == max(v for v in range(14) if 2**v <= n)
+    assert pow2_divisor(n) == max(2**v for v in range(14) if n % 2**v == 0)
+
+
+@given(st.lists(st.integers(0, 5000), max_size=20), st.integers(1, 700), st.integers(1, 40))
+def test_fit_degrees_and_levels_are_the_smallest_that_hold(lengths, cap, lanes):
+    degrees = allowed_degrees(lanes)
+    got = fit_degrees(lengths, cap, degrees)
+    for s, d in zip(lengths, got):
+        assert d == min((x for x in degrees if s <= x * cap), default=0)
+    for s, v in zip(lengths, fit_levels(lengths, cap)):
+        assert v == min(v2 for v2 in range(14) if s <= 2**v2 * cap)
+
+
+def test_segment_time_takes_one_degree_per_segment(cost):
+    sc = cost.base
+    s = np.array([4096.0, 1000.0, 77.0])
+    d = np.array([8.0, 1.0, 2.0])
+    np.testing.assert_array_equal(sc.segment_ms(s, d), [sc.segment_ms(x, int(y)) for x, y in zip(s, d)])

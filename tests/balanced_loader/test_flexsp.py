@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader.cost import CostModel
+from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import make_plan
 from balanced_loader.planning.config import PlanConfig
@@ -18,13 +18,12 @@ from balanced_loader.planning.policies.flexsp import pool_time
 from balanced_loader.planning.solvers import blaster
 from balanced_loader.planning.solvers.sp_groups import (
     SpGroup,
-    _fill_kernel,
-    _polish_kernel,
-    degree_options,
+    fill_kernel,
     fill_reference,
     greedy_homogeneous,
     makespan_lower_bound,
     place_lanes,
+    polish_kernel,
     polish_reference,
     rebalance_single_lanes,
     segment_table,
@@ -100,7 +99,7 @@ def test_fill_kernel_equals_reference(lengths, groups, cap):
     ln = np.asarray(lengths, dtype=np.int64)
     times = ln * 0.3 + ln.astype(np.float64) ** 2 * 1e-4
     order = np.lexsort((np.arange(len(ln)), -ln)).astype(np.int64)
-    assert np.array_equal(_fill_kernel(ln, times, order, groups, cap), fill_reference(ln, times, order, groups, cap))
+    assert np.array_equal(fill_kernel(ln, times, order, groups, cap), fill_reference(ln, times, order, groups, cap))
 
 
 @given(st.lists(st.integers(1, 2000), min_size=2, max_size=16), st.data())
@@ -113,7 +112,7 @@ def test_polish_kernel_equals_reference_and_never_worse(lengths, data):
     gdeg = np.asarray(data.draw(st.lists(st.integers(0, 2), min_size=ng, max_size=ng)), dtype=np.int64)
     gcap = np.asarray([4000 * degrees[j] * 4 for j in gdeg], dtype=np.int64)
     assign = np.asarray([i % ng for i in range(len(ln))], dtype=np.int64)
-    out = _polish_kernel(ln, seg, gdeg, gcap, assign, sc.microbatch_ms, 50)
+    out = polish_kernel(ln, seg, gdeg, gcap, assign, sc.microbatch_ms, 50)
     assert np.array_equal(out, polish_reference(ln, seg, gdeg, gcap, assign, sc.microbatch_ms, 50))
 
     def span(a):
@@ -211,7 +210,7 @@ def test_slot_milp_equals_brute_force_on_tiny_instances(seed):
     while ln.sum() > 1000 * num_lanes:  # one microbatch: within the pool's tokens
         ln = rng.integers(100, 3 * 1000, n).astype(np.int64)
     sc = tiny_cost(1000).base
-    degrees = degree_options(num_lanes, 1)
+    degrees = allowed_degrees(num_lanes)
     bk = Buckets.build(ln, sc, num_lanes, degrees)
     out = slot_milp(bk, sc, num_lanes, time_limit_s=10, node_limit=None, rel_gap=0.0)
     exact = brute_force(ln, sc, num_lanes, degrees)
@@ -288,7 +287,7 @@ def test_flexsp_falls_back_when_the_solver_fails_or_is_missing(monkeypatch):
     rng = np.random.default_rng(1)
     ln = rng.integers(100, 12_000, 60)
     cost = tiny_cost(3000)
-    solver._WARNED.clear()
+    solver.reset_warnings()
 
     def boom(*a, **k):
         raise RuntimeError("solver exploded")

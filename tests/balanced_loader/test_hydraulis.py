@@ -15,6 +15,7 @@ from balanced_loader.planning.solvers import assign
 from balanced_loader.planning.solvers import candidates as cands
 from balanced_loader.planning.solvers.solver import MilpResult
 from balanced_loader.presets import cost_preset
+from balanced_loader.simulate import serial_pool_ms
 
 HYD = cost_preset("hydraulis-llama7b-a800")
 
@@ -35,7 +36,7 @@ def test_dispatch_kernel_equals_reference(lengths, pipes, restarts, seed):
     allowed = ln[:, None] <= caps[None, :]
     ppm1 = rng.integers(0, 3, pipes).astype(np.float64)
     orders = assign.dispatch_orders(ln, allowed, restarts, seed)
-    a, obj = assign._dispatch_kernel(cost, allowed, ppm1, orders)
+    a, obj = assign.dispatch_kernel(cost, allowed, ppm1, orders)
     a_ref, obj_ref = assign.dispatch_reference(cost, allowed, ppm1, orders)
     assert np.array_equal(a, a_ref) and obj == pytest.approx(obj_ref)
     assert allowed[np.arange(len(ln)), a].all()
@@ -63,7 +64,7 @@ def brute_pipeline(lengths, work, cap, c, pp):
     best = np.inf
     for part in partitions(list(range(len(lengths)))):
         if all(lengths[b].sum() <= cap for b in part):
-            best = min(best, assign.pipeline_ms(np.array([work[b].sum() for b in part]), c, pp))
+            best = min(best, serial_pool_ms(np.array([work[b].sum() for b in part]), pp, c))
     return best
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from balanced_loader.cost import CostModel
 from balanced_loader.plan import Group, Plan, Pool, StepPlan, single_pool_ranks
+from balanced_loader.simulate import step_ms
 
 COST = CostModel.from_dict({
     "quadratic_ms": 1e-3, "linear_ms": 0.1, "microbatch_ms": 1.0, "comm_bytes_per_token": 1e6,
@@ -81,6 +82,28 @@ def test_shape_must_be_in_cost_file_and_tp_pp_grid():
         make(((Group(lanes=(0,), segments=((1, 0, 40),)),),), tp=4, world=8).validate(LENGTHS, COST)
 
 
+def test_structure_checks_without_lengths_and_caps_from_any_mapping():
+    # the runtime's view: no length index, caps from anything with lane_cap(tp, pp)
+    class Caps:
+        def lane_cap(self, tp: int, pp: int) -> int:
+            return {(1, 1): 100}[(tp, pp)]
+
+    good().validate(caps=Caps())
+    good().validate()
+    with pytest.raises(ValueError, match="lane 1 is in two groups"):
+        make(((Group(lanes=(0, 1), segments=((0, 0, 150),)), Group(lanes=(1,), segments=((1, 0, 40),))),)).validate()
+    with pytest.raises(ValueError, match="doc 1 segment at 10 leaves a gap before token 0"):
+        make(((Group(lanes=(0,), segments=((1, 10, 30),)),),)).validate()
+    with pytest.raises(ValueError, match="exceed max_tokens_per_lane 100"):
+        make(((Group(lanes=(0,), segments=((0, 0, 150),)),),)).validate(caps=Caps())
+
+
+def test_rank_grid():
+    pool = Pool(tp=2, pp=2, ranks=single_pool_ranks(8, 2, 2), microbatches=())
+    assert pool.lane_ranks(1, stage=1) == (6, 7)
+    assert pool.group_ranks((1, 0), stage=0, tp_index=1) == (3, 1)
+
+
 def test_plan_file_errors(tmp_path):
     with pytest.raises(ValueError, match="not a plan file"):
         Plan.from_json({"steps": []})
@@ -95,4 +118,4 @@ def test_plan_file_errors(tmp_path):
 def test_empty_step_is_valid():
     p = make(())
     p.validate(LENGTHS, COST, doc_ids=[])
-    assert COST.step_ms(p) == 0.0
+    assert step_ms(p, COST) == 0.0

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from balanced_loader.cost import CostModel
 from balanced_loader.data.batching import to_items
 from balanced_loader.plan import BatchItems
-from balanced_loader.planning import make_plan
+from balanced_loader.planning import fixed_pools, longest_segment, make_plan, pool_shapes
 from balanced_loader.planning.config import PlanConfig
+from balanced_loader.simulate import step_ms
 
 CORE = ("maxlen", "static-sp", "token-kk", "mcore-dcp", "hydra")
 STATIC = ("maxlen", "static-sp", "token-kk")
@@ -68,7 +69,7 @@ def test_every_core_policy_plan_validates(case):
     plan = make_plan(items, COST, config, step=3)
     plan.validate(lengths, COST, doc_ids=range(len(lengths)))
     assert plan.step == 3
-    assert plan.predicted_ms == pytest.approx(COST.step_ms(plan))
+    assert plan.predicted_ms == pytest.approx(step_ms(plan, COST))
     assert [(p.tp, p.pp) for p in plan.pools] == [(config.tp or 1, config.pp or 1)]
     pool = plan.pools[0]
     cap = COST.shape(pool.tp, pool.pp).max_tokens_per_lane
@@ -173,4 +174,27 @@ def test_greedy_uses_the_configured_shape():
     plan.validate(lengths, COST, doc_ids=range(len(lengths)))
     (pool,) = plan.pools
     assert (pool.tp, pool.pp, pool.num_lanes) == (2, 2, 2)
-    assert plan.predicted_ms == pytest.approx(COST.step_ms(plan))
+    assert plan.predicted_ms == pytest.approx(step_ms(plan, COST))
+
+
+@pytest.mark.parametrize("config", [
+    PlanConfig(policy="pools", world_size=6,
+               extra={"pools": [{"tp": 1, "pp": 2, "lanes": 1}, {"tp": 2, "pp": 1, "lanes": 2}]}),
+    PlanConfig(policy="hydra", world_size=8, tp=2),
+    PlanConfig(policy="maxlen", world_size=12, cp=2),
+])
+def test_registry_tells_the_pools_and_longest_segment_before_planning(config):
+    pools = fixed_pools(config)
+    lengths = np.full(12, longest_segment(COST, config), dtype=np.int64)
+    plan = make_plan(BatchItems.from_lengths(lengths), COST, config)
+    plan.validate(lengths, COST, doc_ids=range(len(lengths)))  # the longest segment is plannable
+    assert [(p.tp, p.pp, p.ranks) for p in pools] == [(p.tp, p.pp, p.ranks) for p in plan.pools]
+    shapes = pool_shapes(COST, config)
+    assert all(shapes[(p.tp, p.pp)] >= p.num_lanes for p in plan.pools)
+
+
+def test_hydraulis_pools_change_per_step():
+    config = PlanConfig(policy="hydraulis", world_size=4)
+    assert fixed_pools(config) is None
+    assert pool_shapes(COST, config) == {(1, 1): 1, (2, 1): 1, (4, 1): 1, (1, 2): 1, (2, 2): 1}
+    assert longest_segment(COST, config) == 256

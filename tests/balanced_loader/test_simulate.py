@@ -16,10 +16,14 @@ from balanced_loader.plan import Group, Plan, Pool, StepPlan
 from balanced_loader.presets import HARDWARE, MODELS
 from balanced_loader.simulate import (
     PoolArrays,
+    lane_finish_ms,
     lane_schedule,
     lane_schedule_py,
     model_flops,
+    placed_pool_ms,
     plan_lengths,
+    pool_ms,
+    serial_pool_ms,
     simulate_plan,
     simulate_step,
     simulate_step_json,
@@ -70,19 +74,38 @@ def random_plans(draw) -> tuple[CostModel, StepPlan]:
     return cost, StepPlan(step=0, world_size=offset, pools=tuple(pools))
 
 
+def reference_pool(pool: Pool, cost: CostModel) -> tuple[list[float], float, float]:
+    """Contract 2 read literally, one group at a time: (lane finish, largest group ms, pool ms)."""
+    sc = cost.shape(pool.tp, pool.pp)
+    finish = [0.0] * pool.num_lanes
+    gmax = 0.0
+    for mb in pool.microbatches:
+        for g in mb:
+            t = sc.group_ms([s[2] for s in g.segments], len(g.lanes))
+            gmax = max(gmax, t)
+            start = max(finish[x] for x in g.lanes)
+            for x in g.lanes:
+                finish[x] = start + t / pool.pp
+    return finish, gmax, (max(finish) + (pool.pp - 1) * gmax / pool.pp) if gmax > 0 else 0.0
+
+
 @given(random_plans())
 def test_step_time_equals_the_cost_model(case):
     cost, plan = case
     m = simulate_step(plan, cost)
-    ref = cost.step_ms(plan)
+    refs = [reference_pool(pool, cost) for pool in plan.pools]
+    ref = max((r[2] for r in refs), default=0.0)
     assert math.isclose(m.step_ms, ref, rel_tol=1e-9, abs_tol=1e-12)
     assert math.isclose(step_ms(plan, cost), ref, rel_tol=1e-9, abs_tol=1e-12)
-    for pm, pool in zip(m.pools, plan.pools):
-        assert math.isclose(pm.makespan_ms, cost.pool_ms(pool), rel_tol=1e-9, abs_tol=1e-12)
+    for pm, pool, (ref_finish, ref_gmax, ref_ms) in zip(m.pools, plan.pools, refs):
+        assert math.isclose(pm.makespan_ms, ref_ms, rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(pool_ms(pool, cost), ref_ms, rel_tol=1e-9, abs_tol=1e-12)
         if pool.microbatches:
-            finish, gmax = cost.lane_finish_ms(pool)
-            np.testing.assert_allclose(pm.lane_finish_ms, finish, rtol=1e-9, atol=1e-9)
-            assert math.isclose(pm.max_group_ms, gmax, rel_tol=1e-9)
+            finish, gmax = lane_finish_ms(pool, cost)
+            np.testing.assert_allclose(pm.lane_finish_ms, ref_finish, rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose(finish, ref_finish, rtol=1e-9, atol=1e-9)
+            assert math.isclose(pm.max_group_ms, ref_gmax, rel_tol=1e-9)
+            assert math.isclose(gmax, ref_gmax, rel_tol=1e-9)
     # every rank-ms is either busy or idle, and the bubbles are shares in [0, 1]
     assert 0 <= m.idle <= 1 and 0 <= m.pp_bubble <= 1 and 0 <= m.dp_bubble <= 1
     assert m.skew >= 1 - 1e-12
@@ -104,6 +127,31 @@ def test_lane_kernel_equals_its_reference(case):
         b = lane_schedule_py(arr.lane_ptr, arr.lanes, gms, pool.pp, pool.num_lanes)
         np.testing.assert_array_equal(a[0], b[0])
         np.testing.assert_allclose(a[1], b[1], rtol=1e-12)
+
+
+@given(random_plans())
+def test_placed_groups_time_like_the_pool(case):
+    cost, plan = case
+    for pool in plan.pools:
+        sc = cost.shape(pool.tp, pool.pp)
+        groups = [g for mb in pool.microbatches for g in mb]
+        gms = [sc.group_ms([s[2] for s in g.segments], g.degree) for g in groups]
+        got = placed_pool_ms([g.lanes for g in groups], gms, pool.pp, pool.num_lanes)
+        assert math.isclose(got, pool_ms(pool, cost), rel_tol=1e-9, abs_tol=1e-12)
+
+
+@given(st.lists(st.integers(1, 30000), min_size=1, max_size=8), st.sampled_from(SHAPES[1:]), st.integers(1, 4))
+def test_serial_closed_form_equals_the_lane_schedule(seq, shape, lanes):
+    tp, pp = shape
+    cost = CostModel.from_dict({"quadratic_ms": 1e-6, "linear_ms": 0.01, "microbatch_ms": 3.0,
+                                "comm_bytes_per_token": 1e5, "bandwidth_gbs": {2: 50.0}, "max_tokens_per_lane": 10**6,
+                                "strategies": [{"tp": tp, "pp": pp, "microbatch_ms": 7.0}]})
+    sc = cost.shape(tp, pp)
+    mbs = tuple((Group(lanes=tuple(range(lanes)), segments=((i, 0, s),)),) for i, s in enumerate(seq))
+    pool = Pool(tp=tp, pp=pp, ranks=tuple(tuple(range(k * lanes * tp, (k + 1) * lanes * tp)) for k in range(pp)),
+                microbatches=mbs)
+    work = np.array([(sc.group_ms([s], lanes) - sc.microbatch_ms) / pp for s in seq])  # [v] per-stage work
+    assert math.isclose(serial_pool_ms(work, pp, sc.microbatch_ms / pp), pool_ms(pool, cost), rel_tol=1e-9)
 
 
 # ---- hand-computed plans -------------------------------------------------------------------

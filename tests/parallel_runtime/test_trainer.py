@@ -182,7 +182,7 @@ def test_entry_point_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert err.count("\n") == 0 and "unknown key 'data.global_batch_tokns'" in err
     assert entry.main(["--recipe", HETERO, "--set", "world.size=3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "world.size / policy.extra.pools" in err and "= 4 ranks" in err
+    assert err.count("\n") == 0 and "world.size / policy.extra: policy 'pools'" in err and "= 4 ranks" in err
     assert entry.main(["--recipe", HETERO]) == 2  # no launcher
     assert "accelerate launch --multi_gpu --num_processes 4" in capsys.readouterr().err
 

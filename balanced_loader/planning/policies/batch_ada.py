@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from balanced_loader.cost import CostModel
+from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.plan import BatchItems, Group, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import pack
 from balanced_loader.planning.policies.common import check_fits, one_pool_plan
 from balanced_loader.planning.solvers.bins import lpt_blocks
-from balanced_loader.planning.solvers.sp_groups import degree_options
+from balanced_loader.simulate import makespan_ms
+from balanced_loader.strict import check_keys
 
 _DEFAULTS = {"fill": 0.9, "min_degree": 1}
 
 
 def _options(config: PlanConfig) -> tuple[float, int]:
-    unknown = set(config.extra) - set(_DEFAULTS) - {"length_histogram"}
-    if unknown:
-        raise ValueError(f"policy 'batch-ada': unknown option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+    check_keys(config.extra, (*_DEFAULTS, "length_histogram"), "policy 'batch-ada'", word="option")
     fill = config.extra.get("fill", _DEFAULTS["fill"])
     mind = config.extra.get("min_degree", _DEFAULTS["min_degree"])
     if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 < fill <= 1:
@@ -45,7 +44,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     if not sc.usable:
         raise ValueError(f"policy 'batch-ada': shape tp={tp}, pp={pp} is unusable (max_tokens_per_lane: 0)")
     num_lanes = config.world_size // (tp * pp)
-    degrees = degree_options(num_lanes, min_degree)
+    degrees = allowed_degrees(num_lanes, min_degree=min_degree)
     if not degrees:
         raise ValueError(f"policy 'batch-ada': min_degree {min_degree} exceeds the pool's {num_lanes} lanes")
     cap = sc.max_tokens_per_lane
@@ -64,8 +63,9 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         seg = np.asarray(sc.segment_ms(lengths.astype(np.float64), d))  # [n]
         times = sc.microbatch_ms + np.bincount(bins, weights=seg, minlength=nb)  # [num_bins]
         block, pos = lpt_blocks(times, num_lanes // d)
-        span = float(np.bincount(block, weights=times, minlength=num_lanes // d).max() / pp
-                     + (pp - 1) * times.max() / pp)
+        # each block runs its bins back to back: its finish is the sum of their stage shares
+        finish = np.bincount(block, weights=times, minlength=num_lanes // d) / pp  # [num_lanes // d]
+        span = makespan_ms(finish, float(times.max()), pp)
         if best is None or span < best[0] - 1e-9:
             best = (span, d, bins, block, pos)
     assert best is not None

@@ -1,16 +1,27 @@
-"""Small helpers shared by policies: building groups and microbatches lane by lane."""
+"""Helpers shared by the policies: one pool's setup, building groups and microbatches lane by lane.
+
+* :func:`pool_setup`: the one pool's shape, lanes and cost coefficients from the config.
+* :class:`MicrobatchBuilder`: groups into microbatches in the contract-2 execution order.
+* :func:`memory_fit_levels`: each item's memory-fit power-of-two degree (as a level).
+* :func:`assemble`: per-item (microbatch, first lane, degree) arrays -> contract-1 microbatches.
+* :func:`deal_bins`: bins dealt to groups in order with the same microbatch count everywhere.
+* :func:`static_plan`: a static trainer (one fixed CP/SP degree, packed bins dealt to groups).
+* :func:`longest_on`, :func:`one_pool_layout`: what the loader and runtime ask a policy before planning
+  (:func:`balanced_loader.planning.longest_segment`, :func:`~balanced_loader.planning.fixed_pools`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import gc
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
-
-if TYPE_CHECKING:
-    from balanced_loader.plan import BatchItems
+from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees, fit_levels, pow2_divisor
+from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
+from balanced_loader.planning.config import PlanConfig
 
 
 class MicrobatchBuilder:
@@ -53,3 +64,182 @@ def check_fits(items: BatchItems, cap: int, max_degree: int, policy: str, *, wha
         raise ValueError(f"policy '{policy}': doc {int(items.doc_ids[i])} ({int(items.lengths[i])} tokens) does not "
                          f"fit: max_tokens_per_lane {cap} x {what} {max_degree} = {cap * max_degree} tokens; split "
                          f"long docs (--max-seq-len N, or the loader's max_seq_len with long_docs='split') or {fix}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PoolSetup:
+    tp: int
+    pp: int
+    lanes: int
+    shape: ShapeCost
+
+    @property
+    def cap(self) -> int:
+        return self.shape.max_tokens_per_lane
+
+
+def pool_setup(items: BatchItems, cost: CostModel, config: PlanConfig, policy: str) -> PoolSetup:
+    """Shape ``(config.tp or 1, config.pp or 1)`` from the cost file, its lanes, and checked items."""
+    tp, pp = config.tp or 1, config.pp or 1
+    if config.world_size % (tp * pp):
+        raise ValueError(f"world_size {config.world_size} is not divisible by tp*pp = {tp * pp}")
+    sc = cost.shape(tp, pp)
+    if not sc.usable:
+        raise ValueError(f"policy '{policy}': shape tp={tp}, pp={pp} is marked unusable in the cost file "
+                         f"(max_tokens_per_lane: 0); choose --tp/--pp of a usable entry under 'strategies'")
+    if len(items) and int(items.lengths.min()) <= 0:
+        i = int(np.argmin(items.lengths))
+        raise ValueError(f"lengths must be positive: doc {int(items.doc_ids[i])} has length "
+                         f"{int(items.lengths[i])}")
+    return PoolSetup(tp=tp, pp=pp, lanes=config.world_size // (tp * pp), shape=sc)
+
+
+def memory_fit_levels(items: BatchItems, cap: int, top_level: int, policy: str) -> np.ndarray:
+    """``[n]`` smallest level v with ``2**v * cap >= length``; one error naming the longest doc when it
+    does not fit even at ``2**top_level`` lanes."""
+    check_fits(items, cap, 1 << top_level, policy)
+    return fit_levels(items.lengths, cap)
+
+
+def assemble(items: BatchItems, mb: np.ndarray, lane0: np.ndarray, degree: np.ndarray
+             ) -> tuple[tuple[Group, ...], ...]:
+    """Contract-1 microbatches from per-item ``mb`` / ``lane0`` / ``degree`` (``[n]`` each).
+
+    Items with the same (microbatch, first lane) form one group of lanes
+    ``lane0 .. lane0 + degree - 1``, segments in item order. Empty microbatch indices are
+    dropped (that does not change any lane's execution order).
+    """
+    n = len(items)
+    if n == 0:
+        return ()
+    mb = np.asarray(mb, dtype=np.int64)
+    lane0 = np.asarray(lane0, dtype=np.int64)
+    order = np.lexsort((np.arange(n), lane0, mb))
+    m_s = mb[order]
+    l_s = lane0[order]
+    d_s = np.asarray(degree, dtype=np.int64)[order]
+    cut = np.flatnonzero((m_s[1:] != m_s[:-1]) | (l_s[1:] != l_s[:-1])) + 1
+    starts = [0, *cut.tolist()]
+    ends = [*cut.tolist(), n]
+    paused = gc.isenabled()
+    gc.disable()  # only acyclic tuples are built here; collections would scan them for nothing
+    try:
+        segs = list(zip(items.doc_ids[order].tolist(), items.starts[order].tolist(),
+                        items.lengths[order].tolist()))
+        m_l, l_l, d_l = m_s.tolist(), l_s.tolist(), d_s.tolist()
+        out: dict[int, list[Group]] = {}
+        for a, b in zip(starts, ends):
+            first, d = l_l[a], d_l[a]
+            lanes = (first,) if d == 1 else tuple(range(first, first + d))
+            g = Group(lanes=lanes, segments=tuple(segs[a:b]))
+            grp = out.get(m_l[a])
+            if grp is None:
+                out[m_l[a]] = [g]
+            else:
+                grp.append(g)
+    finally:
+        if paused:
+            gc.enable()
+    return tuple(tuple(out[k]) for k in sorted(out))
+
+
+def empty_plan(step: int, config: PlanConfig, setup: PoolSetup) -> StepPlan:
+    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, ())
+
+
+def deal_bins(bins: np.ndarray, num_bins: int, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deal bins to groups in order: bin b -> group b % G, microbatch b // G.
+
+    Static trainers run the same number of microbatches on every data-parallel replica.
+    When the bin count is not a multiple of G, the bins holding the most docs are split in
+    two (alternate docs) until it is, or no bin has two docs left. Returns per-item
+    ``(microbatch [n], group [n])``.
+    """
+    n = len(bins)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    want = -(-num_bins // num_groups) * num_groups
+    new_bin = np.asarray(bins, dtype=np.int64).copy()
+    if want > num_bins:
+        members: list[list[int]] = [[] for _ in range(num_bins)]
+        for i, b in enumerate(new_bin.tolist()):
+            members[b].append(i)
+        heap = [(-len(m), b) for b, m in enumerate(members) if len(m) > 1]
+        heapq.heapify(heap)
+        nb = num_bins
+        while nb < want and heap:
+            _, b = heapq.heappop(heap)
+            docs = members[b]
+            keep, move = docs[0::2], docs[1::2]
+            members[b] = keep
+            members.append(move)
+            new_bin[move] = nb
+            for bb in (b, nb):
+                if len(members[bb]) > 1:
+                    heapq.heappush(heap, (-len(members[bb]), bb))
+            nb += 1
+    return new_bin // num_groups, new_bin % num_groups
+
+
+def fixed_degree(items: BatchItems, lanes: int, cap: int) -> int:
+    """Smallest power of two dividing ``lanes`` whose lanes hold the longest item (else the largest)."""
+    longest = int(items.lengths.max()) if len(items) else 1
+    return min(1 << int(fit_levels([longest], cap)[0]), pow2_divisor(lanes))
+
+
+def static_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: int, *, policy: str,
+                algorithm: str) -> StepPlan:
+    """A static trainer: one fixed CP/SP degree for every doc, docs packed into bins of
+    ``degree * max_tokens_per_lane`` tokens, bins dealt to the CP/SP groups in order."""
+    from balanced_loader.planning.packing import pack
+
+    setup = pool_setup(items, cost, config, policy)
+    lanes, cap = setup.lanes, setup.cap
+    if config.cp is not None:
+        cp = config.cp
+    else:
+        cp = fixed_degree(items, lanes, cap)
+    if cp > lanes or lanes % cp:
+        raise ValueError(f"policy '{policy}': cp {cp} must divide the {lanes} lanes per stage "
+                         f"(world_size / (tp*pp)); choose --cp among the divisors of {lanes}")
+    check_fits(items, cap, cp, policy, what="cp", fix="raise --cp")
+    if not len(items):
+        return empty_plan(step, config, setup)
+    groups = lanes // cp
+    bins = pack(items.lengths, cap * cp, algorithm)
+    mb, grp = deal_bins(bins, int(bins.max()) + 1, groups)
+    micro = assemble(items, mb, grp * cp, np.full(len(items), cp, dtype=np.int64))
+    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+
+
+# ---- what a policy tells the loader and the runtime before it plans ----------------------------
+
+
+def longest_on(pools: Iterable[tuple[ShapeCost, int]], cp: int | None, *, fixed_degree: bool = False) -> int:
+    """The longest segment some group of these ``(shape, lanes)`` pools holds: lane cap x the largest
+    degree (``cp`` when set; else the largest power of two dividing the lanes for a ``fixed_degree``
+    policy, the largest aligned power-of-two block otherwise); 0 when no pool is usable."""
+    best = 0
+    for sc, lanes in pools:
+        if not sc.usable or lanes < 1:
+            continue
+        if cp is not None:
+            degree = min(cp, lanes)
+        elif fixed_degree:
+            degree = pow2_divisor(lanes)  # static trainers split the lanes into equal groups
+        else:
+            degree = max(allowed_degrees(lanes))
+        best = max(best, sc.max_tokens_per_lane * degree)
+    return best
+
+
+def one_pool_longest_segment(cost: CostModel, config: PlanConfig, *, fixed_degree: bool = False) -> int:
+    """:func:`longest_on` the one pool of shape ``(tp or 1, pp or 1)`` over the whole world."""
+    sc = cost.shape(config.tp or 1, config.pp or 1)
+    return longest_on([(sc, config.world_size // sc.gpus)], config.cp, fixed_degree=fixed_degree)
+
+
+def one_pool_layout(config: PlanConfig) -> tuple[Pool, ...]:
+    """The one pool of shape ``(tp or 1, pp or 1)`` over the whole world (no microbatches)."""
+    tp, pp = config.tp or 1, config.pp or 1
+    return (Pool(tp=tp, pp=pp, ranks=single_pool_ranks(config.world_size, tp, pp), microbatches=()),)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, ShapeCost
+from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
 from balanced_loader.plan import BatchItems, Group, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies.common import check_fits, one_pool_plan
@@ -46,7 +46,6 @@ from balanced_loader.planning.solvers.blaster import chunk_cuts
 from balanced_loader.planning.solvers.sp_groups import (
     GroupChoice,
     SpGroup,
-    degree_options,
     greedy_homogeneous,
     makespan_lower_bound,
     place_lanes,
@@ -54,6 +53,8 @@ from balanced_loader.planning.solvers.sp_groups import (
     segment_table,
 )
 from balanced_loader.planning.solvers.sp_milp import solve_microbatch
+from balanced_loader.simulate import placed_pool_ms
+from balanced_loader.strict import check_keys, check_number
 
 _DEFAULTS = {"min_degree": 1, "num_m": 5, "node_limit": 50, "rel_gap": 0.002, "buckets": 16, "max_solves": 24,
              "exact_vars": 64, "bisect_steps": 6, "bisect_tol": 0.005}
@@ -74,16 +75,12 @@ class FlexSPOptions:
 
     @staticmethod
     def from_config(config: PlanConfig) -> FlexSPOptions:
-        known = set(_DEFAULTS) | {"length_histogram"}
-        unknown = set(config.extra) - known
-        if unknown:
-            raise ValueError(f"policy 'flexsp': unknown option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+        check_keys(config.extra, (*_DEFAULTS, "length_histogram"), "policy 'flexsp'", word="option")
         kw = {k: config.extra.get(k, v) for k, v in _DEFAULTS.items()}
         for k, v in kw.items():
             low = 1 if k in ("min_degree", "num_m", "node_limit", "buckets") else 0
-            kind = (int, float) if k in ("rel_gap", "bisect_tol") else int
-            if isinstance(v, bool) or not isinstance(v, kind) or v < low:
-                raise ValueError(f"policy 'flexsp': option '{k}' must be a number >= {low}, got {v!r}")
+            kw[k] = check_number(v, f"policy 'flexsp': option '{k}'", integer=k not in ("rel_gap", "bisect_tol"),
+                                 minimum=low)
         if kw["min_degree"] & (kw["min_degree"] - 1):
             raise ValueError(f"policy 'flexsp': min_degree must be a power of two, got {kw['min_degree']}")
         if config.time_limit_s <= 0:
@@ -147,15 +144,9 @@ def _greedy_chunks(lengths: np.ndarray, order: np.ndarray, m: int, sc: ShapeCost
 
 def pool_time(microbatches: list[tuple[SpGroup, ...]], lanes: list[list[tuple[int, ...]]],
               num_lanes: int, pp: int) -> float:
-    """Contract-2 pool time of placed groups (same arithmetic as ``CostModel.pool_ms``)."""
-    finish = np.zeros(num_lanes)  # [num_lanes]
-    gmax = 0.0
-    for groups, placed in zip(microbatches, lanes):
-        for g, ln in zip(groups, placed):
-            idx = list(ln)
-            finish[idx] = finish[idx].max() + g.ms / pp
-            gmax = max(gmax, g.ms)
-    return float(finish.max() + (pp - 1) * gmax / pp)
+    """Contract-2 pool time of placed groups (:func:`balanced_loader.simulate.placed_pool_ms`)."""
+    groups = [(g, ln) for gs, placed in zip(microbatches, lanes) for g, ln in zip(gs, placed)]  # execution order
+    return placed_pool_ms([ln for _, ln in groups], [g.ms for g, _ in groups], pp, num_lanes)
 
 
 def plan_microbatches(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, opts: FlexSPOptions,
@@ -164,7 +155,7 @@ def plan_microbatches(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, opts: 
 
     Returns the microbatches (groups with item indices), their lane blocks and notes.
     """
-    degrees = degree_options(num_lanes, opts.min_degree)
+    degrees = allowed_degrees(num_lanes, min_degree=opts.min_degree)
     cap = sc.max_tokens_per_lane
     n = len(lengths)
     order = np.lexsort((np.arange(n), -lengths)).astype(np.int64)  # [n] longest first
@@ -235,7 +226,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     if not sc.usable:
         raise ValueError(f"policy 'flexsp': shape tp={tp}, pp={pp} is unusable (max_tokens_per_lane: 0)")
     num_lanes = config.world_size // (tp * pp)
-    degrees = degree_options(num_lanes, opts.min_degree)
+    degrees = allowed_degrees(num_lanes, min_degree=opts.min_degree)
     if not degrees:
         raise ValueError(f"policy 'flexsp': min_degree {opts.min_degree} exceeds the pool's {num_lanes} lanes")
     lengths = np.asarray(items.lengths, dtype=np.int64)

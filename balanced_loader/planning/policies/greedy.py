@@ -15,8 +15,7 @@ import numpy as np
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.policies._planning import pool_setup
-from balanced_loader.planning.policies.common import MicrobatchBuilder, check_fits, one_pool_plan
+from balanced_loader.planning.policies.common import MicrobatchBuilder, check_fits, one_pool_plan, pool_setup
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:

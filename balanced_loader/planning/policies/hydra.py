@@ -51,18 +51,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, ShapeCost
+from balanced_loader.cost import CostModel, ShapeCost, floor_level
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import block_place, fill_passes
-from balanced_loader.planning.policies._planning import (
+from balanced_loader.planning.policies.common import (
     assemble,
     empty_plan,
-    max_level,
     memory_fit_levels,
+    one_pool_plan,
     pool_setup,
 )
-from balanced_loader.planning.policies.common import one_pool_plan
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,7 +107,7 @@ def group_times(sc: ShapeCost, lengths: np.ndarray, top: int) -> np.ndarray:
 
 def load_target(items: BatchItems, sc: ShapeCost, lanes: int, *, policy: str = "hydra") -> LoadTarget:
     """The closed-form load target ``T*`` and the degrees it implies (module docstring)."""
-    top = max_level(lanes)
+    top = floor_level(lanes)
     cap = sc.max_tokens_per_lane
     beta = sc.microbatch_ms
     lv_mem = memory_fit_levels(items, cap, top, policy)
@@ -198,7 +197,7 @@ class LowerBound:
         sc = cost.shape(tp, pp)
         if not len(items):
             return LowerBound(area_ms=0.0, longest_ms=0.0, bound_ms=0.0)
-        top = max_level(lanes)
+        top = floor_level(lanes)
         lv = memory_fit_levels(items, sc.max_tokens_per_lane, top, "hydra")
         deg, comm = _level_tables(sc, top)
         lane_comm = comm * deg  # [levels] ms per token over all lanes
@@ -222,7 +221,7 @@ def _place(items: BatchItems, sc: ShapeCost, lanes: int, pp: int, levels: np.nda
     """Wide items onto blocks, then one-lane items into passes: per-item (microbatch, first lane,
     degree) and the contract-2 step time of the result."""
     n = len(items)
-    top = max_level(lanes)
+    top = floor_level(lanes)
     mb = np.empty(n, dtype=np.int64)
     lane0 = np.empty(n, dtype=np.int64)
     deg = np.ones(n, dtype=np.int64)
@@ -255,6 +254,7 @@ def _place(items: BatchItems, sc: ShapeCost, lanes: int, pp: int, levels: np.nda
         if pp > 1:
             per_pass = np.bincount(fp.lane * (int(fp.passes.max()) + 1) + fp.pass_, weights=work)
             gmax = max(gmax, float(per_pass.max()) + sc.microbatch_ms)
+    # lane loads are whole-model ms: contract 2's last finish plus fill and drain (simulate.makespan_ms)
     return mb, lane0, deg, (float(load.max()) + (pp - 1) * gmax) / pp
 
 

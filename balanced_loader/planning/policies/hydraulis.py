@@ -38,7 +38,9 @@ from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.solvers import candidates as cands
-from balanced_loader.planning.solvers.assign import Packing, dispatch, pack_pipeline, pipeline_ms
+from balanced_loader.planning.solvers.assign import Packing, dispatch, pack_pipeline
+from balanced_loader.simulate import serial_pool_ms
+from balanced_loader.strict import check_keys, number
 
 _DEFAULTS: dict[str, object] = {"restarts": 50, "node_limit": 100, "stage2_time_limit_s": 0.5, "max_v": 16,
                                 "delta_s": 128, "delta_n": 1, "fixed_cost": "packed", "stage1_fixed": "none",
@@ -59,20 +61,14 @@ class HydraulisOptions:
 
     @staticmethod
     def from_config(config: PlanConfig) -> HydraulisOptions:
-        unknown = set(config.extra) - set(_DEFAULTS) - {"length_histogram"}
-        if unknown:
-            raise ValueError(f"policy 'hydraulis': unknown option(s) {sorted(unknown)}; "
-                             f"known: {sorted(_DEFAULTS) + ['length_histogram']}")
+        where = "policy 'hydraulis'"
+        check_keys(config.extra, (*_DEFAULTS, "length_histogram"), where, word="option")
         kw = {k: config.extra.get(k, v) for k, v in _DEFAULTS.items()}
         for k in ("restarts", "node_limit", "max_v", "delta_s", "delta_n"):
-            if isinstance(kw[k], bool) or not isinstance(kw[k], int) or kw[k] < 1:
-                raise ValueError(f"policy 'hydraulis': '{k}' must be a positive integer, got {kw[k]!r}")
-        t = kw["stage2_time_limit_s"]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
-            raise ValueError(f"policy 'hydraulis': 'stage2_time_limit_s' must be > 0, got {t!r}")
-        g = kw["ilp_min_gain"]
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0:
-            raise ValueError(f"policy 'hydraulis': 'ilp_min_gain' must be >= 0, got {g!r}")
+            kw[k] = number(kw, k, where, integer=True, minimum=1)
+        kw["ilp_min_gain"] = number(kw, "ilp_min_gain", where, minimum=0)
+        if number(kw, "stage2_time_limit_s", where) <= 0:
+            raise ValueError(f"{where}: 'stage2_time_limit_s' must be > 0, got {kw['stage2_time_limit_s']!r}")
         if kw["fixed_cost"] not in cands.FIXED_COST_MODES:
             raise ValueError(f"policy 'hydraulis': 'fixed_cost' must be one of {cands.FIXED_COST_MODES}")
         if kw["stage1_fixed"] not in ("packed", "none"):
@@ -217,7 +213,7 @@ def _homogeneous_for(longest: int, cost: CostModel, world: int, lengths: np.ndar
             continue
         reps = world // sc.gpus
         w = np.asarray(sc.compute_ms(lengths.astype(np.float64))) / sc.pp
-        ms = pipeline_ms(np.array([w.sum() / reps]), sc.microbatch_ms / sc.pp, sc.pp)
+        ms = serial_pool_ms(np.array([w.sum() / reps]), sc.pp, sc.microbatch_ms / sc.pp)
         if best is None or ms < best[0]:
             best = (ms, cands.normalize({(sc.tp, sc.pp): reps}))
     if best is None:
@@ -237,3 +233,21 @@ def _plan(step: int, world: int, pipes: list[tuple[int, int]], bins: list[list[l
         offset += g
     assert offset == world
     return StepPlan(step=step, world_size=world, pools=tuple(pools))
+
+
+# ---- what the loader and the runtime ask before planning ----------------------------------------
+
+
+def longest_segment(cost: CostModel, config: PlanConfig) -> int:
+    """One lane per pipeline, on any usable shape: the largest lane cap."""
+    return max(sc.max_tokens_per_lane for sc in cands.usable_shapes(cost, config.world_size))
+
+
+def pool_shapes(cost: CostModel, config: PlanConfig) -> dict[tuple[int, int], int]:
+    """Every usable shape dividing the world, one lane per pipeline."""
+    return {(s.tp, s.pp): 1 for s in cost.shapes() if config.world_size % s.gpus == 0}
+
+
+def fixed_pools(config: PlanConfig) -> None:
+    """None: the pipelines change from step to step (a candidate per step)."""
+    return None

@@ -12,8 +12,13 @@ from __future__ import annotations
 from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.policies._planning import static_plan
+from balanced_loader.planning.policies.common import one_pool_longest_segment, static_plan
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     return static_plan(items, cost, config, step, policy="maxlen", algorithm="ffd")
+
+
+def longest_segment(cost: CostModel, config: PlanConfig) -> int:
+    """One fixed CP/SP degree for every doc: ``cp`` or the largest power of two dividing the lanes."""
+    return one_pool_longest_segment(cost, config, fixed_degree=True)

@@ -40,17 +40,16 @@ from collections import deque
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, fit_levels
+from balanced_loader.cost import CostModel, fit_levels, floor_level
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.policies._planning import (
+from balanced_loader.planning.policies.common import (
     assemble,
     empty_plan,
-    max_level,
     memory_fit_levels,
+    one_pool_plan,
     pool_setup,
 )
-from balanced_loader.planning.policies.common import one_pool_plan
 
 DELTA = 0.05  # balance slack
 BUCKET_EPS = 1.1  # a bucket closes above 1.1 x its work target
@@ -190,7 +189,7 @@ def schedule(lengths: np.ndarray, lanes: int, cap: int) -> list[list[tuple[int, 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     setup = pool_setup(items, cost, config, "mcore-dcp")
-    memory_fit_levels(items, setup.cap, max_level(setup.lanes), "mcore-dcp")
+    memory_fit_levels(items, setup.cap, floor_level(setup.lanes), "mcore-dcp")
     if not len(items):
         return empty_plan(step, config, setup)
     n = len(items)

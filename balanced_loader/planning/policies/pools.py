@@ -30,6 +30,8 @@ from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
 from balanced_loader.plan import BatchItems, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies import hydra
+from balanced_loader.planning.policies.common import longest_on, one_pool_longest_segment
+from balanced_loader.strict import check_keys, number
 
 _POOL_KEYS = ("tp", "pp", "lanes")
 
@@ -50,9 +52,7 @@ class PoolSpec:
 
 def pool_specs(config: PlanConfig) -> list[PoolSpec]:
     """The validated layout of ``config.extra["pools"]`` (one ValueError naming the entry)."""
-    unknown = sorted(set(config.extra) - {"pools"})
-    if unknown:
-        raise ValueError(f"policy 'pools': unknown option(s) {unknown}; known: ['pools']")
+    check_keys(config.extra, ("pools",), "policy 'pools'", word="option")
     raw = config.extra.get("pools")
     if not isinstance(raw, (list, tuple)) or not raw:
         raise ValueError("policy 'pools' needs extra.pools: a list of {tp, pp, lanes}, e.g. "
@@ -63,15 +63,8 @@ def pool_specs(config: PlanConfig) -> list[PoolSpec]:
         where = f"policy 'pools': extra.pools[{i}]"
         if not isinstance(p, dict):
             raise ValueError(f"{where}: expected a mapping {{tp, pp, lanes}}, got {p!r}")
-        bad = sorted(set(p) - set(_POOL_KEYS))
-        if bad:
-            raise ValueError(f"{where}: unknown key(s) {bad}; allowed: {list(_POOL_KEYS)}")
-        vals = {}
-        for k in _POOL_KEYS:
-            v = p.get(k, 1)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{where}: '{k}' must be a positive integer, got {v!r}")
-            vals[k] = v
+        check_keys(p, _POOL_KEYS, where)
+        vals = {k: number(p, k, where, integer=True, minimum=1, default=1) for k in _POOL_KEYS}
         spec = PoolSpec(offset=offset, **vals)
         out.append(spec)
         offset += spec.num_ranks
@@ -168,3 +161,30 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         pools.append(Pool(tp=spec.tp, pp=spec.pp, ranks=single_pool_ranks(spec.num_ranks, spec.tp, spec.pp,
                                                                            spec.offset), microbatches=micro))
     return StepPlan(step=step, world_size=config.world_size, pools=tuple(pools))
+
+
+# ---- what the loader and the runtime ask before planning ----------------------------------------
+
+
+def longest_segment(cost: CostModel, config: PlanConfig) -> int:
+    """The layout's pools on aligned power-of-two blocks (``cp`` when set); a layout that does not
+    parse leaves its error to the first plan and counts as one pool of the configured shape."""
+    try:
+        specs = pool_specs(config)
+    except ValueError:
+        return one_pool_longest_segment(cost, config)
+    return longest_on([(cost.shape(s.tp, s.pp), s.lanes) for s in specs], config.cp)
+
+
+def pool_shapes(cost: CostModel, config: PlanConfig) -> dict[tuple[int, int], int]:
+    """The layout's shapes, each with its largest pool's lanes."""
+    out: dict[tuple[int, int], int] = {}
+    for s in pool_specs(config):
+        out[(s.tp, s.pp)] = max(out.get((s.tp, s.pp), 0), s.lanes)
+    return out
+
+
+def fixed_pools(config: PlanConfig) -> tuple[Pool, ...]:
+    """The layout (ranks per pool, no microbatches): the same in every step."""
+    return tuple(Pool(tp=s.tp, pp=s.pp, ranks=single_pool_ranks(s.num_ranks, s.tp, s.pp, s.offset), microbatches=())
+                 for s in pool_specs(config))

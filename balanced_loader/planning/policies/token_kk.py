@@ -21,8 +21,15 @@ from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import karmarkar_karp
-from balanced_loader.planning.policies._planning import assemble, empty_plan, fixed_degree, pool_setup
-from balanced_loader.planning.policies.common import check_fits, one_pool_plan
+from balanced_loader.planning.policies.common import (
+    assemble,
+    check_fits,
+    empty_plan,
+    fixed_degree,
+    one_pool_longest_segment,
+    one_pool_plan,
+    pool_setup,
+)
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
@@ -58,3 +65,8 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         mb[idx] = rank[s]
     micro = assemble(items, mb, part * d, np.full(len(items), d, dtype=np.int64))
     return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+
+
+def longest_segment(cost: CostModel, config: PlanConfig) -> int:
+    """One fixed CP/SP degree for every doc: ``cp`` or the largest power of two dividing the lanes."""
+    return one_pool_longest_segment(cost, config, fixed_degree=True)

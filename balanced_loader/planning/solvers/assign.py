@@ -2,7 +2,7 @@
 
 Times here are one stage's (contract-2 whole-model time / pp), so a pipeline's contract-2
 time with microbatches of per-stage work ``W_j`` is ``sum_j (c + W_j) + (pp - 1) (c + max_j W_j)``
-with ``c = microbatch_ms / pp``: :func:`pipeline_ms`.
+with ``c = microbatch_ms / pp``: :func:`balanced_loader.simulate.serial_pool_ms`.
 
 * **Stage 1** (:func:`dispatch`): randomized greedy with restarts. Docs that not every
   pipeline can hold go first, longest first; the rest in a random order (restart 0: longest
@@ -29,6 +29,7 @@ from numba import njit
 
 from balanced_loader.planning.packing import pack
 from balanced_loader.planning.solvers.solver import MilpResult, solve_milp
+from balanced_loader.simulate import serial_pool_ms
 
 # ---------------------------------------------------------------------------------------------
 # Stage 1
@@ -36,7 +37,7 @@ from balanced_loader.planning.solvers.solver import MilpResult, solve_milp
 
 
 @njit(cache=True)
-def _dispatch_kernel(cost: np.ndarray, allowed: np.ndarray, ppm1: np.ndarray, orders: np.ndarray
+def dispatch_kernel(cost: np.ndarray, allowed: np.ndarray, ppm1: np.ndarray, orders: np.ndarray
                      ) -> tuple[np.ndarray, float]:
     n, p = cost.shape
     best_assign = np.full(n, -1, dtype=np.int64)
@@ -51,6 +52,7 @@ def _dispatch_kernel(cost: np.ndarray, allowed: np.ndarray, ppm1: np.ndarray, or
             i = orders[r, t]
             top1 = -1
             top2 = -1
+            # the two largest pipeline values: the largest value "elsewhere" is top1's, or top2's for top1 itself
             for q in range(p):
                 if top1 < 0 or val[q] > val[top1]:
                     top2 = top1
@@ -155,20 +157,13 @@ def dispatch(cost: np.ndarray, allowed: np.ndarray, ppm1: np.ndarray, lengths: n
     """Stage 1: pipeline per doc ``[n]`` and the largest pipeline value. ``cost``/``allowed``: ``[n, P]``."""
     assert allowed.any(axis=1).all(), "every doc must fit some pipeline"
     orders = dispatch_orders(np.asarray(lengths, dtype=np.int64), allowed, restarts, seed)
-    return _dispatch_kernel(np.asarray(cost, dtype=np.float64), np.asarray(allowed, dtype=np.bool_),
+    return dispatch_kernel(np.asarray(cost, dtype=np.float64), np.asarray(allowed, dtype=np.bool_),
                             np.asarray(ppm1, dtype=np.float64), orders)
 
 
 # ---------------------------------------------------------------------------------------------
 # Stage 2
 # ---------------------------------------------------------------------------------------------
-
-
-def pipeline_ms(work: np.ndarray, c: float, pp: int) -> float:
-    """Contract-2 time of a pipeline whose microbatches have per-stage work ``work`` ``[v]``."""
-    if len(work) == 0:
-        return 0.0
-    return float(len(work) * c + work.sum() + (pp - 1) * (c + work.max()))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -281,11 +276,12 @@ def pack_pipeline(lengths: np.ndarray, work: np.ndarray, cap: int, c: float, pp:
     ffd = pack(lengths, cap, "ffd")
     v_ffd = int(ffd.max()) + 1
     bins0 = [list(map(int, np.flatnonzero(ffd == j))) for j in range(v_ffd)]
-    best = Packing(bins=bins0, ms=pipeline_ms(np.array([work[b].sum() for b in bins0]), c, pp), source="ffd")
+    best = Packing(bins=bins0, ms=serial_pool_ms(np.array([work[b].sum() for b in bins0]), pp, c), source="ffd")
     v_lo = max(1, -(-int(lengths.sum()) // cap))
     for v in sorted(set(range(v_lo, min(n, v_lo + max_v - 1) + 1)) | {v_ffd}):
         if v > n:
             continue
+        # no packing into v microbatches beats perfectly even ones (largest = max(longest doc, average))
         lower = v * c + total_w + (pp - 1) * (c + max(w_max, total_w / v))
         if lower >= best.ms - 1e-9:
             if pp == 1:
@@ -293,7 +289,7 @@ def pack_pipeline(lengths: np.ndarray, work: np.ndarray, cap: int, c: float, pp:
             continue
         bins = _greedy(lengths, work, v, cap)
         source = "greedy"
-        cur = pipeline_ms(np.array([work[b].sum() for b in bins]), c, pp) if bins else np.inf
+        cur = serial_pool_ms(np.array([work[b].sum() for b in bins]), pp, c) if bins else np.inf
         # the ILP can only shrink the (pp - 1) * largest-microbatch term; skip it where that gain is small
         need_ilp = bins is None or (pp > 1 and min(cur, best.ms) - lower > min_gain * min(cur, best.ms))
         if use_ilp and need_ilp and n * v <= ilp_max_vars:
@@ -308,7 +304,7 @@ def pack_pipeline(lengths: np.ndarray, work: np.ndarray, cap: int, c: float, pp:
                 bins, source = got, "ilp"
         if bins is None:
             continue
-        ms = pipeline_ms(np.array([work[b].sum() for b in bins]), c, pp)
+        ms = serial_pool_ms(np.array([work[b].sum() for b in bins]), pp, c)
         if ms < best.ms - 1e-9:
             best.bins, best.ms, best.source = bins, ms, source
     best.bins = sorted(best.bins, key=lambda b: (-float(work[b].sum()), b))

@@ -25,6 +25,8 @@ def _chunk_kernel(prefix: np.ndarray, m_chunks: int) -> np.ndarray:
     arg = np.zeros((m_chunks + 1, k + 1), dtype=np.int64)  # [M+1][K+1]
     for i in range(1, k + 1):
         best[1, i] = prefix[i]
+    # best[m, i]: the smallest largest-chunk sum cutting the first i values into m chunks; the last
+    # chunk is (j, i], so best[m, i] = min_j max(best[m - 1, j], sum(j, i]); arg keeps the j for the cuts
     for m in range(2, m_chunks + 1):
         for i in range(m, k + 1):
             b = big
@@ -99,6 +101,8 @@ def _bucket_kernel(values: np.ndarray, counts: np.ndarray, q_max: int) -> np.nda
     big = np.iinfo(np.int64).max
     best = np.full((q_max + 1, u + 1), big, dtype=np.int64)  # [Q+1][U+1]
     arg = np.zeros((q_max + 1, u + 1), dtype=np.int64)
+    # padding of one bucket (j, k]: every doc padded to the bucket's largest value values[k - 1],
+    # i.e. values[k - 1] * count - sum(count * value), both from the prefix sums in O(1)
     for k in range(1, u + 1):
         best[1, k] = values[k - 1] * pc[k] - pt[k]
     for q in range(2, q_max + 1):

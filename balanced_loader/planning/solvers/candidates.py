@@ -36,6 +36,8 @@ import numpy as np
 from numba import njit
 
 from balanced_loader.cost import CostModel, ShapeCost
+from balanced_loader.simulate import solo_stage_ms
+from balanced_loader.strict import check_keys, number, read_yaml
 
 CANDIDATES_FORMAT = "balanced-loader/candidates"
 CANDIDATES_VERSION = 1
@@ -103,8 +105,9 @@ class Grid:
 def stage_ms(sc: ShapeCost, lengths: np.ndarray, fixed_cost: str) -> np.ndarray:
     """One stage's time per doc (``[n]``) under ``fixed_cost`` (see module docstring)."""
     ln = np.asarray(lengths, dtype=np.float64)
+    # "doc": a group per doc; "packed": the doc's token share of one full microbatch's fixed cost
     fixed = sc.microbatch_ms if fixed_cost == "doc" else sc.microbatch_ms * ln / sc.max_tokens_per_lane
-    return (np.asarray(sc.compute_ms(ln)) + fixed) / sc.pp
+    return solo_stage_ms(sc, ln, fixed)
 
 
 def build_grid(lengths: np.ndarray, weights: np.ndarray, shapes: Sequence[ShapeCost], delta_s: int,
@@ -160,6 +163,8 @@ def _dp_kernel(prefix: np.ndarray, tmax: np.ndarray, fits: np.ndarray, units: np
                 dmax = n // units[k]
                 one = (ppm1[k] + 1.0) * tmax[k, b - 1]  # a replica is never faster than its longest doc
                 for lo in range(b):
+                    # interval (lo, b] on shape k: its docs' stage times plus (pp - 1) x its longest (fill
+                    # and drain), split over d replicas; never below the longest doc alone (`one`)
                     c = prefix[k, b] - prefix[k, lo] + ppm1[k] * tmax[k, b - 1]
                     for d in range(1, dmax + 1):
                         prev = t[n - d * units[k], lo]
@@ -361,8 +366,6 @@ _TOP_KEYS = {"format", "version", "world_size", "max_len", "delta_s", "delta_n",
 
 def load(path: str, world_size: int, cost: CostModel | None = None) -> list[Candidate]:
     """Read a candidates file, checking its world size and (with ``cost``) that every shape is usable."""
-    from balanced_loader.strict import read_yaml
-
     data = read_yaml(path, "candidates file")
     where = f"candidates file {path}"
     if not isinstance(data, dict) or data.get("format") != CANDIDATES_FORMAT:
@@ -371,9 +374,7 @@ def load(path: str, world_size: int, cost: CostModel | None = None) -> list[Cand
     if data.get("version") != CANDIDATES_VERSION:
         raise ValueError(f"{where}: version {data.get('version')} is not supported (this reader knows "
                          f"{CANDIDATES_VERSION})")
-    unknown = set(data) - _TOP_KEYS
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    check_keys(data, _TOP_KEYS, where)
     if data.get("world_size") != world_size:
         raise ValueError(f"{where} was made for world size {data.get('world_size')}, not {world_size}; "
                          f"regenerate it with --world-size {world_size}")
@@ -383,15 +384,19 @@ def load(path: str, world_size: int, cost: CostModel | None = None) -> list[Cand
     out = []
     for i, c in enumerate(raw):
         cw = f"{where}: candidates[{i}]"
-        if not isinstance(c, dict) or set(c) - {"pipelines", "covers", "dp_ms"} or "pipelines" not in c:
+        if not isinstance(c, dict) or "pipelines" not in c:
             raise ValueError(f"{cw}: expected {{pipelines: [...], covers: N, dp_ms: X}}")
+        check_keys(c, ("pipelines", "covers", "dp_ms"), cw)
         counts: dict[tuple[int, int], int] = {}
-        for p in c["pipelines"] or []:
-            if not isinstance(p, dict) or set(p) != {"tp", "pp", "count"} or not all(
-                    isinstance(p[k], int) and not isinstance(p[k], bool) and p[k] >= 1 for k in p):
-                raise ValueError(f"{cw}: each pipeline needs positive integers tp, pp and count, got {p!r}")
-            counts[(p["tp"], p["pp"])] = counts.get((p["tp"], p["pp"]), 0) + p["count"]
-        cand = normalize(counts, covers=int(c.get("covers", 0)), dp_ms=float(c.get("dp_ms", 0.0)))
+        for j, p in enumerate(c["pipelines"] or []):
+            pw = f"{cw}: pipelines[{j}]"
+            if not isinstance(p, dict):
+                raise ValueError(f"{pw}: expected {{tp, pp, count}}, got {p!r}")
+            check_keys(p, ("tp", "pp", "count"), pw)
+            tp, pp, n = (number(p, k, pw, integer=True, minimum=1) for k in ("tp", "pp", "count"))
+            counts[(tp, pp)] = counts.get((tp, pp), 0) + n
+        cand = normalize(counts, covers=number(c, "covers", cw, integer=True, minimum=0, default=0),
+                         dp_ms=number(c, "dp_ms", cw, minimum=0, default=0.0))
         if cand.gpus != world_size:
             raise ValueError(f"{cw}: pipelines use {cand.gpus} GPUs, not the world size {world_size}")
         if cost is not None:

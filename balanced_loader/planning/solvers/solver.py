@@ -41,6 +41,11 @@ def warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def reset_warnings() -> None:
+    """Forget the messages :func:`warn_once` has shown (each warns again once; for tests)."""
+    _WARNED.clear()
+
+
 def solve_milp(c: np.ndarray, integrality: np.ndarray, lb: np.ndarray, ub: np.ndarray,
                rows: tuple[np.ndarray, np.ndarray, np.ndarray], row_lo: np.ndarray, row_hi: np.ndarray, *,
                time_limit_s: float, node_limit: int | None, rel_gap: float = 1e-4,

@@ -43,24 +43,6 @@ class GroupChoice:
     source: str  # "greedy d=8" or "milp"
 
 
-def degree_options(num_lanes: int, min_degree: int) -> list[int]:
-    """Powers of two from ``min_degree`` up to ``num_lanes``."""
-    out, d = [], 1
-    while d <= num_lanes:
-        if d >= min_degree:
-            out.append(d)
-        d *= 2
-    return out
-
-
-def min_degrees(lengths: np.ndarray, cap: int, degrees: list[int]) -> np.ndarray:
-    """Smallest allowed degree holding each doc ``[n]`` (0 where none does)."""
-    out = np.zeros(len(lengths), dtype=np.int64)  # [n]
-    for d in sorted(degrees, reverse=True):
-        out[np.asarray(lengths) <= cap * d] = d
-    return out
-
-
 def segment_table(lengths: np.ndarray, sc: ShapeCost, degrees: list[int]) -> np.ndarray:
     """``[num_degrees, n]`` time each doc adds to a group of each degree."""
     ln = np.asarray(lengths, dtype=np.float64)
@@ -79,7 +61,7 @@ def group_time(sc: ShapeCost, seg_row: np.ndarray, docs: list[int] | tuple[int, 
 
 
 @njit(cache=True)
-def _fill_kernel(lengths: np.ndarray, times: np.ndarray, order: np.ndarray, groups: int, cap: int) -> np.ndarray:
+def fill_kernel(lengths: np.ndarray, times: np.ndarray, order: np.ndarray, groups: int, cap: int) -> np.ndarray:
     load = np.zeros(groups, dtype=np.float64)  # [groups] ms
     tok = np.zeros(groups, dtype=np.int64)  # [groups]
     out = np.full(lengths.shape[0], -1, dtype=np.int64)  # [n]
@@ -119,7 +101,7 @@ def fill_groups(lengths: np.ndarray, times: np.ndarray, groups: int, cap: int) -
     """Group per doc ``[n]`` (longest first, least time with room), all -1 when some doc finds no room."""
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.lexsort((np.arange(len(lengths)), -lengths)).astype(np.int64)
-    return _fill_kernel(lengths, np.asarray(times, dtype=np.float64), order, int(groups), int(cap))
+    return fill_kernel(lengths, np.asarray(times, dtype=np.float64), order, int(groups), int(cap))
 
 
 def greedy_homogeneous(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, degrees: list[int],
@@ -172,7 +154,7 @@ def makespan_lower_bound(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, deg
 
 
 @njit(cache=True)
-def _polish_kernel(lengths: np.ndarray, seg: np.ndarray, gdeg: np.ndarray, gcap: np.ndarray,
+def polish_kernel(lengths: np.ndarray, seg: np.ndarray, gdeg: np.ndarray, gcap: np.ndarray,
                    assign: np.ndarray, beta: float, max_iter: int) -> np.ndarray:
     n = lengths.shape[0]
     ng = gdeg.shape[0]
@@ -311,7 +293,7 @@ def polish(choice: GroupChoice, lengths: np.ndarray, sc: ShapeCost, degrees: lis
         assign[list(grp.docs)] = g
     gdeg = np.asarray([dj[g.degree] for g in choice.groups], dtype=np.int64)  # [G]
     gcap = np.asarray([sc.max_tokens_per_lane * g.degree for g in choice.groups], dtype=np.int64)  # [G]
-    out = _polish_kernel(np.asarray(lengths, dtype=np.int64), seg, gdeg, gcap, assign,
+    out = polish_kernel(np.asarray(lengths, dtype=np.int64), seg, gdeg, gcap, assign,
                          float(sc.microbatch_ms), int(max_iter))
     groups = []
     for g, grp in enumerate(choice.groups):
@@ -335,6 +317,8 @@ def place_lanes(microbatches: list[tuple[SpGroup, ...]], num_lanes: int, pp: int
     each onto the free aligned block whose lanes become idle earliest (contract-2 run-ahead).
     The degrees of one microbatch must sum to at most ``num_lanes``.
     """
+    # the contract-2 lane recurrence (balanced_loader.simulate.lane_schedule), kept incremental here
+    # because each group's block is chosen from the finish times the groups before it leave
     finish = np.zeros(num_lanes)  # [num_lanes] ms
     out: list[list[tuple[int, ...]]] = []
     for groups in microbatches:
@@ -345,6 +329,8 @@ def place_lanes(microbatches: list[tuple[SpGroup, ...]], num_lanes: int, pp: int
         for k in order:
             d = groups[k].degree
             nb = num_lanes // d
+            # aligned blocks of d lanes as rows: a block is free when none of its lanes is taken in this
+            # microbatch, and it can start when its last lane is idle
             blocks_free = ~used[:nb * d].reshape(nb, d).any(axis=1)  # [num_lanes // d]
             starts = np.where(blocks_free, finish[:nb * d].reshape(nb, d).max(axis=1), np.inf)
             b = int(np.argmin(starts))
@@ -369,7 +355,7 @@ def rebalance_single_lanes(microbatches: list[tuple[SpGroup, ...]], lanes: list[
     the microbatch keeps its 1-lane groups). Larger groups keep their docs and lanes.
     ``lengths`` ``[n]`` are indexed by the groups' doc indices.
     """
-    finish = np.zeros(num_lanes)  # [num_lanes] ms
+    finish = np.zeros(num_lanes)  # [num_lanes] ms, the lane recurrence as in place_lanes
     out_mbs: list[tuple[SpGroup, ...]] = []
     out_lanes: list[list[tuple[int, ...]]] = []
     for groups, placed in zip(microbatches, lanes):
@@ -409,6 +395,7 @@ def _redeal(docs: list[int], free: list[int], finish: np.ndarray, lengths: np.nd
         room = tok + lengths[i] <= cap
         if not room.any():
             return None
+        # each lane's one-lane group is still growing: its time is microbatch_ms plus the work dealt so far
         end = finish[free_arr] + (sc.microbatch_ms + load + work[k]) / pp
         j = int(np.argmin(np.where(room, end, np.inf)))
         load[j] += work[k]

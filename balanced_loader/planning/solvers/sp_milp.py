@@ -32,14 +32,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from balanced_loader.cost import ShapeCost
+from balanced_loader.cost import ShapeCost, fit_degrees
 from balanced_loader.planning.solvers.blaster import buckets_for
 from balanced_loader.planning.solvers.solver import MilpResult, solve_milp
 from balanced_loader.planning.solvers.sp_groups import (
     GroupChoice,
     SpGroup,
     group_time,
-    min_degrees,
     polish,
     segment_table,
 )
@@ -77,7 +76,7 @@ class Buckets:
         count = np.bincount(label, minlength=nq).astype(np.int64)
         mean_t = np.stack([np.bincount(label, weights=seg[j], minlength=nq) / count for j in range(len(degrees))])
         max_t = segment_table(bound, sc, degrees)
-        minsp = min_degrees(bound, cap, degrees)
+        minsp = fit_degrees(bound, cap, degrees)
         assert minsp.min() > 0, "every bucket bound is a real length that some degree holds"
         sp_max = int(minsp.max())
         big = minsp == sp_max
@@ -151,6 +150,7 @@ def slot_milp(bk: Buckets, sc: ShapeCost, num_lanes: int, *, time_limit_s: float
     cap = sc.max_tokens_per_lane
     slot_deg, pairs = slot_pairs(bk, sc, upper)
     dj = {d: j for j, d in enumerate(bk.degrees)}
+    # columns: x[(q, p)] docs of bucket q on slot p (integer), m[p] slot p is used (binary), then the makespan C
     nq, npl, na = len(bk.bound), len(slot_deg), len(pairs)
     m0, ci = na, na + npl
     nv = ci + 1
@@ -161,7 +161,7 @@ def slot_milp(bk: Buckets, sc: ShapeCost, num_lanes: int, *, time_limit_s: float
     lb = np.zeros(nv)
     ub = np.ones(nv)
     ub[ci] = upper
-    for v, (q, p) in enumerate(pairs):
+    for v, (q, p) in enumerate(pairs):  # a slot holds at most as many docs of a bucket as fit its token cap
         ub[v] = min(int(bk.count[q]), (cap * slot_deg[p]) // int(bk.bound[q]))
     by_q: list[list[int]] = [[] for _ in range(nq)]
     by_p: list[list[int]] = [[] for _ in range(npl)]
@@ -171,6 +171,8 @@ def slot_milp(bk: Buckets, sc: ShapeCost, num_lanes: int, *, time_limit_s: float
     rows = _Rows()
     for q in range(nq):
         rows.add([(v, 1.0) for v in by_q[q]], float(bk.count[q]), float(bk.count[q]))
+    # rows per slot: tokens under the cap if used, its time (mean segment times + microbatch_ms) <= C,
+    # and used only when it holds a doc; work (lane-ms over all slots) <= lanes * C is a valid cut
     work: list[tuple[int, float]] = [(ci, -float(num_lanes))]
     for p, d in enumerate(slot_deg):
         j = dj[d]
@@ -195,6 +197,8 @@ def slot_milp(bk: Buckets, sc: ShapeCost, num_lanes: int, *, time_limit_s: float
     for v, (q, p) in enumerate(pairs):
         left[q, p] = int(res.x[v])
     assert (left.sum(axis=1) == bk.count).all()
+    # the MILP counts docs per (bucket, slot); real docs of each bucket, longest bucket first, go to the
+    # slot with room in that count whose real time stays lowest (bucketed times are upper bounds)
     load = np.zeros(npl)  # [P]
     docs_of: list[list[int]] = [[] for _ in range(npl)]
     for q in np.argsort(-bk.bound, kind="stable"):
