@@ -11,6 +11,7 @@ from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
 
 if TYPE_CHECKING:
     from balanced_loader.plan import BatchItems
+    from balanced_loader.planning.config import PlanConfig
 
 
 class MicrobatchBuilder:
@@ -53,3 +54,24 @@ def check_fits(items: BatchItems, cap: int, max_degree: int, policy: str, *, wha
         raise ValueError(f"policy '{policy}': doc {int(items.doc_ids[i])} ({int(items.lengths[i])} tokens) does not "
                          f"fit: max_tokens_per_lane {cap} x {what} {max_degree} = {cap * max_degree} tokens; split "
                          f"long docs (--max-seq-len N, or the loader's max_seq_len with long_docs='split') or {fix}")
+
+
+def max_cp_degree(config: PlanConfig, lanes: int, policy: str) -> int:
+    """The largest CP/SP group a dynamic-degree policy may form: ``config.cp`` (a power of two, at
+    most ``lanes``) when set, else ``lanes``. ``cp=1`` is plain data parallelism: one lane per group."""
+    cp = config.cp
+    if cp is None:
+        return lanes
+    if cp & (cp - 1) or cp > lanes:
+        raise ValueError(f"policy '{policy}': --cp {cp} must be a power of two of at most the {lanes} lanes "
+                         f"per stage (it caps the CP degree on aligned lane blocks)")
+    return cp
+
+
+def refuse_flags(config: PlanConfig, policy: str, flags: Sequence[str], why: str, *, cp1_ok: bool = False) -> None:
+    """One clear error when a flag the policy cannot honour is set (never silently ignored).
+    ``cp1_ok``: the policy's groups are single lanes anyway, so ``cp=1`` holds."""
+    for flag in flags:
+        v = getattr(config, flag)
+        if v is not None and not (cp1_ok and flag == "cp" and v == 1):
+            raise ValueError(f"policy '{policy}' cannot honour --{flag} {v}: {why}")
