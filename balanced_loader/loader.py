@@ -21,7 +21,6 @@ loader`` continues from the current position and stops after ``epochs`` epochs i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -507,8 +506,10 @@ class BalancedLoader:
         ex = getattr(self, "_executor", None)
         if ex is not None:
             self._executor = None
-            with contextlib.suppress(Exception):
+            try:  # noqa: SIM105 - contextlib may already be torn down
                 ex.shutdown(wait=False, cancel_futures=True)
+            except Exception:
+                pass
 
     # ---- accelerate / torch DataLoader interop ------------------------------------
     batch_size = None  # one StepBatch per item: nothing for a DataLoader to collate

@@ -131,6 +131,11 @@ class Microbatch:
         * ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 ``[num_segments + 1]``) and ``max_length_q``/
           ``max_length_k`` (int): transformers' ``FlashAttentionKwargs``; ``cu_seqlens``/``max_seqlen``:
           the same under flash-attn's own names.
+        * ``use_cache``: False. transformers looks for packed docs in ``position_ids`` only without a
+          KV cache; with the default ``use_cache=True`` every token attends across doc boundaries.
+
+        ``model(**mb.to_hf())`` runs the packed docs correctly (sdpa, eager, flash-attention) and
+        returns transformers' mean loss over this microbatch's targets.
 
         Only a whole sequence can be given to a model without a CP engine: a CP lane shard
         (``degree > 1``) or a middle pipeline stage raises ``ValueError``.
@@ -155,7 +160,7 @@ class Microbatch:
                 "labels": torch.from_numpy(labels)[None, :],
                 "position_ids": torch.from_numpy(self.position_ids.copy())[None, :],
                 "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
-                "cu_seqlens": cu, "max_seqlen": longest}
+                "cu_seqlens": cu, "max_seqlen": longest, "use_cache": False}
 
     def as_tensors(self) -> dict[str, Any]:
         """``input_ids``, ``labels``, ``position_ids`` (int64) and ``cu_seqlens`` (int32) as torch tensors."""
