@@ -512,8 +512,11 @@ class BalancedLoader:
                 pass
 
     # ---- accelerate / torch DataLoader interop ------------------------------------
+    # what accelerate's skip_first_batches reads off a DataLoader (its defaults would not fit a stream)
     batch_size = None  # one StepBatch per item: nothing for a DataLoader to collate
     drop_last = False
+    num_workers = 0  # planning and reading run in the loader itself
+    prefetch_factor = None
 
     @property
     def dataset(self) -> Any:
