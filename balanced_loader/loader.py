@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -35,7 +36,14 @@ import numpy as np
 from balanced_loader.cost import CostModel
 from balanced_loader.data.batching import LONG_DOC_MODES, DocStats, batch_bounds, epoch_order, to_items
 from balanced_loader.data.sources import Source, open_source
-from balanced_loader.materialize import Microbatch, materialize_rank, num_valid_tokens
+from balanced_loader.materialize import (
+    Microbatch,
+    materialize_rank,
+    max_microbatches,
+    num_valid_tokens,
+    padding_microbatch,
+    rank_place,
+)
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning import get_policy, longest_segment, make_plan
 from balanced_loader.planning.config import PlanConfig
@@ -112,6 +120,70 @@ def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:
     return best
 
 
+def _env_int(name: str) -> int:
+    v = os.environ[name]
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def resolve_world(rank: Any, world_size: Any) -> tuple[int, int]:
+    """``(rank, world_size)``: the arguments where given, else the initialized ``torch.distributed``
+    process group (only when torch is already imported: it is never imported for this), else the
+    ``RANK``/``WORLD_SIZE`` environment variables, else one process (rank 0 of 1).
+
+    A process that looks like one of several (``LOCAL_RANK`` set, or ``WORLD_SIZE``/
+    ``LOCAL_WORLD_SIZE`` above 1) but has no rank from any of these is an error, never rank 0.
+    """
+    dist = sys.modules.get("torch.distributed")
+    group = None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        group = (dist.get_rank(), dist.get_world_size())
+    if world_size is None:
+        world_size = group[1] if group else _env_int("WORLD_SIZE") if os.environ.get("WORLD_SIZE") else 1
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if rank is None:
+        if group:
+            rank = group[0]
+        elif os.environ.get("RANK"):
+            rank = _env_int("RANK")
+        else:
+            hints = [f"{k}={os.environ[k]}" for k in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+                     if os.environ.get(k) and (k == "LOCAL_RANK" or os.environ[k] != "1")]
+            if hints:
+                raise ValueError(f"rank is not set but this process is one of several ({', '.join(hints)}): "
+                                 f"pass rank=, set RANK, or initialize torch.distributed before the loader")
+            rank = 0
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
+    return rank, world_size
+
+
+_VIEW: list[type] = []  # the IterableDataset view class, made on first use (torch is imported only then)
+
+
+def _iterable_view(loader: BalancedLoader) -> Any:
+    if not _VIEW:
+        from torch.utils.data import IterableDataset  # torch only when a DataLoader view is asked for
+
+        class LoaderView(IterableDataset):
+            """A BalancedLoader as a torch IterableDataset: iteration continues the loader."""
+
+            def __init__(self, loader: BalancedLoader) -> None:
+                self.loader = loader
+
+            def __iter__(self) -> Any:
+                return iter(self.loader)
+
+            def __len__(self) -> int:
+                return len(self.loader) - self.loader.step
+
+        _VIEW.append(LoaderView)
+    return _VIEW[0](loader)
+
+
 class BalancedLoader:
     """Length-aware loader: global batches by token budget, planned by a policy, materialized per rank.
 
@@ -121,18 +193,22 @@ class BalancedLoader:
     ``extra``). ``max_seq_len`` (the context limit) defaults to the largest segment the cost
     model's best shape holds at its largest degree. A source with lengths only yields plans
     and token-less microbatches (layout only, ``has_tokens`` False).
+
+    ``rank``/``world_size`` default to the initialized process group, else ``RANK``/``WORLD_SIZE``
+    (:func:`resolve_world`). ``cp=1`` (same as ``plan_config={"cp": 1}``) asks for plain data
+    parallelism: every group is one lane, and every rank gets the same number of microbatches
+    per step (padding microbatches where it has fewer), which is what a DDP/accelerate loop
+    over a transformers model needs; ``mb.to_hf()`` gives its inputs.
     """
 
-    def __init__(self, source: Any, *, policy: str = "hydra", cost: Any = None, world_size: int,
-                 rank: int = 0, global_batch_tokens: int, seed: int = 0, max_seq_len: int | None = None,
+    def __init__(self, source: Any, *, policy: str = "hydra", cost: Any = None, world_size: int | None = None,
+                 rank: int | None = None, global_batch_tokens: int, seed: int = 0, max_seq_len: int | None = None,
                  long_docs: str = "split", shuffle: bool = True, shuffle_window: int = 1 << 16,
                  epochs: int | None = 1, prefetch_steps: int = 2, planner_workers: int = 0,
-                 plan_config: dict[str, Any] | PlanConfig | None = None, cp_inner: int = 1, pad_id: int = 0,
-                 validate: bool = False) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
+                 plan_config: dict[str, Any] | PlanConfig | None = None, cp: int | None = None, cp_inner: int = 1,
+                 pad_id: int = 0, validate: bool = False) -> None:
+        # every argument is checked before the source is opened (no pass over the data for a typo)
+        rank, world_size = resolve_world(rank, world_size)
         if not isinstance(global_batch_tokens, int) or global_batch_tokens < 1:
             raise ValueError(f"global_batch_tokens must be a positive integer, got {global_batch_tokens!r}")
         if long_docs not in LONG_DOC_MODES:
@@ -145,9 +221,10 @@ class BalancedLoader:
             raise ValueError(f"shuffle_window must be >= 1, got {shuffle_window}")
         if cp_inner < 1:
             raise ValueError(f"cp_inner must be >= 1, got {cp_inner}")
-        self.source: Source = open_source(source)
+        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         self.cost = resolve_cost(cost, world_size)
-        self.config = self._plan_config(policy, world_size, seed, plan_config)
+        self.config = self._plan_config(policy, world_size, seed, plan_config, cp)
         get_policy(self.config.policy)  # fail now, not in the first step
         self.policy = self.config.policy
         self.world_size = world_size
@@ -155,8 +232,7 @@ class BalancedLoader:
         self.global_batch_tokens = global_batch_tokens
         self.seed = int(seed)
         self.max_seq_len = int(max_seq_len) if max_seq_len is not None else default_max_seq_len(self.cost, self.config)
-        if self.max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.source: Source = open_source(source)
         self.long_docs = long_docs
         self.shuffle = bool(shuffle)
         self.shuffle_window = int(shuffle_window)
@@ -179,16 +255,26 @@ class BalancedLoader:
                              f"({self._get_epoch(0).stats.empty} empty docs)")
 
     @staticmethod
-    def _plan_config(policy: str, world_size: int, seed: int, extra: Any) -> PlanConfig:
+    def _plan_config(policy: str, world_size: int, seed: int, extra: Any, cp: int | None) -> PlanConfig:
+        if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or cp < 1):
+            raise ValueError(f"cp must be a positive integer (1: plain data parallelism), got {cp!r}")
         if isinstance(extra, PlanConfig):
             if extra.world_size != world_size or extra.policy != policy:
                 raise ValueError(f"plan_config has policy '{extra.policy}' and world_size {extra.world_size}, "
                                  f"the loader '{policy}' and {world_size}; make them agree")
+            if cp is not None and extra.cp != cp:
+                raise ValueError(f"cp={cp} but plan_config has cp={extra.cp}; set it in one place")
             return extra
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"plan_config must be a dict or a PlanConfig, got {type(extra).__name__}")
         extra = dict(extra or {})
         bad = sorted(set(extra) - set(_PLAN_CONFIG_KEYS))
         if bad:
             raise ValueError(f"plan_config: unknown key(s) {bad}; allowed: {list(_PLAN_CONFIG_KEYS)}")
+        if cp is not None:
+            if extra.get("cp", cp) != cp:
+                raise ValueError(f"cp={cp} but plan_config has cp={extra['cp']}; set it in one place")
+            extra["cp"] = cp
         return PlanConfig(policy=policy, world_size=world_size, seed=int(seed), **extra)
 
     # ---- epochs and steps ------------------------------------------------
@@ -301,9 +387,21 @@ class BalancedLoader:
         return batch
 
     def microbatches(self, plan: StepPlan, rank: int) -> list[Microbatch]:
-        """Any rank's microbatches of a plan (a whole cluster can be materialized in one process)."""
+        """Any rank's microbatches of a plan (a whole cluster can be materialized in one process).
+
+        Under ``cp=1`` (plain data parallelism) every rank gets the step's largest count: a rank
+        with fewer groups gets padding microbatches (one pad token, no label) at the end, so a
+        DDP loop runs the same number of forward/backward passes everywhere (no collective: the
+        count comes from the plan, which every rank has).
+        """
         src = self.source if self.source.has_tokens else None
-        return materialize_rank(plan, rank, src, cp_inner=self.cp_inner, pad_id=self.pad_id)
+        out = materialize_rank(plan, rank, src, cp_inner=self.cp_inner, pad_id=self.pad_id)
+        if self.config.cp == 1:
+            want = max_microbatches(plan)
+            if len(out) < want:
+                place = rank_place(plan, rank)
+                out += [padding_microbatch(place, lane=place.lane, pad_id=self.pad_id) for _ in range(want - len(out))]
+        return out
 
     def _lengths_for_validation(self, ep: _Epoch) -> np.ndarray:
         if self.long_docs != "truncate" or ep.stats.truncated == 0:
@@ -374,8 +472,31 @@ class BalancedLoader:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_executor", None) is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        # may run at interpreter exit, when the executor's machinery is half torn down: best effort, silent
+        ex = getattr(self, "_executor", None)
+        if ex is not None:
+            self._executor = None
+            try:  # noqa: SIM105 - contextlib may already be torn down
+                ex.shutdown(wait=False, cancel_futures=True)
+            except Exception:
+                pass
+
+    # ---- accelerate / torch DataLoader interop ------------------------------------
+    # what accelerate's skip_first_batches reads off a DataLoader (its defaults would not fit a stream)
+    batch_size = None  # one StepBatch per item: nothing for a DataLoader to collate
+    drop_last = False
+    num_workers = 0  # planning and reading run in the loader itself
+    prefetch_factor = None
+
+    @property
+    def dataset(self) -> Any:
+        """A torch ``IterableDataset`` that continues this loader from its cursor.
+
+        It lets ``accelerator.skip_first_batches(loader, n)`` work: accelerate wraps it in a
+        ``DataLoader`` that plans and reads the ``n`` skipped steps and drops them. To resume
+        without that work, save ``loader.state_dict()`` and ``load_state_dict`` it instead.
+        """
+        return _iterable_view(self)
 
     def describe(self) -> str:
         fields_ = ", ".join(f"{f.name}={getattr(self.config, f.name)!r}" for f in fields(self.config)

@@ -104,6 +104,7 @@ class Microbatch:
     cp_rank: int  # position of this lane in the group's lanes
     cp_inner: int  # Ulysses size used for this group's layout
     has_tokens: bool = True  # False on middle pipeline stages (no tokens read)
+    padding: bool = False  # a filler microbatch (one pad token, no label) that evens out counts under cp=1
 
     @property
     def degree(self) -> int:
@@ -117,6 +118,49 @@ class Microbatch:
     def num_valid_tokens(self) -> int:
         """Label tokens of this lane that count in the loss."""
         return int(np.count_nonzero(self.labels != IGNORE_INDEX))
+
+    def to_hf(self) -> dict[str, Any]:
+        """This microbatch in the Hugging Face transformers convention, as ``[1, T]`` torch tensors.
+
+        * ``input_ids`` (int64): the tokens, docs packed back to back.
+        * ``labels`` (int64): *unshifted*, the input ids themselves, ``-100`` at each segment's first
+          token and on padding; the model shifts them (``logits[:, :-1]`` predicts ``labels[:, 1:]``),
+          so no target crosses a doc boundary. ``mb.labels`` is the same targets already shifted.
+        * ``position_ids`` (int64): restart at 0 in every segment, which is how transformers finds
+          packed docs (a block-diagonal causal mask for sdpa/eager, varlen for flash-attention).
+        * ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 ``[num_segments + 1]``) and ``max_length_q``/
+          ``max_length_k`` (int): transformers' ``FlashAttentionKwargs``; ``cu_seqlens``/``max_seqlen``:
+          the same under flash-attn's own names.
+        * ``use_cache``: False. transformers looks for packed docs in ``position_ids`` only without a
+          KV cache; with the default ``use_cache=True`` every token attends across doc boundaries.
+
+        ``model(**mb.to_hf())`` runs the packed docs correctly (sdpa, eager, flash-attention) and
+        returns transformers' mean loss over this microbatch's targets.
+
+        Only a whole sequence can be given to a model without a CP engine: a CP lane shard
+        (``degree > 1``) or a middle pipeline stage raises ``ValueError``.
+        """
+        if self.degree > 1:
+            raise ValueError(f"to_hf(): microbatch {self.k} is a CP lane shard (lane {self.cp_rank} of a "
+                             f"{self.degree}-lane group), not whole sequences; use cp=1 for transformers models")
+        if not self.has_tokens:
+            raise ValueError(f"to_hf(): microbatch {self.k} has no tokens (middle pipeline stage {self.stage})")
+        import torch  # only here: the loader itself does not need torch
+
+        labels = self.input_ids.copy()  # [T] unshifted
+        labels[self.cu_seqlens[:-1].astype(np.int64)] = IGNORE_INDEX  # no target for a segment's first token
+        # padding runs: their tokens are no targets either (offsets follow the runs in order)
+        ends = np.cumsum([n for _, _, n in self.segments])  # [num_runs]
+        for (doc, _, n), end in zip(self.segments, ends.tolist()):
+            if doc < 0:
+                labels[end - n:end] = IGNORE_INDEX
+        cu = torch.from_numpy(self.cu_seqlens.astype(np.int32))  # [num_segments + 1]
+        longest = int(np.diff(self.cu_seqlens).max()) if len(self.cu_seqlens) > 1 else 0
+        return {"input_ids": torch.from_numpy(self.input_ids.copy())[None, :],
+                "labels": torch.from_numpy(labels)[None, :],
+                "position_ids": torch.from_numpy(self.position_ids.copy())[None, :],
+                "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
+                "cu_seqlens": cu, "max_seqlen": longest, "use_cache": False}
 
     def as_tensors(self) -> dict[str, Any]:
         """``input_ids``, ``labels``, ``position_ids`` (int64) and ``cu_seqlens`` (int32) as torch tensors."""
@@ -150,6 +194,19 @@ def rank_place(plan: StepPlan, rank: int) -> RankPlace:
 def num_valid_tokens(plan: StepPlan) -> int:
     """Global number of label tokens of a step (each segment's last token has no label)."""
     return sum(s[2] - 1 for p in plan.pools for mb in p.microbatches for g in mb for s in g.segments)
+
+
+def max_microbatches(plan: StepPlan) -> int:
+    """The most groups any lane of the step runs (the microbatch count every rank gets under ``cp=1``)."""
+    best = 0
+    for pool in plan.pools:
+        counts: dict[int, int] = {}
+        for mb in pool.microbatches:
+            for g in mb:
+                for lane in g.lanes:
+                    counts[lane] = counts.get(lane, 0) + 1
+        best = max(best, *counts.values()) if counts else best
+    return best
 
 
 def lane_runs(length: int, degree: int, cp_rank: int, inner: int = 1) -> list[tuple[int, int, bool]]:
@@ -257,6 +314,18 @@ def materialize_rank(plan: StepPlan, rank: int, source: Source | None, *, cp_inn
                 cp_inner=math.gcd(cp_inner, len(g.lanes)), has_tokens=reads))
             break
     return out
+
+
+def padding_microbatch(like: RankPlace, *, lane: int, pad_id: int = 0) -> Microbatch:
+    """A filler microbatch of one pad token with no label (``padding`` True, no valid tokens).
+
+    Under ``cp=1`` the loader appends these so every rank runs the same number of forward and
+    backward passes in a step (a DDP all-reduce per pass would otherwise wait forever).
+    """
+    return Microbatch(input_ids=np.full(1, pad_id, dtype=np.int64), labels=np.full(1, IGNORE_INDEX, dtype=np.int64),
+                      position_ids=np.zeros(1, dtype=np.int64), cu_seqlens=np.array([0, 1], dtype=np.int32),
+                      segments=((-1, 0, 1),), seq_lengths=(1,), k=-1, pool=like.pool, stage=like.stage, lane=lane,
+                      tp_index=like.tp_index, lanes=(lane,), cp_rank=0, cp_inner=1, padding=True)
 
 
 def needed_token_count(microbatches: list[Microbatch]) -> int:

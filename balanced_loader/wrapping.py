@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -49,9 +49,9 @@ class DatasetSource(Source):
         n = len(dataset)
         if lengths is None:
             if length_fn is not None:
-                lengths = [int(length_fn(dataset[i])) for i in range(n)]
+                lengths = [int(length_fn(self._sample(i))) for i in range(n)]
             else:
-                lengths = [len(self._tokens_of(dataset[i], i)) for i in range(n)]
+                lengths = [len(self._tokens_of(self._sample(i), i)) for i in range(n)]
         self.lengths = as_lengths(lengths, where="dataset lengths")
         if len(self.lengths) != n:
             raise ValueError(f"{len(self.lengths)} lengths given for a dataset of {n} samples")
@@ -62,6 +62,14 @@ class DatasetSource(Source):
 
     def describe(self) -> str:
         return f"dataset {type(self.dataset).__name__}"
+
+    def _sample(self, i: int) -> Any:
+        """``dataset[i]``, with a lookup failure as one clear line (a dict or a stream is not indexable by 0..n-1)."""
+        try:
+            return self.dataset[i]
+        except (KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"{self.describe()}: dataset[{i}] raised {type(e).__name__}: {e}; wrap needs a "
+                             f"map-style dataset whose samples are dataset[0] .. dataset[len - 1]") from None
 
     def _tokens_of(self, sample: Any, i: int) -> np.ndarray:
         toks = np.asarray(self.tokens_fn(sample))
@@ -76,7 +84,7 @@ class DatasetSource(Source):
             if toks is not None:
                 self._cache.move_to_end(d)
         if toks is None:
-            toks = self._tokens_of(self.dataset[d], d)
+            toks = self._tokens_of(self._sample(d), d)
             if len(toks) != int(self.lengths[d]):
                 raise ValueError(f"sample {d} has {len(toks)} tokens but its length is {int(self.lengths[d])}; "
                                  f"the lengths do not match the dataset")
@@ -102,13 +110,32 @@ def wrap(data: Any, *, lengths: Any = None, length_fn: Callable[[Any], int] | No
     """A :class:`~balanced_loader.loader.BalancedLoader` over a torch ``DataLoader``/``Dataset``.
 
     ``loader_kwargs`` are the BalancedLoader's (``policy``, ``cost``, ``world_size``, ``rank``,
-    ``global_batch_tokens``, ...). A DataLoader contributes only its dataset, which must be
-    map-style (an ``IterableDataset`` has no random access; build shards instead).
+    ``global_batch_tokens``, ``cp``, ...); they are checked before any pass over the data. A
+    DataLoader contributes only its dataset, which must be map-style (an ``IterableDataset`` has
+    no random access; build shards instead). A dict of columns uses its ``input_ids`` column
+    (one token sequence per sample).
     """
+    import inspect
+
     from balanced_loader.loader import BalancedLoader
 
+    known = [k for k in inspect.signature(BalancedLoader.__init__).parameters if k not in ("self", "source")]
+    unknown = sorted(set(loader_kwargs) - set(known))
+    if unknown:
+        raise ValueError(f"wrap: unknown keyword(s) {unknown}; it takes lengths, length_fn, tokens_fn and the "
+                         f"BalancedLoader's {known}")
+    if "global_batch_tokens" not in loader_kwargs:
+        raise ValueError("wrap: global_batch_tokens is required (tokens per optimizer step)")
     if isinstance(data, Source):
         return BalancedLoader(data, **loader_kwargs)
+    # every argument checked on a one-token stand-in source first: a bad value fails before the length pass
+    BalancedLoader([1], **loader_kwargs).close()
+    if isinstance(data, Mapping):
+        cols = data.get("input_ids")
+        if cols is None or isinstance(cols, (str, bytes)) or not hasattr(cols, "__getitem__"):
+            raise ValueError(f"wrap got a dict with keys {sorted(map(str, data))} and no 'input_ids' column; pass "
+                             f"a dataset of samples (a list, a torch Dataset, a datasets.Dataset)")
+        data = cols
     if hasattr(data, "dataset") and hasattr(data, "batch_sampler"):  # a torch DataLoader
         data = data.dataset
     torch_data = sys.modules.get("torch.utils.data")  # not imported: data cannot be a torch dataset

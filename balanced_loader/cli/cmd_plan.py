@@ -24,7 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="maxlen, static-sp, token-kk, mcore-dcp, hydra, batch-ada, flexsp, hydraulis, greedy")
     p.add_argument("--tp", type=int, help="tensor-parallel size (static shape; a shape of the cost file)")
     p.add_argument("--pp", type=int, help="pipeline-parallel size (static shape; a shape of the cost file)")
-    p.add_argument("--cp", type=int, help="fixed CP/SP degree for maxlen, static-sp, token-kk")
+    p.add_argument("--cp", type=int,
+                   help="CP/SP degree: fixed for maxlen, static-sp, token-kk; the largest (a power of two) for the "
+                        "dynamic policies; --cp 1: plain data parallelism, every group on one lane (any policy)")
     p.add_argument("--steps", type=int, metavar="K", help="plan only the first K steps")
     p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
                    help="solver time limit per call for flexsp / hydraulis (default 1 s)")

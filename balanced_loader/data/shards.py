@@ -405,10 +405,15 @@ class ShardSource(Source):
             while self._fds:
                 os.close(self._fds.popitem()[1])
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Any = os.close) -> None:
+        # may run at interpreter exit, when module globals (os, contextlib) are gone: os.close is bound
+        # as a default argument and errors are not reported
         fds = getattr(self, "_fds", None)
         while fds:
-            os.close(fds.popitem()[1])
+            try:  # noqa: SIM105 - contextlib may already be torn down
+                _close(fds.popitem()[1])
+            except Exception:
+                pass
 
     def __getstate__(self) -> dict[str, Any]:
         return {"folder": self.folder, "max_open_files": self.max_open_files}

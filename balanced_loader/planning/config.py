@@ -16,7 +16,7 @@ class PlanConfig:
     world_size: int
     tp: int | None = None  # static shape for maxlen / static-sp (None: policy default)
     pp: int | None = None
-    cp: int | None = None
+    cp: int | None = None  # fixed CP degree (maxlen, static-sp, token-kk), else the largest; 1: plain DP
     seed: int = 0
     time_limit_s: float = 1.0  # per solver call (flexsp, hydraulis)
     candidates: str | None = None  # hydraulis candidates file

@@ -18,7 +18,7 @@ from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.plan import BatchItems, Group, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import pack
-from balanced_loader.planning.policies.common import check_fits, one_pool_plan
+from balanced_loader.planning.policies.common import check_fits, max_cp_degree, one_pool_plan
 from balanced_loader.planning.solvers.bins import lpt_blocks
 from balanced_loader.simulate import makespan_ms
 from balanced_loader.strict import check_keys
@@ -44,9 +44,11 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     if not sc.usable:
         raise ValueError(f"policy 'batch-ada': shape tp={tp}, pp={pp} is unusable (max_tokens_per_lane: 0)")
     num_lanes = config.world_size // (tp * pp)
-    degrees = allowed_degrees(num_lanes, min_degree=min_degree)
+    top = max_cp_degree(config, num_lanes, "batch-ada")  # cp caps the SP degree; cp=1: plain DP
+    degrees = [d for d in allowed_degrees(num_lanes, min_degree=min_degree) if d <= top]
     if not degrees:
-        raise ValueError(f"policy 'batch-ada': min_degree {min_degree} exceeds the pool's {num_lanes} lanes")
+        raise ValueError(f"policy 'batch-ada': min_degree {min_degree} exceeds the largest allowed degree {top} "
+                         f"(the pool's {num_lanes} lanes, --cp)")
     cap = sc.max_tokens_per_lane
     lengths = np.asarray(items.lengths, dtype=np.int64)
     check_fits(items, cap, degrees[-1], "batch-ada")

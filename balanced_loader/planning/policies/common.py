@@ -243,3 +243,24 @@ def one_pool_layout(config: PlanConfig) -> tuple[Pool, ...]:
     """The one pool of shape ``(tp or 1, pp or 1)`` over the whole world (no microbatches)."""
     tp, pp = config.tp or 1, config.pp or 1
     return (Pool(tp=tp, pp=pp, ranks=single_pool_ranks(config.world_size, tp, pp), microbatches=()),)
+
+
+def max_cp_degree(config: PlanConfig, lanes: int, policy: str) -> int:
+    """The largest CP/SP group a dynamic-degree policy may form: ``config.cp`` (a power of two, at
+    most ``lanes``) when set, else ``lanes``. ``cp=1`` is plain data parallelism: one lane per group."""
+    cp = config.cp
+    if cp is None:
+        return lanes
+    if cp & (cp - 1) or cp > lanes:
+        raise ValueError(f"policy '{policy}': --cp {cp} must be a power of two of at most the {lanes} lanes "
+                         f"per stage (it caps the CP degree on aligned lane blocks)")
+    return cp
+
+
+def refuse_flags(config: PlanConfig, policy: str, flags: Sequence[str], why: str, *, cp1_ok: bool = False) -> None:
+    """One clear error when a flag the policy cannot honour is set (never silently ignored).
+    ``cp1_ok``: the policy's groups are single lanes anyway, so ``cp=1`` holds."""
+    for flag in flags:
+        v = getattr(config, flag)
+        if v is not None and not (cp1_ok and flag == "cp" and v == 1):
+            raise ValueError(f"policy '{policy}' cannot honour --{flag} {v}: {why}")

@@ -41,7 +41,7 @@ import numpy as np
 from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
 from balanced_loader.plan import BatchItems, Group, StepPlan
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.policies.common import check_fits, one_pool_plan
+from balanced_loader.planning.policies.common import check_fits, max_cp_degree, one_pool_plan
 from balanced_loader.planning.solvers.blaster import chunk_cuts
 from balanced_loader.planning.solvers.sp_groups import (
     GroupChoice,
@@ -150,12 +150,15 @@ def pool_time(microbatches: list[tuple[SpGroup, ...]], lanes: list[list[tuple[in
 
 
 def plan_microbatches(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, opts: FlexSPOptions,
-                      pp: int = 1) -> tuple[list[tuple[SpGroup, ...]], list[list[tuple[int, ...]]], list[str]]:
-    """The blaster and per-microbatch planning over item ``lengths`` ``[n]``.
+                      pp: int = 1, max_degree: int | None = None
+                      ) -> tuple[list[tuple[SpGroup, ...]], list[list[tuple[int, ...]]], list[str]]:
+    """The blaster and per-microbatch planning over item ``lengths`` ``[n]`` (SP degrees up to
+    ``max_degree``, default ``num_lanes``).
 
     Returns the microbatches (groups with item indices), their lane blocks and notes.
     """
-    degrees = allowed_degrees(num_lanes, min_degree=opts.min_degree)
+    degrees = [d for d in allowed_degrees(num_lanes, min_degree=opts.min_degree)
+               if max_degree is None or d <= max_degree]
     cap = sc.max_tokens_per_lane
     n = len(lengths)
     order = np.lexsort((np.arange(n), -lengths)).astype(np.int64)  # [n] longest first
@@ -226,14 +229,16 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     if not sc.usable:
         raise ValueError(f"policy 'flexsp': shape tp={tp}, pp={pp} is unusable (max_tokens_per_lane: 0)")
     num_lanes = config.world_size // (tp * pp)
-    degrees = allowed_degrees(num_lanes, min_degree=opts.min_degree)
+    top = max_cp_degree(config, num_lanes, "flexsp")  # cp caps the SP degree; cp=1: plain DP
+    degrees = [d for d in allowed_degrees(num_lanes, min_degree=opts.min_degree) if d <= top]
     if not degrees:
-        raise ValueError(f"policy 'flexsp': min_degree {opts.min_degree} exceeds the pool's {num_lanes} lanes")
+        raise ValueError(f"policy 'flexsp': min_degree {opts.min_degree} exceeds the largest allowed degree {top} "
+                         f"(the pool's {num_lanes} lanes, --cp)")
     lengths = np.asarray(items.lengths, dtype=np.int64)
     check_fits(items, sc.max_tokens_per_lane, degrees[-1], "flexsp")
     if len(items) == 0:
         return one_pool_plan(step, config.world_size, tp, pp, ())
-    mbs, lanes, notes = plan_microbatches(lengths, sc, num_lanes, opts, pp)
+    mbs, lanes, notes = plan_microbatches(lengths, sc, num_lanes, opts, pp, top)
     microbatches = tuple(
         tuple(Group(lanes=ln, segments=tuple(items.segment(i) for i in g.docs)) for g, ln in zip(groups, placed))
         for groups, placed in zip(mbs, lanes))

@@ -15,13 +15,20 @@ import numpy as np
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.policies.common import MicrobatchBuilder, check_fits, one_pool_plan, pool_setup
+from balanced_loader.planning.policies.common import (
+    MicrobatchBuilder,
+    check_fits,
+    max_cp_degree,
+    one_pool_plan,
+    pool_setup,
+)
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     setup = pool_setup(items, cost, config, "greedy")
     sc, lanes = setup.shape, setup.lanes
-    degrees = allowed_degrees(lanes)
+    top = max_cp_degree(config, lanes, "greedy")  # cp caps the degree; cp=1: plain DP
+    degrees = [d for d in allowed_degrees(lanes) if d <= top]
     cap = sc.max_tokens_per_lane
     mbs = MicrobatchBuilder(lanes)
     load = np.zeros(lanes, dtype=np.float64)  # [lanes] ms

@@ -58,6 +58,7 @@ from balanced_loader.planning.packing import block_place, fill_passes
 from balanced_loader.planning.policies.common import (
     assemble,
     empty_plan,
+    max_cp_degree,
     memory_fit_levels,
     one_pool_plan,
     pool_setup,
@@ -105,9 +106,11 @@ def group_times(sc: ShapeCost, lengths: np.ndarray, top: int) -> np.ndarray:
     return sc.microbatch_ms + sc.compute_ms(s) / deg[None, :] + comm[None, :] * s
 
 
-def load_target(items: BatchItems, sc: ShapeCost, lanes: int, *, policy: str = "hydra") -> LoadTarget:
-    """The closed-form load target ``T*`` and the degrees it implies (module docstring)."""
-    top = floor_level(lanes)
+def load_target(items: BatchItems, sc: ShapeCost, lanes: int, *, policy: str = "hydra", top: int | None = None
+                ) -> LoadTarget:
+    """The closed-form load target ``T*`` and the degrees it implies (module docstring); ``top``
+    caps the level (``cp = 2**top``, default the largest aligned block)."""
+    top = floor_level(lanes) if top is None else top
     cap = sc.max_tokens_per_lane
     beta = sc.microbatch_ms
     lv_mem = memory_fit_levels(items, cap, top, policy)
@@ -216,12 +219,11 @@ RETARGETS = 3  # further breakpoints tried when the placed step misses the targe
 RETARGET_SLACK = 0.01  # ... by more than this fraction
 
 
-def _place(items: BatchItems, sc: ShapeCost, lanes: int, pp: int, levels: np.ndarray, target: float
+def _place(items: BatchItems, sc: ShapeCost, lanes: int, pp: int, levels: np.ndarray, target: float, top: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """Wide items onto blocks, then one-lane items into passes: per-item (microbatch, first lane,
     degree) and the contract-2 step time of the result."""
     n = len(items)
-    top = floor_level(lanes)
     mb = np.empty(n, dtype=np.int64)
     lane0 = np.empty(n, dtype=np.int64)
     deg = np.ones(n, dtype=np.int64)
@@ -260,7 +262,8 @@ def _place(items: BatchItems, sc: ShapeCost, lanes: int, pp: int, levels: np.nda
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     setup = pool_setup(items, cost, config, "hydra")
-    tgt = load_target(items, setup.shape, setup.lanes)
+    top = floor_level(max_cp_degree(config, setup.lanes, "hydra"))  # cp caps the degree; cp=1: plain DP
+    tgt = load_target(items, setup.shape, setup.lanes, top=top)
     if not len(items):
         return empty_plan(step, config, setup)
     # The target is a lane-time bound; with few docs per lane the granularity of groups and
@@ -268,7 +271,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     best = None
     for t in [tgt.target_ms, *tgt.breakpoints(RETARGETS)]:
         levels = tgt.levels if t == tgt.target_ms else tgt.levels_at(t)
-        placed = _place(items, setup.shape, setup.lanes, setup.pp, levels, t)
+        placed = _place(items, setup.shape, setup.lanes, setup.pp, levels, t, top)
         if best is None or placed[3] < best[3]:
             best = placed
         if best[3] <= tgt.target_ms * (1 + RETARGET_SLACK):

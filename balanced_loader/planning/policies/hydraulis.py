@@ -37,6 +37,7 @@ import numpy as np
 from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.policies.common import refuse_flags
 from balanced_loader.planning.solvers import candidates as cands
 from balanced_loader.planning.solvers.assign import Packing, dispatch, pack_pipeline
 from balanced_loader.simulate import serial_pool_ms
@@ -123,6 +124,9 @@ def _pipeline_lower(work: np.ndarray, lengths: np.ndarray, cap: int, c: float, p
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     opts = HydraulisOptions.from_config(config)
+    # every pipeline is a one-lane pool, so cp=1 holds by construction
+    refuse_flags(config, "hydraulis", ("tp", "pp", "cp"), "it picks the pipelines' tp and pp per step and runs "
+                 "one lane per pipeline (no CP); use policy 'pools' for a fixed layout, or drop the flag", cp1_ok=True)
     shapes = cands.usable_shapes(cost, config.world_size)
     lengths = np.asarray(items.lengths, dtype=np.int64)
     biggest = max(shapes, key=lambda s: s.max_tokens_per_lane)

@@ -46,6 +46,7 @@ from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies.common import (
     assemble,
     empty_plan,
+    max_cp_degree,
     memory_fit_levels,
     one_pool_plan,
     pool_setup,
@@ -90,7 +91,7 @@ def _buckets(pending: list[int], need: list[int], work: list[float]) -> list[deq
     return buckets
 
 
-def _round(pending: list[int], need: list[int], work: list[float], lanes: int
+def _round(pending: list[int], need: list[int], work: list[float], lanes: int, max_degree: int
            ) -> tuple[list[_Group], list[int]]:
     """One Megatron round: its groups (in lane order) and the docs left for later rounds."""
     buckets = _buckets(pending, need, work)
@@ -164,21 +165,25 @@ def _round(pending: list[int], need: list[int], work: list[float], lanes: int
     while free and groups:
         smallest = min(g.size for g in groups)
         gid = next(j for j, g in enumerate(groups) if g.size == smallest)
-        grow = min(min(2 * smallest, lanes) - smallest, free)
+        grow = min(min(2 * smallest, lanes, max_degree) - smallest, free)
+        if grow <= 0:  # every group is at the --cp cap: the empty lanes stay idle this round
+            break
         groups[gid].size += grow
         free -= grow
     return groups, leftovers
 
 
-def schedule(lengths: np.ndarray, lanes: int, cap: int) -> list[list[tuple[int, int, list[int]]]]:
-    """Rounds of ``(first lane, size, [item indices in run order])`` for items of ``lengths``."""
+def schedule(lengths: np.ndarray, lanes: int, cap: int, max_degree: int | None = None
+             ) -> list[list[tuple[int, int, list[int]]]]:
+    """Rounds of ``(first lane, size, [item indices in run order])`` for items of ``lengths``; no group
+    grows past ``max_degree`` (``--cp``; default ``lanes``)."""
     ln = [int(x) for x in lengths]
     need = np.left_shift(1, fit_levels(lengths, cap)).tolist()  # [n] gpus_needed of each item
     work = [(s * s) / d for s, d in zip(ln, need)]
     pending = sorted(range(len(ln)), key=lambda i: -ln[i])
     rounds = []
     while pending:
-        groups, pending = _round(pending, need, work, lanes)
+        groups, pending = _round(pending, need, work, lanes, lanes if max_degree is None else max_degree)
         out, lane = [], 0
         for g in groups:
             out.append((lane, g.size, g.docs))
@@ -189,7 +194,8 @@ def schedule(lengths: np.ndarray, lanes: int, cap: int) -> list[list[tuple[int, 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     setup = pool_setup(items, cost, config, "mcore-dcp")
-    memory_fit_levels(items, setup.cap, floor_level(setup.lanes), "mcore-dcp")
+    top = max_cp_degree(config, setup.lanes, "mcore-dcp")  # cp caps the degree; cp=1: plain DP
+    memory_fit_levels(items, setup.cap, floor_level(top), "mcore-dcp")
     if not len(items):
         return empty_plan(step, config, setup)
     n = len(items)
@@ -197,7 +203,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     lane0 = np.empty(n, dtype=np.int64)
     deg = np.empty(n, dtype=np.int64)
     base = 0
-    for rnd in schedule(items.lengths, setup.lanes, setup.cap):
+    for rnd in schedule(items.lengths, setup.lanes, setup.cap, top):
         longest = 0
         for first, size, docs in rnd:
             idx = np.asarray(docs, dtype=np.int64)

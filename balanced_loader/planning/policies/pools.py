@@ -30,7 +30,7 @@ from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
 from balanced_loader.plan import BatchItems, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies import hydra
-from balanced_loader.planning.policies.common import longest_on, one_pool_longest_segment
+from balanced_loader.planning.policies.common import longest_on, one_pool_longest_segment, refuse_flags
 from balanced_loader.strict import check_keys, number
 
 _POOL_KEYS = ("tp", "pp", "lanes")
@@ -86,9 +86,9 @@ def _shape(cost: CostModel, spec: PoolSpec, i: int) -> ShapeCost:
 class _PoolLoad:
     """Running time estimate of one pool while items are assigned (module docstring)."""
 
-    def __init__(self, sc: ShapeCost, spec: PoolSpec) -> None:
+    def __init__(self, sc: ShapeCost, spec: PoolSpec, max_degree: int | None = None) -> None:
         self.sc, self.spec = sc, spec
-        self.degrees = allowed_degrees(spec.lanes)
+        self.degrees = [d for d in allowed_degrees(spec.lanes) if max_degree is None or d <= max_degree]
         self.capacity = sc.max_tokens_per_lane * self.degrees[-1]
         self.lane_ms = 0.0  # lane time of items at degree > 1 plus work of one-lane items
         self.short_tokens = 0
@@ -124,9 +124,9 @@ class _PoolLoad:
         self.g_max = max(self.g_max, g)
 
 
-def assign(items: BatchItems, cost: CostModel, specs: list[PoolSpec]) -> np.ndarray:
-    """``[n]`` pool index of every item (step 1 of the module docstring)."""
-    loads = [_PoolLoad(_shape(cost, s, i), s) for i, s in enumerate(specs)]
+def assign(items: BatchItems, cost: CostModel, specs: list[PoolSpec], max_degree: int | None = None) -> np.ndarray:
+    """``[n]`` pool index of every item (step 1 of the module docstring); CP degrees up to ``max_degree``."""
+    loads = [_PoolLoad(_shape(cost, s, i), s, max_degree) for i, s in enumerate(specs)]
     pool_of = np.zeros(len(items), dtype=np.int64)
     for i in np.argsort(-items.lengths, kind="stable"):
         s = int(items.lengths[i])
@@ -148,15 +148,21 @@ def assign(items: BatchItems, cost: CostModel, specs: list[PoolSpec]) -> np.ndar
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
+    refuse_flags(config, "pools", ("tp", "pp"), "the shapes come from extra.pools ({tp, pp, lanes} per pool)")
     specs = pool_specs(config)
-    pool_of = assign(items, cost, specs)
+    if config.cp is not None and config.cp & (config.cp - 1):
+        raise ValueError(f"policy 'pools' cannot honour --cp {config.cp}: it must be a power of two (it caps "
+                         f"the CP degree in every pool)")
+    pool_of = assign(items, cost, specs, config.cp)
     pools = []
     for p, spec in enumerate(specs):
         idx = np.flatnonzero(pool_of == p)
         sub = BatchItems(doc_ids=items.doc_ids[idx], starts=items.starts[idx], lengths=items.lengths[idx])
         micro: tuple = ()
         if len(sub):
-            inner = PlanConfig(policy="hydra", world_size=spec.num_ranks, tp=spec.tp, pp=spec.pp, seed=config.seed)
+            cp = None if config.cp is None else min(config.cp, 1 << (spec.lanes.bit_length() - 1))
+            inner = PlanConfig(policy="hydra", world_size=spec.num_ranks, tp=spec.tp, pp=spec.pp, cp=cp,
+                               seed=config.seed)
             micro = hydra.plan_step(sub, cost, inner, step).pools[0].microbatches
         pools.append(Pool(tp=spec.tp, pp=spec.pp, ranks=single_pool_ranks(spec.num_ranks, spec.tp, spec.pp,
                                                                            spec.offset), microbatches=micro))
