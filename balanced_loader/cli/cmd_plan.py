@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from balanced_loader.data.batching import global_batches, validation_lengths
+    from balanced_loader.data.batching import global_batches, release_pages, validation_lengths
     from balanced_loader.plan import BatchItems, Plan
     from balanced_loader.planning import make_plan, warm_up
     from balanced_loader.planning.config import PlanConfig
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         for k, items in enumerate(batches):
             plan = make_plan(items, cost, config, step=k)
             plan.validate(check, cost, doc_ids=np.unique(items.doc_ids))
+            release_pages(check)  # a memory-mapped file's touched pages count as resident memory
             steps.append(plan)
     out = Plan(policy=args.policy, world_size=args.world_size, steps=tuple(steps))
     report = sys.stdout if args.out else sys.stderr

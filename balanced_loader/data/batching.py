@@ -158,9 +158,10 @@ class EpochOrder:
     Docs are laid out as contiguous blocks of doc_ids in a permuted block order, then shuffled
     inside consecutive windows of ``window`` positions. The blocks are the shards
     (``shard_bounds``, ``[num_shards + 1]`` doc offsets, permuted with a seeded generator) or,
-    without shards, runs of ``max(1, window // 64)`` doc_ids permuted by a
-    :class:`FeistelPermutation`, so a window mixes docs from 64 places of the file while every
-    read stays a short contiguous run. ``docs(a, b)`` costs ``O(window + b - a)`` time and
+    without shards, runs of ``max(1, window // 16)`` doc_ids permuted by a
+    :class:`FeistelPermutation`, so a window mixes docs from 16 places of the file while every
+    read stays a contiguous run (each touched run maps its page-cache folio, up to 2 MB, into
+    resident memory: few runs per window keep that small). ``docs(a, b)`` costs ``O(window + b - a)`` time and
     memory, whatever the number of docs; ``shuffle=False`` is the file order.
     """
 
@@ -184,7 +185,7 @@ class EpochOrder:
             self._slot_start = np.concatenate([[0], np.cumsum(np.diff(bounds)[perm])])  # [num_shards + 1]
             self._blocks: FeistelPermutation | None = None
             return
-        self.block = max(1, self.window // 64)
+        self.block = max(1, self.window // 16)
         nb = -(-self.num_docs // self.block)
         self._blocks = FeistelPermutation(nb, [*self._key, _ORDER_TAG])
         # only the last block is short (r docs); its slot S shifts the slots after it by block - r
@@ -296,7 +297,7 @@ class Cut:
     stats: DocStats  # the docs of [start, end), empty and dropped ones included
 
 
-_RELEASE_EVERY = 1 << 18  # docs read between page releases of a memory-mapped length index
+_RELEASE_EVERY = 1 << 16  # docs read between page releases of a memory-mapped length index (about a window)
 
 
 class EpochBatches:
