@@ -92,8 +92,11 @@ class _Epoch:
         c = self._cuts.get(s)
         if c is not None:
             return c
-        if s not in self.starts:  # the cursor only moves forward from a known start
-            raise AssertionError(f"epoch {self.epoch}: step {s} is not next to a known step")
+        if s not in self.starts:  # cut forward from the nearest known start (after the epoch was evicted)
+            k = max((k for k in self.starts if k < s), default=None)
+            assert k is not None, f"epoch {self.epoch}: no known step before step {s}"
+            for j in range(k, s):
+                self.cut(j)
         c = self.batches.cut(self.starts[s])
         self._cuts[s] = c
         while len(self._cuts) > 8:
@@ -272,8 +275,9 @@ class BalancedLoader:
                                global_batch_tokens=self.global_batch_tokens)
         ep = _Epoch(epoch, batches)
         self._epochs[epoch] = ep
-        while len(self._epochs) > self.prefetch_steps + 3:  # the cursor's epoch and those prefetching reaches
-            self._epochs.popitem(last=False)
+        for old in list(self._epochs)[:-(self.prefetch_steps + 3)]:  # never the cursor's: it knows where to go on
+            if old != self.epoch:
+                del self._epochs[old]
         return ep
 
     def _cut(self, epoch: int, s: int) -> Cut:

@@ -160,3 +160,12 @@ def test_default_context_limit_that_depends_on_the_world_size_is_refused(shards)
     resumed = make(shards, 1, world_size=8, max_seq_len=1200)  # the saved limit, given explicitly
     resumed.load_state_dict(state)
     assert next(resumed).step == 0
+
+
+def test_length_mid_epoch_leaves_the_cursor_alone(shards):
+    ref = [signature(b) for b in make(shards, 0, epochs=6)]
+    ld = make(shards, 0, epochs=6, prefetch_steps=0)
+    got = [signature(b) for _, b in zip(range(3), ld)]
+    assert len(ld) == len(ref)  # one pass per epoch, over more epochs than the loader keeps
+    got += [signature(b) for b in ld]
+    assert got == ref
