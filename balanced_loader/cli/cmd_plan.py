@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.planning.config import PlanConfig
     from balanced_loader.presets import load_cost
 
-    for name in ("world_size", "global_batch_tokens", "max_seq_len", "steps"):
+    for name in ("world_size", "global_batch_tokens", "max_seq_len", "steps", "shuffle_window"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         batches, stats = global_batches(lengths, max_seq_len=args.max_seq_len, long_docs=args.long_docs,
                                         global_batch_tokens=args.global_batch_tokens, shuffle=args.shuffle,
                                         seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps,
+                                        window=args.shuffle_window,
                                         empty_docs="error" if args.lengths else "skip")
     except ValueError as e:  # name the input: a bad length is found only when its batch is cut
         raise ValueError(f"{'--lengths ' if args.lengths else ''}{what}: {e}") from None
