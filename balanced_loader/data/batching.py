@@ -1,6 +1,10 @@
 """From a length index to global batches: epoch order, long/empty docs, token-budget batches.
 
-All pure functions of (lengths, seed, epoch, config): every rank computes the same batches.
+All pure functions of (lengths, seed, epoch, config), never of the world size: every rank, the
+``plan``/``compare`` commands and the loader compute the same batches. The epoch order
+(:class:`EpochOrder`) is evaluated lazily by position and batches are cut as they are consumed
+(:class:`EpochBatches`), so memory does not grow with the number of docs; ``batch_bounds`` and
+``epoch_order`` are the whole-array forms, for small inputs and as the reference in tests.
 """
 
 from __future__ import annotations
