@@ -2,21 +2,27 @@
 
 Each rank builds the same loader (only ``rank`` differs) and computes the same things:
 
-1. the epoch's doc order, a pure function of (seed, epoch): shards permuted and docs
-   shuffled in windows of ``shuffle_window`` for a shard folder, a full permutation otherwise;
-2. the epoch's sequences: empty docs skipped, docs over ``max_seq_len`` handled by
-   ``long_docs`` (counts in :class:`~balanced_loader.data.batching.DocStats`, never silent);
-3. global batches of at most ``global_batch_tokens`` tokens, cut between docs (the segments
-   of a split doc stay in one step; a doc larger than the budget is a step of its own);
+1. the epoch's doc order, a pure function of (seed, epoch), evaluated lazily by position
+   (:class:`~balanced_loader.data.batching.EpochOrder`): shards, or blocks of doc_ids,
+   permuted, and docs shuffled in windows of ``shuffle_window``;
+2. global batches of at most ``global_batch_tokens`` tokens, cut from that order as the
+   cursor reaches them, between docs (the segments of a split doc stay in one step; a doc
+   larger than the budget is a step of its own); empty docs skipped, docs over ``max_seq_len``
+   handled by ``long_docs`` (counts in :class:`~balanced_loader.data.batching.DocStats`, never
+   silent). Nothing is built over all docs, so memory does not grow with the source;
 4. a :class:`~balanced_loader.plan.StepPlan` per batch from the policy, planned ahead in the
    background (``prefetch_steps``; a thread, or ``planner_workers`` processes);
 5. this rank's microbatches (:mod:`balanced_loader.materialize`), reading only the tokens of
    its own segments.
 
 So every rank gets the same number of steps with no collective, and ``state_dict()`` (the
-cursor plus the config it depends on) resumes exactly. Iteration is a cursor: ``for batch in
-loader`` continues from the current position and stops after ``epochs`` epochs in total
-(``epochs=None``: never stops); a loader that has finished stays finished.
+cursor: epoch, step and the epoch position of the next batch, plus the config the batches
+depend on) resumes exactly, at any world size: the batches never depend on it, only their
+assignment to ranks does. ``len()``, :meth:`BalancedLoader.steps_in_epoch` and
+:meth:`BalancedLoader.epoch_stats` need one streaming pass over the epoch, made on demand.
+Iteration is a cursor: ``for batch in loader`` continues from the current position and stops
+after ``epochs`` epochs in total (``epochs=None``: never stops); a loader that has finished
+stays finished.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.cost import CostModel
-from balanced_loader.data.batching import LONG_DOC_MODES, DocStats, batch_bounds, epoch_order, to_items
+from balanced_loader.data.batching import LONG_DOC_MODES, Cut, DocStats, EpochBatches
 from balanced_loader.data.sources import Source, open_source
 from balanced_loader.materialize import (
     Microbatch,
@@ -51,7 +57,7 @@ from balanced_loader.planning.config import PlanConfig
 log = logging.getLogger("balanced_loader")
 
 STATE_FORMAT = "balanced-loader/loader-state"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the cursor holds the epoch position of the next batch
 _PLAN_CONFIG_KEYS = ("tp", "pp", "cp", "time_limit_s", "candidates", "extra")
 
 
@@ -66,7 +72,7 @@ class StepBatch:
     microbatches: tuple[Microbatch, ...]  # this rank's, in execution order
     num_valid_tokens: int  # the step's global number of label tokens (labels != -100)
     planner_wait_s: float  # time this step waited for its plan
-    doc_stats: DocStats  # what the epoch did with empty and long docs
+    doc_stats: DocStats  # what this step did with empty and long docs (whole epoch: loader.epoch_stats)
     rank: int
 
     @property
@@ -75,21 +81,55 @@ class StepBatch:
         return sum(mb.num_tokens for mb in self.microbatches)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
 class _Epoch:
-    epoch: int
-    items: BatchItems  # the epoch's sequences, in order
-    bounds: np.ndarray  # [num_steps + 1] offsets into items
-    stats: DocStats
+    """One epoch's batches, cut as the cursor reaches them; remembers where the next steps begin."""
 
-    @property
-    def num_steps(self) -> int:
-        return len(self.bounds) - 1
+    def __init__(self, epoch: int, batches: EpochBatches) -> None:
+        self.epoch = epoch
+        self.batches = batches
+        self.starts: dict[int, int] = {0: 0}  # step_in_epoch -> epoch position of its first doc
+        self._cuts: OrderedDict[int, Cut] = OrderedDict()  # the last few steps cut
+        self.num_steps: int | None = None  # known once the last step is cut, or after summary()
+        self.stats: DocStats | None = None  # the whole epoch's, after summary()
+        self.seen = DocStats()  # stats of the steps cut in order from seen_from (for the epoch log)
+        self.seen_from: int | None = None
+        self._seen_next = 0
+        self.logged = False  # the epoch's counts were logged
 
-    def batch(self, i: int) -> BatchItems:
-        a, b = int(self.bounds[i]), int(self.bounds[i + 1])
-        it = self.items
-        return BatchItems(doc_ids=it.doc_ids[a:b], starts=it.starts[a:b], lengths=it.lengths[a:b])
+    def cut(self, s: int) -> Cut:
+        c = self._cuts.get(s)
+        if c is not None:
+            return c
+        if s not in self.starts:  # cut forward from the nearest known start (after the epoch was evicted)
+            k = max((k for k in self.starts if k < s), default=None)
+            assert k is not None, f"epoch {self.epoch}: no known step before step {s}"
+            for j in range(k, s):
+                self.cut(j)
+        c = self.batches.cut(self.starts[s])
+        self._cuts[s] = c
+        while len(self._cuts) > 8:
+            self._cuts.popitem(last=False)
+        if c.end < self.batches.num_docs:
+            self.starts[s + 1] = c.end
+        elif len(c.items):
+            self.num_steps = s + 1
+        if self.seen_from is None:
+            self.seen_from = self._seen_next = s
+        if s == self._seen_next:
+            self.seen = self.seen + c.stats
+            self._seen_next += 1
+        return c
+
+    def forget_before(self, s: int) -> None:
+        """Drop the starts of steps before ``s`` (the cursor has passed them)."""
+        for k in [k for k in self.starts if k < s]:
+            del self.starts[k]
+
+    def summary(self) -> tuple[int, DocStats]:
+        if self.stats is None:
+            self.num_steps, self.stats = self.batches.summary()
+        assert self.num_steps is not None
+        return self.num_steps, self.stats
 
 
 def _plan_job(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
@@ -250,9 +290,10 @@ class BalancedLoader:
         self.epoch = 0
         self.step_in_epoch = 0
         self.step = 0
-        if self._get_epoch(0).num_steps == 0:
+        first = self._cut(0, 0)  # reads up to the first doc with tokens
+        if not len(first.items):
             raise ValueError(f"{self.source.describe()} has no tokens to train on "
-                             f"({self._get_epoch(0).stats.empty} empty docs)")
+                             f"({first.stats.empty} empty docs)")
 
     @staticmethod
     def _plan_config(policy: str, world_size: int, seed: int, extra: Any, cp: int | None) -> PlanConfig:
@@ -281,36 +322,48 @@ class BalancedLoader:
     def _get_epoch(self, epoch: int) -> _Epoch:
         ep = self._epochs.get(epoch)
         if ep is not None:
+            self._epochs.move_to_end(epoch)
             return ep
         src = self.source
-        order = epoch_order(src.num_docs, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                            shard_bounds=src.shard_bounds, window=self.shuffle_window)  # [num_docs]
-        lengths = np.asarray(src.lengths[order], dtype=np.int64)  # [num_docs]
-        items, stats = to_items(lengths, order, self.max_seq_len, self.long_docs)
-        bounds = batch_bounds(items.lengths, self.global_batch_tokens, items.starts)  # [num_steps + 1]
-        ep = _Epoch(epoch=epoch, items=items, bounds=bounds.astype(np.int64), stats=stats)
+        batches = EpochBatches(src.lengths, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                               shard_bounds=src.shard_bounds, window=self.shuffle_window,
+                               max_seq_len=self.max_seq_len, long_docs=self.long_docs,
+                               global_batch_tokens=self.global_batch_tokens)
+        ep = _Epoch(epoch, batches)
         self._epochs[epoch] = ep
-        while len(self._epochs) > 3:
-            self._epochs.popitem(last=False)
-        if self.rank == 0:
-            unusual = {k: v for k, v in stats.to_json().items() if k not in ("docs", "tokens") and v}
-            msg = (f"epoch {epoch}: {stats.docs} docs, {stats.tokens} tokens, {ep.num_steps} steps "
+        for old in list(self._epochs)[:-(self.prefetch_steps + 3)]:  # never the cursor's: it knows where to go on
+            if old != self.epoch:
+                del self._epochs[old]
+        return ep
+
+    def _cut(self, epoch: int, s: int) -> Cut:
+        """Step ``s`` of ``epoch``; rank 0 logs the epoch's counts when its last step is cut."""
+        ep = self._get_epoch(epoch)
+        c = ep.cut(s)
+        if self.rank == 0 and not ep.logged and c.end >= self.source.num_docs and len(c.items):
+            ep.logged = True
+            st = ep.stats if ep.stats is not None else ep.seen
+            part = "" if ep.seen_from == 0 or ep.stats is not None else f" (steps {ep.seen_from}-{s})"
+            unusual = {k: v for k, v in st.to_json().items() if k not in ("docs", "tokens") and v}
+            msg = (f"epoch {epoch}{part}: {st.docs} docs, {st.tokens} tokens, {ep.num_steps} steps "
                    f"(max_seq_len {self.max_seq_len}, long_docs={self.long_docs})")
             if unusual:
                 log.warning("%s; %s", msg, ", ".join(f"{k} {v}" for k, v in unusual.items()))
             else:
                 log.info("%s", msg)
-        return ep
+        return c
 
     def steps_in_epoch(self, epoch: int) -> int:
-        return self._get_epoch(epoch).num_steps
+        """Steps of one epoch (one streaming pass over the epoch the first time, unless it was consumed)."""
+        ep = self._get_epoch(epoch)
+        return ep.num_steps if ep.num_steps is not None else ep.summary()[0]
 
     def epoch_stats(self, epoch: int) -> DocStats:
-        """Empty, split, truncated and dropped docs of one epoch."""
-        return self._get_epoch(epoch).stats
+        """Empty, split, truncated and dropped docs of one epoch (one streaming pass, made once)."""
+        return self._get_epoch(epoch).summary()[1]
 
     def __len__(self) -> int:
-        """Total steps of all ``epochs`` (not only the ones left)."""
+        """Total steps of all ``epochs`` (not only the ones left); one streaming pass per epoch, made once."""
         if self.epochs is None:
             raise TypeError("an endless BalancedLoader (epochs=None) has no length")
         return sum(self.steps_in_epoch(e) for e in range(self.epochs))
@@ -319,14 +372,13 @@ class BalancedLoader:
         return self.epochs is not None and epoch >= self.epochs
 
     def _cursor_after(self, epoch: int, s: int) -> tuple[int, int]:
-        s += 1
-        if s >= self._get_epoch(epoch).num_steps:
+        if self._cut(epoch, s).end >= self.source.num_docs:
             return epoch + 1, 0
-        return epoch, s
+        return epoch, s + 1
 
     # ---- background planning ----------------------------------------------
     def _submit(self, epoch: int, s: int, step: int) -> None:
-        items = self._get_epoch(epoch).batch(s)
+        items = self._cut(epoch, s).items
         if self._executor is None:
             if self.planner_workers > 0:
                 # the platform's default start method; with spawn (macOS, Windows) the script's
@@ -350,7 +402,7 @@ class BalancedLoader:
     def _plan_now(self) -> tuple[StepPlan, float]:
         t0 = time.perf_counter()
         if self.prefetch_steps == 0 and self.planner_workers == 0:
-            plan = make_plan(self._get_epoch(self.epoch).batch(self.step_in_epoch), self.cost, self.config, self.step)
+            plan = make_plan(self._cut(self.epoch, self.step_in_epoch).items, self.cost, self.config, self.step)
             return plan, time.perf_counter() - t0
         self._schedule()
         epoch, s, fut = self._futures.pop(self.step)
@@ -373,17 +425,17 @@ class BalancedLoader:
         if self._finished(self.epoch):
             self.close()
             raise StopIteration
-        ep = self._get_epoch(self.epoch)
+        cut = self._cut(self.epoch, self.step_in_epoch)
         plan, wait = self._plan_now()
         if self.validate:
-            plan.validate(self._lengths_for_validation(ep), self.cost,
-                          doc_ids=np.unique(ep.batch(self.step_in_epoch).doc_ids))
+            plan.validate(self._lengths_for_validation(), self.cost, doc_ids=np.unique(cut.items.doc_ids))
         batch = StepBatch(step=self.step, epoch=self.epoch, step_in_epoch=self.step_in_epoch, plan=plan,
                           microbatches=tuple(self.microbatches(plan, self.rank)),
-                          num_valid_tokens=num_valid_tokens(plan), planner_wait_s=wait, doc_stats=ep.stats,
+                          num_valid_tokens=num_valid_tokens(plan), planner_wait_s=wait, doc_stats=cut.stats,
                           rank=self.rank)
         self.epoch, self.step_in_epoch = self._cursor_after(self.epoch, self.step_in_epoch)
         self.step += 1
+        self._get_epoch(self.epoch).forget_before(self.step_in_epoch)
         return batch
 
     def microbatches(self, plan: StepPlan, rank: int) -> list[Microbatch]:
@@ -403,8 +455,8 @@ class BalancedLoader:
                 out += [padding_microbatch(place, lane=place.lane, pad_id=self.pad_id) for _ in range(want - len(out))]
         return out
 
-    def _lengths_for_validation(self, ep: _Epoch) -> np.ndarray:
-        if self.long_docs != "truncate" or ep.stats.truncated == 0:
+    def _lengths_for_validation(self) -> np.ndarray:
+        if self.long_docs != "truncate":
             return self.source.lengths
         if self._valid_lengths is None:
             self._valid_lengths = np.minimum(self.source.lengths, self.max_seq_len)
@@ -417,26 +469,32 @@ class BalancedLoader:
         return self._source_tokens
 
     def _identity(self) -> dict[str, Any]:
-        return {"policy": self.policy, "world_size": self.world_size, "seed": self.seed,
+        return {"policy": self.policy, "seed": self.seed,
                 "global_batch_tokens": self.global_batch_tokens, "max_seq_len": self.max_seq_len,
                 "long_docs": self.long_docs, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
                 "tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp,
                 "num_docs": self.source.num_docs, "num_tokens": self._source_num_tokens()}
 
     def state_dict(self) -> dict[str, Any]:
-        """The cursor and everything the remaining steps depend on (plain JSON-able values)."""
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(),
-                "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "step": self.step}
+        """The cursor and everything the remaining batches depend on (plain JSON-able values).
+
+        The cursor is (epoch, step in the epoch, global step, the epoch position of the next
+        batch's first doc); ``world_size`` is recorded for information only: a state loads at
+        any world size and continues the same global batches.
+        """
+        position = self._get_epoch(self.epoch).starts[self.step_in_epoch] if not self._finished(self.epoch) else 0
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "world_size": self.world_size,
+                "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "step": self.step, "position": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where ``state`` was saved; refuses a state of a different setup."""
+        """Continue exactly where ``state`` was saved, at this loader's world size; refuses a different setup."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a BalancedLoader state: expected \"format\": \"{STATE_FORMAT}\"")
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')} is not supported "
                              f"(this loader knows {STATE_VERSION})")
         mine = self._identity()
-        for key in ("world_size", "policy"):
+        for key in ("policy",):
             if state.get(key) != mine[key]:
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
                                  f"has {key}={mine[key]!r}; exact resume needs the same {key} (start a "
@@ -447,9 +505,14 @@ class BalancedLoader:
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
                                  f"has {key}={value!r} ({what}); exact resume needs the same setup")
         epoch, s, step = int(state["epoch"]), int(state["step_in_epoch"]), int(state["step"])
-        if s < 0 or step < 0 or epoch < 0 or (s and s >= self._get_epoch(epoch).num_steps):
-            raise ValueError(f"loader state cursor (epoch {epoch}, step {s}) is outside the epoch")
+        pos = int(state["position"])
+        # a step starts at position 0 only as the first of its epoch, and before the last doc
+        if s < 0 or step < 0 or epoch < 0 or (s == 0) != (pos == 0) or pos >= max(1, self.source.num_docs):
+            raise ValueError(f"loader state cursor (epoch {epoch}, step {s}, position {pos}) is outside the epoch")
         self._cancel()
+        self._epochs.clear()  # cut afresh from the saved position
+        if not self._finished(epoch):
+            self._get_epoch(epoch).starts = {s: pos}
         self.epoch, self.step_in_epoch, self.step = epoch, s, step
 
     # ---- shutdown ------------------------------------------------------------------

@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.global_batch_tokens is not None and args.global_batch_tokens < 1:
         raise ValueError(f"--global-batch-tokens must be >= 1, got {args.global_batch_tokens}")
+    if args.shuffle_window < 1:
+        raise ValueError(f"--shuffle-window must be >= 1, got {args.shuffle_window}")
     model, hw = model_and_hardware(args.model, args.hardware)
     cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
     os.makedirs(args.out, exist_ok=True)  # before the planning work: a bad --out fails at once
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     lengths, shard_bounds, what = _read(args)
     batches, stats = global_batches(lengths, max_seq_len=max_len, long_docs=args.long_docs,
                                         global_batch_tokens=args.global_batch_tokens, shuffle=args.shuffle,
-                                        seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps)
+                                        seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps,
+                                        window=args.shuffle_window)
     if not batches:
         raise ValueError(f"{what} has no tokens to plan ({stats.empty} empty docs)")
     if not 0 <= args.chart_step < len(batches):
@@ -102,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {"input": what, "world_size": args.world_size, "cost": cost.name or args.cost_file,
                      "policies": names, "steps": len(batches), "global_batch_tokens": args.global_batch_tokens,
                      "max_seq_len": max_len, "long_docs": args.long_docs, "shuffle": args.shuffle,
+                     "shuffle_window": args.shuffle_window,
                      "seed": args.seed, "tp": args.tp, "pp": args.pp, "cp": args.cp,
                      "model": args.model, "hardware": args.hardware, "doc_stats": stats.to_json()},
         "policies": [r.to_json(per_rank_step=k) for r in runs],

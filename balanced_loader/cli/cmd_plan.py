@@ -2,8 +2,11 @@
 
 The whole length file is one global batch in file order, unless ``--global-batch-tokens N``
 cuts consecutive batches between docs (``--shuffle --seed S`` shuffles the docs first, as the
-loader's epoch 0 does). Every step is validated against its batch (contract 1) before it is
-written; ``plan_seconds`` and ``predicted_ms`` (contract 2) are filled per step.
+loader's epoch 0 does). Batches are cut as they are planned, so ``--steps K`` reads only the
+docs of K steps (a ``.npy`` is memory-mapped) and the counts in the summary line are the
+docs read; a length of 0 in ``--lengths`` is an error when it is read. Every step is
+validated against its batch (contract 1) before it is written; ``plan_seconds`` and
+``predicted_ms`` (contract 2) are filled per step.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _lengths(args: argparse.Namespace):
     from balanced_loader.data.lengths import read_batch_source
 
-    return read_batch_source(args.lengths, args.source, positive=True)
+    return read_batch_source(args.lengths, args.source)  # zero lengths: rejected as batches read them
 
 
 @contextlib.contextmanager
@@ -66,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from balanced_loader.data.batching import global_batches, validation_lengths
+    from balanced_loader.data.batching import global_batches, release_pages, validation_lengths
     from balanced_loader.plan import BatchItems, Plan
     from balanced_loader.planning import make_plan, warm_up
     from balanced_loader.planning.config import PlanConfig
     from balanced_loader.presets import load_cost
 
-    for name in ("world_size", "global_batch_tokens", "max_seq_len", "steps"):
+    for name in ("world_size", "global_batch_tokens", "max_seq_len", "steps", "shuffle_window"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -80,9 +83,14 @@ def run(args: argparse.Namespace) -> int:
                         seed=args.seed, time_limit_s=args.time_limit, candidates=args.candidates)
     cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
     lengths, shard_bounds, what = _lengths(args)
-    batches, stats = global_batches(lengths, max_seq_len=args.max_seq_len, long_docs=args.long_docs,
-                                    global_batch_tokens=args.global_batch_tokens, shuffle=args.shuffle,
-                                    seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps)
+    try:
+        batches, stats = global_batches(lengths, max_seq_len=args.max_seq_len, long_docs=args.long_docs,
+                                        global_batch_tokens=args.global_batch_tokens, shuffle=args.shuffle,
+                                        seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps,
+                                        window=args.shuffle_window,
+                                        empty_docs="error" if args.lengths else "skip")
+    except ValueError as e:  # name the input: a bad length is found only when its batch is cut
+        raise ValueError(f"{'--lengths ' if args.lengths else ''}{what}: {e}") from None
     if not batches:  # nothing to plan: one empty step
         z = np.zeros(0, dtype=np.int64)
         batches = [BatchItems(doc_ids=z, starts=z, lengths=z)]
@@ -95,11 +103,12 @@ def run(args: argparse.Namespace) -> int:
         for k, items in enumerate(batches):
             plan = make_plan(items, cost, config, step=k)
             plan.validate(check, cost, doc_ids=np.unique(items.doc_ids))
+            release_pages(check)  # a memory-mapped file's touched pages count as resident memory
             steps.append(plan)
     out = Plan(policy=args.policy, world_size=args.world_size, steps=tuple(steps))
     report = sys.stdout if args.out else sys.stderr
     unusual = {k: v for k, v in stats.to_json().items() if k not in ("docs", "tokens") and v}
-    print(f"{what}: {stats.docs:,} docs, {stats.tokens:,} tokens"
+    print(f"{what}: {len(lengths):,} docs, {stats.docs:,} read ({stats.tokens:,} tokens)"
           + (f" ({', '.join(f'{k} {v}' for k, v in unusual.items())})" if unusual else "")
           + f"; planned {len(steps)} step(s) of {sum(len(b) for b in batches):,} sequences, "
           f"{sum(int(b.lengths.sum()) for b in batches):,} tokens with policy {args.policy} on {args.world_size} "

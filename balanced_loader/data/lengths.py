@@ -15,10 +15,12 @@ import numpy as np
 LENGTH_SUFFIXES = (".txt", ".txt.gz", ".gz", ".npy")
 
 
-def read_lengths(path: str | os.PathLike[str]) -> np.ndarray:
+def read_lengths(path: str | os.PathLike[str], *, check: bool = True) -> np.ndarray:
     """Token lengths from ``path`` as ``[num_docs]`` int64, indexed by doc_id (file order).
 
-    ``.npy``: a 1-D integer array (or floats with integer values). Anything else is text:
+    ``.npy``: a 1-D integer array (or floats with integer values); int64 is memory-mapped
+    (read-only; ``check=False`` leaves its values to be checked where they are read, as batching
+    does, since a full check touches every page), other dtypes are converted. Anything else is text:
     one integer per line, blank lines and ``#`` comments ignored; a name ending in ``.gz``
     is gunzipped first. Lengths must be non-negative (0 marks an empty doc, which batching
     skips); whether they must be positive is the caller's rule.
@@ -31,6 +33,8 @@ def read_lengths(path: str | os.PathLike[str]) -> np.ndarray:
                          f"(or --source for a shard folder)")
     if p.endswith(".npy"):
         arr = _read_npy(p)
+        if isinstance(arr, np.memmap) and not check:
+            return arr
     else:
         arr = _read_text(p)
     if arr.size and int(arr.min()) < 0:
@@ -41,14 +45,16 @@ def read_lengths(path: str | os.PathLike[str]) -> np.ndarray:
 
 def _read_npy(p: str) -> np.ndarray:
     try:
-        raw = np.load(p, allow_pickle=False)
+        raw = np.load(p, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise ValueError(f"length file {p} is not a readable .npy array: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, np.ndarray) or raw.ndim != 1:
         shape = getattr(raw, "shape", None)
         raise ValueError(f"length file {p}: expected a 1-D array of lengths, got shape {shape}")
+    if raw.dtype == np.dtype(np.int64):
+        return raw  # [num_docs] memory-mapped: planning reads only the docs it batches
     if raw.dtype.kind in "iu":
-        return raw.astype(np.int64, copy=False)
+        return raw.astype(np.int64)
     if raw.dtype.kind == "f":
         if raw.size and not np.all(np.isfinite(raw) & (raw == np.round(raw))):
             i = int(np.flatnonzero(~(np.isfinite(raw) & (raw == np.round(raw))))[0])
@@ -102,7 +108,7 @@ def read_batch_source(lengths_path: str | None, source_path: str | None, *,
     (a source's empty docs are skipped later by the loader's rules instead).
     """
     if lengths_path:
-        lengths = read_lengths(lengths_path)
+        lengths = read_lengths(lengths_path, check=False)  # batching checks the docs it reads
         if positive and lengths.size and int(lengths.min()) <= 0:
             i = int(np.flatnonzero(lengths <= 0)[0])
             raise ValueError(f"--lengths {lengths_path}: lengths must be positive; doc {i} (line {i + 1}) "

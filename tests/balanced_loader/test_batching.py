@@ -1,4 +1,4 @@
-"""The lead's batching functions: long/empty docs, epoch order, token-budget bounds."""
+"""Batching: long/empty docs, the lazy epoch order, token-budget bounds, batches cut as they are consumed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader.data.batching import DocStats, batch_bounds, epoch_order, to_items
+from balanced_loader.data.batching import (
+    DocStats,
+    EpochBatches,
+    EpochOrder,
+    FeistelPermutation,
+    batch_bounds,
+    epoch_order,
+    global_batches,
+    to_items,
+)
+from balanced_loader.data.lengths import read_lengths
 
 
 @given(st.lists(st.integers(0, 100), max_size=50), st.integers(1, 40))
@@ -63,3 +73,104 @@ def test_batch_bounds(lengths, budget):
         if i + 1 < len(b) - 1:  # a batch closes only when the next item would not fit
             assert sum(chunk) + lengths[b[i + 1]] > budget
     assert batch_bounds(np.array([3, 4]), None).tolist() == [0, 2]
+
+
+@given(st.integers(1, 3000), st.integers(0, 2**31))
+def test_feistel_is_a_bijection_with_its_inverse(n, key):
+    f = FeistelPermutation(n, [key, 7])
+    p = f(np.arange(n))
+    assert sorted(p.tolist()) == list(range(n))
+    assert (f.inverse(p) == np.arange(n)).all()
+    assert (f(np.arange(n)[::-1]) == p[::-1]).all()  # any positions, any order
+
+
+@given(n=st.integers(0, 3000), window=st.integers(1, 700), seed=st.integers(0, 5), shards=st.booleans(),
+       cuts=st.lists(st.integers(0, 3000), max_size=6))
+def test_epoch_order_is_lazy_and_consistent(n, window, seed, shards, cuts):
+    bounds = np.unique(np.concatenate([[0, n], np.linspace(0, n, 7).astype(np.int64)])) if shards else None
+    order = EpochOrder(n, seed=seed, epoch=1, window=window, shard_bounds=bounds)
+    whole = order.docs(0, n)
+    assert sorted(whole.tolist()) == list(range(n))
+    edges = sorted({0, n, *(min(c, n) for c in cuts)})
+    fresh = EpochOrder(n, seed=seed, epoch=1, window=window, shard_bounds=bounds)  # random access, any order
+    parts = [fresh.docs(a, b) for a, b in reversed(list(zip(edges, edges[1:])))][::-1]
+    assert np.array_equal(np.concatenate(parts) if parts else whole, whole)
+    if not shards and n > window:  # a window draws from window / block runs of the file (+1: the short block)
+        block = max(1, window // 16)
+        for a in range(0, n, window):
+            assert len(np.unique(whole[a:a + window] // block)) <= -(-window // block) + 1
+
+
+def reference_batches(lengths, *, seed, shuffle, window, max_len, mode, budget):
+    """The whole-array way: full order, every sequence, then bounds (what the loader did before streaming)."""
+    order = epoch_order(len(lengths), seed=seed, epoch=0, shuffle=shuffle, window=window)
+    items, stats = to_items(lengths[order], order, max_len, mode)
+    if not len(items):
+        return [], stats
+    b = batch_bounds(items.lengths, budget, items.starts)
+    return [items.doc_ids[b[i]:b[i + 1]].tolist() for i in range(len(b) - 1)], stats
+
+
+@given(lengths=st.lists(st.integers(0, 400), max_size=150), budget=st.integers(1, 2000) | st.none(),
+       max_len=st.integers(10, 500), mode=st.sampled_from(["split", "truncate", "drop"]),
+       window=st.integers(1, 100), seed=st.integers(0, 3), shuffle=st.booleans())
+def test_streamed_batches_equal_the_whole_array_cut(lengths, budget, max_len, mode, window, seed, shuffle):
+    ln = np.asarray(lengths, dtype=np.int64)
+    ref, ref_stats = reference_batches(ln, seed=seed, shuffle=shuffle, window=window, max_len=max_len, mode=mode,
+                                       budget=budget)
+    eb = EpochBatches(ln, seed=seed, shuffle=shuffle, window=window, max_seq_len=max_len, long_docs=mode,
+                      global_batch_tokens=budget)
+    cuts = list(eb.batches())
+    assert [c.items.doc_ids.tolist() for c in cuts] == ref
+    assert all(a.end == b.start for a, b in zip(cuts, cuts[1:]))  # a batch is named by its start position
+    assert eb.summary() == (len(ref), ref_stats)
+    got, stats = global_batches(ln, max_seq_len=max_len, long_docs=mode, global_batch_tokens=budget,
+                                shuffle=shuffle, seed=seed, window=window)
+    assert [b.doc_ids.tolist() for b in got] == ref and stats == ref_stats
+    for k, c in enumerate(cuts):  # resuming from any batch start gives the same rest
+        assert [x.items.doc_ids.tolist() for x in eb.batches(c.start)] == ref[k:]
+
+
+class CountingLengths(np.ndarray):
+    """A length array that counts the docs read from it (to check reads stay bounded)."""
+
+    read = 0
+
+    def __getitem__(self, index):
+        CountingLengths.read += int(np.size(index)) if isinstance(index, np.ndarray) else 1
+        return super().__getitem__(index)
+
+
+def test_first_batches_read_a_bounded_number_of_docs():
+    n = 4_000_000
+    lengths = np.full(n, 1000, dtype=np.int64).view(CountingLengths)
+    CountingLengths.read = 0
+    batches, stats = global_batches(lengths, max_seq_len=None, global_batch_tokens=1_000_000, shuffle=True,
+                                    seed=1, max_steps=3)
+    assert [len(b) for b in batches] == [1000] * 3 and stats.docs == 3000
+    assert CountingLengths.read < 20_000  # a few chunks, not the 4M docs
+    ids = np.concatenate([b.doc_ids for b in batches])
+    assert len(np.unique(ids)) == 3000 and ids.max() > n // 2  # shuffled over the whole file
+
+
+def test_memory_mapped_npy_gives_the_same_batches_and_checks_lazily(tmp_path):
+    ln = np.random.default_rng(5).integers(1, 900, 20_000)
+    np.save(tmp_path / "l.npy", ln)
+    mapped = read_lengths(tmp_path / "l.npy", check=False)
+    assert isinstance(mapped, np.memmap) and not mapped.flags.writeable
+    kw = {"max_seq_len": 512, "global_batch_tokens": 30_000, "shuffle": True, "seed": 2, "window": 4096}
+    a, sa = global_batches(mapped, **kw)
+    b, sb = global_batches(ln, **kw)
+    assert sa == sb and all(np.array_equal(x.doc_ids, y.doc_ids) for x, y in zip(a, b)) and len(a) == len(b)
+    bad = ln.copy()
+    bad[17] = 0
+    np.save(tmp_path / "z.npy", bad)
+    zero = read_lengths(tmp_path / "z.npy", check=False)
+    with pytest.raises(ValueError, match="doc 17 \\(line 18\\) has length 0"):
+        global_batches(zero, max_seq_len=None, empty_docs="error")
+    bad[17] = -3
+    np.save(tmp_path / "n.npy", bad)
+    with pytest.raises(ValueError, match="doc 17 has a negative length -3"):
+        global_batches(read_lengths(tmp_path / "n.npy", check=False), max_seq_len=None)
+    with pytest.raises(ValueError, match="doc 17 has a negative length -3"):
+        read_lengths(tmp_path / "n.npy")  # the default checks the whole file at once
