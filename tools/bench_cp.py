@@ -43,7 +43,8 @@ from parallel_runtime.engines.context import (
     shard_microbatch,
 )
 from parallel_runtime.engines.tensor import TensorParallel
-from parallel_runtime.groups import ProcessGroups, spawn_world
+from parallel_runtime.groups import ProcessGroups
+from parallel_runtime.launch import spawn_world
 from parallel_runtime.model import ModelConfig, Transformer
 from parallel_runtime.topology import Topology
 

@@ -144,16 +144,11 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
 
     from balanced_loader.materialize import materialize_rank
     from parallel_runtime.config import load_recipe
+    from parallel_runtime.groups import GroupCache, declared_groups, plan_groups
     from parallel_runtime.topology import Topology
-    from parallel_runtime.training.step import (
-        DTYPES,
-        GroupCache,
-        Runtime,
-        declared_groups,
-        forward_backward,
-        param_specs,
-        plan_groups,
-    )
+    from parallel_runtime.training.params import param_specs
+    from parallel_runtime.training.runtime import DTYPES, Runtime
+    from parallel_runtime.training.step import forward_backward
     from parallel_runtime.training.trainer import open_data
 
     recipe = load_recipe(setup.recipe_path, list(setup.overrides))
@@ -229,7 +224,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
 
 def measure(setup: Setup, world: int, *, backend: str = "gloo", timeout_s: float = 3600.0) -> list[float]:
     """Lane time (ms) of every case, measured in a spawned world of ``world`` ranks."""
-    from parallel_runtime.groups import spawn_world
+    from parallel_runtime.launch import spawn_world
 
     return spawn_world(_rank_main, world, setup, backend=backend, timeout_s=timeout_s)[0]
 
@@ -396,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(recipe_path=args.recipe, overrides=tuple(args.overrides), cases=tuple(cases), repeats=args.repeats,
                   seed=recipe.seed)
     w = recipe.world
-    from parallel_runtime.groups import WorldError
+    from parallel_runtime.launch import WorldError
 
     try:
         times = measure(setup, world, backend=w.backend if w.backend != "auto" else

@@ -429,7 +429,7 @@ def _pearson(a: Sequence[float], b: Sequence[float]) -> float | None:
 def execute(graph: Graph, plan: WavePlan, config: ModelConfig, *, steps: int = 1, lr: float = 0.01,
             timeout_s: float = 300.0, threads: int = 1) -> dict[str, Any]:
     """Spawn ``plan.gpus`` gloo processes, run the plan, and compare with the reference (see :func:`compare`)."""
-    from parallel_runtime.groups import spawn_world
+    from parallel_runtime.launch import spawn_world
 
     job = make_job(graph, plan, config, steps=steps, lr=lr)  # bad input fails here, before any process starts
     results = spawn_world(run_rank, plan.gpus, job, timeout_s=timeout_s, threads=threads)
