@@ -1,6 +1,6 @@
 """Calibrate the contract-2 cost file on this device.
 
-Usage: ``python -m parallel_runtime.diagnostics.profile --recipe R.yaml``.
+Usage: ``python -m parallel_runtime profile --recipe R.yaml``.
 
 Spawns the recipe's world (``world.size`` gloo processes, so cores are shared as in training)
 and times the model's forward and backward exactly as the trainer measures it
@@ -335,7 +335,7 @@ def parse_caps(text: str | None, shapes: list[tuple[int, int]], default: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m parallel_runtime.diagnostics.profile",
+    ap = argparse.ArgumentParser(prog="python -m parallel_runtime profile",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     held = (f"held-out median |error| {ho['median_abs_err']:.1%} over {ho['cases']} microbatches" if ho["cases"]
             else "no held-out microbatches")
     header = (f"# Contract-2 cost file calibrated on this machine by:\n"
-              f"#   python -m parallel_runtime.diagnostics.profile --recipe {args.recipe}"
+              f"#   python -m parallel_runtime profile --recipe {args.recipe}"
               + "".join(f" --set {o}" for o in args.overrides)
               + (f" --shapes {args.shapes}" if args.shapes else "") + f" --degrees {args.degrees}"
               + (f" --cap {args.cap}" if args.cap else "") + f" --repeats {args.repeats}"

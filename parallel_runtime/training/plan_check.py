@@ -25,7 +25,7 @@ import torch.distributed as dist
 from balanced_loader.plan import StepPlan
 from parallel_runtime.config import Recipe, check_shape
 from parallel_runtime.groups import GroupCache, plan_groups
-from parallel_runtime.topology import Topology
+from parallel_runtime.topology import PoolShape, Topology
 
 
 class PlanMismatchError(RuntimeError):
@@ -37,7 +37,7 @@ def check_plan_runs_here(plan: StepPlan, *, recipe: Recipe, lengths: np.ndarray,
     """Check ``plan`` (steps 1-4 above; collective: call on every rank); returns its topology and new groups."""
     check_same_plan(plan, comm_device)
     validate_contract(plan, lengths)
-    topo = Topology.from_plan(plan)
+    topo = Topology(world_size=plan.world_size, pools=tuple(PoolShape.of(p) for p in plan.pools))  # lanes: validated
     check_hostable(plan, recipe)
     return topo, groups.ensure(plan_groups(plan, recipe.world.cp_engine, recipe.world.cp_inner))
 

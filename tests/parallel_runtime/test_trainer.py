@@ -187,6 +187,16 @@ def test_entry_point_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert "accelerate launch --multi_gpu --num_processes 4" in capsys.readouterr().err
 
 
+def test_entry_point_runs_the_diagnostics_as_subcommands(tmp_path, capsys) -> None:
+    # python -m parallel_runtime selfcheck / profile reach the diagnostics' own argument checks
+    assert entry.main(["selfcheck", "--world-size", "6", "--tp", "4", "--cp", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "selfcheck: --world-size 6 is not divisible by tp x cp = 4 x 2 = 8"
+    assert entry.main(["profile", "--recipe", HETERO, "--shapes", "3x1"]) == 2
+    assert "--shapes: tp=3 x pp=1 does not divide world.size 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # anything else is training: --recipe is required
+        entry.main(["--steps", "1"])
+
+
 @pytest.mark.multirank
 def test_accelerate_launch_trains_and_resumes(small, tmp_path) -> None:
     _, sets = small
