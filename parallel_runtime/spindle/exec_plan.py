@@ -15,11 +15,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from balanced_loader.spindle.schedule import batch_shards
-from parallel_runtime.spindle.model import block_names, head_names, op_specs, sinks
+from parallel_runtime.spindle.model import OpSpec, block_names, head_names, op_specs, sinks
 
 if TYPE_CHECKING:
     from balanced_loader.spindle.graph import Graph
@@ -30,6 +31,8 @@ EntryKey = tuple[int, int]  # (wave, index of the entry in the wave)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Lane:
+    """One lane of an entry: the samples it runs and the rank that runs them."""
+
     rank: int  # the rank that does the lane's work (its tp index 0)
     start: int
     stop: int  # samples [start, stop) of the MetaOp's batch
@@ -37,6 +40,8 @@ class Lane:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Entry:
+    """One MetaOp's layers ``[first_layer, first_layer + layers)`` in one wave, over its lanes."""
+
     key: EntryKey
     op: str
     first_layer: int
@@ -135,9 +140,15 @@ def build_exec_plan(graph: Graph, plan: WavePlan) -> ExecPlan:
             wave_entries.append(e)
         waves.append(tuple(wave_entries))
         moves.append(tuple(wave_moves))
-    # the ranks that ran each parameter, then one group per distinct union (sorted by ranks)
+    return ExecPlan(world_size=plan.gpus, waves=tuple(waves), moves=tuple(moves),
+                    grad_groups=grad_groups(entries.values(), ops), planned_ms=tuple(w.ms for w in plan.waves))
+
+
+def grad_groups(entries: Iterable[Entry], ops: Mapping[str, OpSpec]
+                ) -> tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]:
+    """``(ranks, parameter names)`` per distinct set of ranks that ran a parameter, sorted by (size, ranks)."""
     ran: dict[str, set[int]] = {}
-    for e in entries.values():
+    for e in entries:
         names = [n for layer in range(e.first_layer, e.first_layer + e.layers)
                  for n in block_names(ops[e.op].module, layer)]
         if e.loss:
@@ -147,6 +158,4 @@ def build_exec_plan(graph: Graph, plan: WavePlan) -> ExecPlan:
     by_union: dict[tuple[int, ...], list[str]] = {}
     for n, ranks in ran.items():
         by_union.setdefault(tuple(sorted(ranks)), []).append(n)
-    groups = tuple((ranks, tuple(by_union[ranks])) for ranks in sorted(by_union, key=lambda r: (len(r), r)))
-    return ExecPlan(world_size=plan.gpus, waves=tuple(waves), moves=tuple(moves), grad_groups=groups,
-                    planned_ms=tuple(w.ms for w in plan.waves))
+    return tuple((ranks, tuple(by_union[ranks])) for ranks in sorted(by_union, key=lambda r: (len(r), r)))

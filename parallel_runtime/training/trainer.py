@@ -9,13 +9,13 @@ One step on every rank:
    agree across ranks (before any other collective of the step), the plan keeps contract 1, the
    model splits over its shapes, and groups it needs that do not exist yet are created (same
    order everywhere);
-4. **pull**: the fixed fp32 optimizer shards are gathered into this rank's working parameters
+3. **pull**: the fixed fp32 optimizer shards are gathered into this rank's working parameters
    for its (pool, stage, tp index) in this step's shape;
-5. :func:`~parallel_runtime.training.step.forward_backward`: 1F1B over the pool's microbatches, CP
+4. :func:`~parallel_runtime.training.step.forward_backward`: 1F1B over the pool's microbatches, CP
    groups per microbatch, loss = token sum / the step's global valid tokens;
-6. **push**: gradients reduce-scattered into the fixed shards (every pool shape in the same
+5. **push**: gradients reduce-scattered into the fixed shards (every pool shape in the same
    coordinates); global-norm clipping and AdamW on the owned shard;
-7. rank 0 appends the step's metrics to ``OUT/metrics.jsonl``.
+6. rank 0 appends the step's metrics to ``OUT/metrics.jsonl``.
 
 Checkpoints (``OUT/checkpoint/step-N/``: one optimizer shard and RNG state per rank, loader
 state and step in ``meta.json``; ``latest`` names the newest and is replaced atomically) are
