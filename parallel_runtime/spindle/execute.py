@@ -81,7 +81,7 @@ class Job:
     """What every rank runs: plain data, so worker processes import only torch and this package."""
 
     ops: tuple[OpSpec, ...]
-    xp: ExecPlan
+    exec_plan: ExecPlan
     config: ModelConfig
     steps: int = 1
     lr: float = 0.01
@@ -90,7 +90,7 @@ class Job:
 def make_job(graph: Graph, plan: WavePlan, config: ModelConfig, *, steps: int = 1, lr: float = 0.01) -> Job:
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    return Job(ops=op_specs(graph), xp=build_exec_plan(graph, plan), config=config, steps=steps, lr=lr)
+    return Job(ops=op_specs(graph), exec_plan=build_exec_plan(graph, plan), config=config, steps=steps, lr=lr)
 
 
 @dataclass(kw_only=True)
@@ -103,88 +103,91 @@ class StepState:
     output_grads: dict[EntryKey, torch.Tensor] = field(default_factory=dict)  # like outputs, summed over consumers
 
 
-def run_step(model: MultiTaskModel, xp: ExecPlan, step: int, rank: int, groups: GroupLookup,
+def run_step(model: MultiTaskModel, exec_plan: ExecPlan, step: int, rank: int, groups: GroupLookup,
              times: dict[str, list[Any]]) -> dict[str, float]:
     """Forward wave by wave, backward in reverse wave order, gradient all-reduce; returns this rank's
     partial losses by sink and appends per-wave seconds to ``times``."""
     c = model.config
     sample_shape = (c.tokens, c.hidden)
-    num_waves = len(xp.waves)
+    num_waves = len(exec_plan.waves)
     fwd, bwd, comm = [0.0] * num_waves, [0.0] * num_waves, [0.0] * num_waves
 
     def lane_start(key: EntryKey) -> int:
-        return xp.entry(key).my_lane(rank).start
+        return exec_plan.entry(key).my_lane(rank).start
 
     state = StepState()
     model.zero_grad()
-    for k, entries in enumerate(xp.waves):
+    for wave, entries in enumerate(exec_plan.waves):
         t0 = time.perf_counter()
-        state.pieces.update(send_activations(xp.moves[k], rank, state.outputs, lane_start, sample_shape))
+        state.pieces.update(send_activations(exec_plan.moves[wave], rank, state.outputs, lane_start, sample_shape))
         t1 = time.perf_counter()
-        for e in entries:
-            if e.lane_of(rank) is not None:
-                forward_entry(model, xp, e, step, rank, state)
-        fwd[k], comm[k] = time.perf_counter() - t1, t1 - t0
-    # backward in reverse wave order: by the time wave k runs backward, every consumer of its outputs
-    # (all in later waves) has sent its gradient back
-    for k in reversed(range(num_waves)):
+        for entry in entries:
+            if entry.lane_of(rank) is not None:
+                forward_entry(model, exec_plan, entry, step, rank, state)
+        fwd[wave], comm[wave] = time.perf_counter() - t1, t1 - t0
+    # backward in reverse wave order: by the time a wave runs backward, every consumer of its outputs
+    # (all in later waves) has sent its gradient back, so each entry back-propagates once
+    for wave in reversed(range(num_waves)):
         t0 = time.perf_counter()
-        for e in xp.waves[k]:
-            if e.lane_of(rank) is not None:
-                backward_entry(e, state)
+        for entry in exec_plan.waves[wave]:
+            if entry.lane_of(rank) is not None:
+                backward_entry(entry, state)
         t1 = time.perf_counter()
-        for m, g in return_gradients(xp.moves[k], rank, state.pieces, xp.num_moves, sample_shape):
-            add_output_grad(state, m.src_entry, m.start - lane_start(m.src_entry), g)
-        bwd[k], comm[k] = t1 - t0, comm[k] + time.perf_counter() - t1
+        returned = return_gradients(exec_plan.moves[wave], rank, state.pieces, exec_plan.num_moves, sample_shape)
+        for move, grad in returned:
+            add_output_grad(state, move.src_entry, move.start - lane_start(move.src_entry), grad)
+        bwd[wave], comm[wave] = t1 - t0, comm[wave] + time.perf_counter() - t1
     assert not state.output_grads, "every gradient sent back was consumed by a backward"
     t0 = time.perf_counter()
-    reduce_gradients(model, xp, rank, groups)
+    reduce_gradients(model, exec_plan, rank, groups)
     times["fwd"].append(fwd)
     times["bwd"].append(bwd)
     times["comm"].append(comm)
     times["reduce"].append(time.perf_counter() - t0)
-    return {xp.entry(key).op: float(v.detach()) for key, v in state.losses.items()}
+    return {exec_plan.entry(key).op: float(v.detach()) for key, v in state.losses.items()}
 
 
-def entry_input(model: MultiTaskModel, xp: ExecPlan, e: Entry, step: int, rank: int,
+def entry_input(model: MultiTaskModel, exec_plan: ExecPlan, entry: Entry, step: int, rank: int,
                 state: StepState) -> torch.Tensor:
-    """This rank's input of entry ``e`` (``[lane samples, tokens, hidden]``): its pieces from each source
+    """This rank's input of ``entry`` (``[lane samples, tokens, hidden]``): its pieces from each source
     entry, concatenated in sample order and summed over sources; synthetic data for a first entry."""
-    lane = e.my_lane(rank)
-    if not e.sources:
-        return model.op_input(e.op, step)[lane.start:lane.stop]
-    moves = xp.moves[e.key[0]]
-    x = None
-    for src in e.sources:
-        mine = sorted((m for m in moves if m.dst_entry == e.key and m.src_entry == src and m.dst == rank),
-                      key=lambda m: m.start)
+    lane = entry.my_lane(rank)
+    if not entry.sources:
+        return model.op_input(entry.op, step)[lane.start:lane.stop]
+    moves = exec_plan.moves[entry.key[0]]
+    x = None  # [lane samples, tokens, hidden]
+    for src in entry.sources:
+        mine = sorted((mv for mv in moves if mv.dst_entry == entry.key and mv.src_entry == src and mv.dst == rank),
+                      key=lambda mv: mv.start)  # this lane's pieces from source ``src``, in sample order
         assert mine[0].start == lane.start and mine[-1].stop == lane.stop, "pieces must tile the lane"
-        part = torch.cat([state.pieces[m.tag].requires_grad_() for m in mine])
+        part = torch.cat([state.pieces[mv.tag].requires_grad_() for mv in mine])
         x = part if x is None else x + part
     return x
 
 
-def forward_entry(model: MultiTaskModel, xp: ExecPlan, e: Entry, step: int, rank: int, state: StepState) -> None:
-    """Run entry ``e``'s layers on this rank's lane; a sink's last entry adds its loss (summed / global batch)."""
-    lane = e.my_lane(rank)
-    y = model.run_layers(e.op, entry_input(model, xp, e, step, rank, state), e.first_layer, e.layers)
-    state.outputs[e.key] = y
-    if e.loss:
-        labels = model.labels(e.op, step)[lane.start:lane.stop]
+def forward_entry(model: MultiTaskModel, exec_plan: ExecPlan, entry: Entry, step: int, rank: int,
+                  state: StepState) -> None:
+    """Run ``entry``'s layers on this rank's lane; a sink's last entry adds its loss (summed / global batch)."""
+    lane = entry.my_lane(rank)
+    y = model.run_layers(  # [lane samples, tokens, hidden]
+        entry.op, entry_input(model, exec_plan, entry, step, rank, state), entry.first_layer, entry.layers)
+    state.outputs[entry.key] = y
+    if entry.loss:
+        labels = model.labels(entry.op, step)[lane.start:lane.stop]
         # dividing by the MetaOp's global batch makes the sum of the lanes' losses the batch mean
-        state.losses[e.key] = model.loss_sum(e.op, y, labels) / e.batch
+        state.losses[entry.key] = model.loss_sum(entry.op, y, labels) / entry.batch
 
 
-def backward_entry(e: Entry, state: StepState) -> None:
-    """Back-propagate entry ``e`` from its outputs' gradient (from every consumer) and its loss."""
+def backward_entry(entry: Entry, state: StepState) -> None:
+    """Back-propagate ``entry`` from its outputs' gradient (from every consumer) and its loss."""
     roots, grads = [], []
-    if e.key in state.output_grads:
-        roots.append(state.outputs[e.key])
-        grads.append(state.output_grads.pop(e.key))
-    if e.key in state.losses:
-        roots.append(state.losses[e.key])
-        grads.append(torch.ones_like(state.losses[e.key]))
-    assert roots, f"entry {e.key} of '{e.op}' has neither consumers nor a loss"
+    if entry.key in state.output_grads:
+        roots.append(state.outputs[entry.key])
+        grads.append(state.output_grads.pop(entry.key))
+    if entry.key in state.losses:
+        roots.append(state.losses[entry.key])
+        grads.append(torch.ones_like(state.losses[entry.key]))
+    assert roots, f"entry {entry.key} of '{entry.op}' has neither consumers nor a loss"
     torch.autograd.backward(roots, grads)
 
 
@@ -195,9 +198,9 @@ def add_output_grad(state: StepState, key: EntryKey, offset: int, grad: torch.Te
     state.output_grads[key][offset:offset + len(grad)] += grad
 
 
-def reduce_gradients(model: MultiTaskModel, xp: ExecPlan, rank: int, groups: GroupLookup) -> None:
+def reduce_gradients(model: MultiTaskModel, exec_plan: ExecPlan, rank: int, groups: GroupLookup) -> None:
     """Sum each parameter's gradient over the ranks that ran it (one all-reduce per gradient group)."""
-    for ranks, names in xp.grad_groups:
+    for ranks, names in exec_plan.grad_groups:
         if rank in ranks:  # a rank outside a union never reads those parameters
             all_reduce_grads([model.params[n] for n in names], groups.get(ranks), len(ranks))
 
@@ -208,16 +211,16 @@ def run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     Returns per step this rank's partial losses (by sink) and the reduced gradients of the
     parameters it ran, and per-wave compute and communication seconds.
     """
-    xp = job.xp
-    if world_size != xp.world_size:
-        raise ValueError(f"the wave plan is for {xp.world_size} devices but the world has {world_size} ranks")
-    groups = ProcessGroups.build(extra=[ranks for ranks, _ in xp.grad_groups])
+    exec_plan = job.exec_plan
+    if world_size != exec_plan.world_size:
+        raise ValueError(f"the wave plan is for {exec_plan.world_size} devices but the world has {world_size} ranks")
+    groups = ProcessGroups.build(extra=[ranks for ranks, _ in exec_plan.grad_groups])
     model = MultiTaskModel(job.ops, job.config)
-    mine = [n for ranks, names in xp.grad_groups if rank in ranks for n in names]
+    mine = [n for ranks, names in exec_plan.grad_groups if rank in ranks for n in names]
     times: dict[str, list[Any]] = {"fwd": [], "bwd": [], "comm": [], "reduce": []}
     losses, grads = [], []
     for step in range(job.steps):
-        losses.append(run_step(model, xp, step, rank, groups, times))
+        losses.append(run_step(model, exec_plan, step, rank, groups, times))
         grads.append({n: model.params[n].grad.detach().clone() for n in mine})
         with torch.no_grad():
             model.sgd(job.lr)
@@ -245,7 +248,7 @@ def run_reference(graph: Graph, config: ModelConfig, *, steps: int, lr: float
 def compare(graph: Graph, plan: WavePlan, config: ModelConfig, results: Sequence[dict[str, Any]], *,
             steps: int, lr: float) -> dict[str, Any]:
     """The report of a distributed run (``results`` by rank) against the reference."""
-    xp = build_exec_plan(graph, plan)
+    exec_plan = build_exec_plan(graph, plan)
     ref_losses, ref_grads = run_reference(graph, config, steps=steps, lr=lr)
     losses = []
     for step in range(steps):
@@ -262,24 +265,24 @@ def compare(graph: Graph, plan: WavePlan, config: ModelConfig, results: Sequence
     # per-wave time: the slowest rank's compute (forward + backward), median over steps after the first
     timed = range(1, steps) if steps > 1 else range(steps)
     measured = []
-    for k in range(len(xp.waves)):
+    for k in range(len(exec_plan.waves)):
         per_step = [max(res["times"]["fwd"][t][k] + res["times"]["bwd"][t][k] for res in results) for t in timed]
         measured.append(1e3 * statistics.median(per_step))
     comm = [1e3 * statistics.median(max(res["times"]["comm"][t][k] for res in results) for t in timed)
-            for k in range(len(xp.waves))]
-    ratios = [m / p if p > 0 else math.nan for m, p in zip(measured, xp.planned_ms)]
+            for k in range(len(exec_plan.waves))]
+    ratios = [m / p if p > 0 else math.nan for m, p in zip(measured, exec_plan.planned_ms)]
     return {
-        "world_size": xp.world_size, "steps": steps, "method": plan.method,
+        "world_size": exec_plan.world_size, "steps": steps, "method": plan.method,
         "planned_total_ms": round(plan.total_ms, 6), "measured_total_ms": round(sum(measured), 3),
-        "num_waves": len(xp.waves), "moves": xp.num_moves, "moved_samples": xp.moved_samples(),
-        "grad_groups": [list(ranks) for ranks, _ in xp.grad_groups],
+        "num_waves": len(exec_plan.waves), "moves": exec_plan.num_moves, "moved_samples": exec_plan.moved_samples(),
+        "grad_groups": [list(ranks) for ranks, _ in exec_plan.grad_groups],
         "losses": [{s: round(v, 7) for s, v in lo.items()} for lo in losses],
         "reference_losses": [{s: round(v, 7) for s, v in lo.items()} for lo in ref_losses],
         "max_rel_diff_loss": diff_loss, "max_rel_diff_grad": diff_grad, "params_not_reduced": missing,
         "waves": [{"planned_ms": round(p, 6), "measured_ms": round(m, 3), "comm_ms": round(cm, 3),
-                   "ratio": round(r, 4)} for p, m, cm, r in zip(xp.planned_ms, measured, comm, ratios)],
+                   "ratio": round(r, 4)} for p, m, cm, r in zip(exec_plan.planned_ms, measured, comm, ratios)],
         "ratio_median": round(statistics.median(ratios), 4),
-        "pearson_r": _pearson(list(xp.planned_ms), measured),
+        "pearson_r": _pearson(list(exec_plan.planned_ms), measured),
     }
 
 
