@@ -391,11 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(recipe_path=args.recipe, overrides=tuple(args.overrides), cases=tuple(cases), repeats=args.repeats,
                   seed=recipe.seed)
     w = recipe.world
-    from parallel_runtime.launch import WorldError
+    from parallel_runtime.launch import WorldError, default_backend
 
     try:
-        times = measure(setup, world, backend=w.backend if w.backend != "auto" else
-                        ("nccl" if w.device == "cuda" else "gloo"))
+        times = measure(setup, world, backend=w.backend if w.backend != "auto" else default_backend(w.device))
     except WorldError as e:  # e.g. a --cap longer than every doc of the source: the first rank's error first
         print(f"profile: the distributed run failed:\n{e}", file=sys.stderr)
         return 1
