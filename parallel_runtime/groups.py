@@ -96,7 +96,7 @@ class ProcessGroups(GroupLookup):
         ``backend`` defaults to the world's backend (gloo on CPU, NCCL on CUDA).
         """
         if not dist.is_initialized():
-            raise ValueError("torch.distributed is not initialized; call init_world() (or "
+            raise ValueError("torch.distributed is not initialized; call parallel_runtime.launch.init_world() (or "
                              "init_process_group) on every rank before ProcessGroups.build")
         specs = required_groups(topologies, plans=plans, cp_sizes=cp_sizes, inner_sizes=inner_sizes,
                                 gpus_per_node=gpus_per_node, extra=extra)
