@@ -1,13 +1,14 @@
 """parallel_runtime: execute a balanced_loader plan with tensor, context and pipeline parallelism.
 
-Runtime I: ``topology`` (pure rank maths from a plan's pools), ``groups`` (process groups
-created once per run, world setup), ``model`` (LLaMA-style decoder on packed batches),
-``tensor_parallel``, ``attention`` (local varlen kernels), ``context_parallel`` (ring, Ulysses
-and nested CP engines) and ``selfcheck``.
+One concern per module (docs/runtime.md, "Code layout"):
 
-Runtime II: ``config`` (strict YAML recipes), ``optim`` (fixed fp32 optimizer shards with
-pull/push), ``pipeline`` (1F1B over uneven microbatches), ``step`` (one step of a plan),
-``trainer`` and ``metrics``, ``profile`` (cost-model calibration); ``python -m parallel_runtime``.
+* ``topology`` (the rank grid of a step's pools, pure), ``groups`` (process groups created
+  once, looked up by rank tuple), ``launch`` (starting a world), ``model`` (the decoder);
+* ``engines/``: ``tensor``, ``attention``, ``context`` (ring, Ulysses, nested CP), ``pipeline`` (1F1B);
+* ``training/``: ``plan_check`` (can this plan run here), ``params``, ``runtime``, ``step``
+  (forward/backward of one step), ``optimizer`` (fixed shards, pull/push), ``trainer``, ``metrics``;
+* ``spindle/``: multi-task wave plans; ``diagnostics/``: ``selfcheck``, ``profile``.
 
-Multi-task: ``multitask_model`` and ``waves`` (execution of a Spindle wave plan).
+``python -m parallel_runtime --recipe R.yaml`` trains; ``python -m parallel_runtime selfcheck ...``
+and ``python -m parallel_runtime profile ...`` run the diagnostics.
 """

@@ -1,7 +1,15 @@
-"""``python -m parallel_runtime --recipe R.yaml [--steps K] [--out DIR] [--set key=value ...] [--reference]``.
+"""``python -m parallel_runtime``: train a recipe, or run a diagnostic.
 
-Real runs are started by a launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT /
-LOCAL_RANK on every process::
+::
+
+    python -m parallel_runtime --recipe R.yaml [--steps K] [--out DIR] [--set key=value ...] [--reference]
+    python -m parallel_runtime selfcheck --world-size N [--tp T --cp C --cp-engine E ...]   # a layout vs one process
+    python -m parallel_runtime profile --recipe R.yaml [--out cost.yaml ...]                 # calibrate the cost file
+
+The first word picks a diagnostic (``selfcheck``: :mod:`parallel_runtime.diagnostics.selfcheck`,
+``profile``: :mod:`parallel_runtime.diagnostics.profile`; ``--help`` after it lists its options);
+anything else is training. Real training runs are started by a launcher that sets RANK /
+WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK on every process::
 
     accelerate launch --multi_gpu --num_processes 4 -m parallel_runtime --recipe recipes/cpu-hetero.yaml
 
@@ -14,14 +22,30 @@ Exit codes: 0 done, 2 bad input (one line naming the field), 1 a failure on some
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import traceback
 
 
+def _selfcheck(argv: list[str]) -> int:
+    from parallel_runtime.diagnostics.selfcheck import main as selfcheck_main
+
+    return selfcheck_main(argv)
+
+
+def _profile(argv: list[str]) -> int:
+    from parallel_runtime.diagnostics.profile import main as profile_main
+
+    return profile_main(argv)
+
+
+# the diagnostics are imported only when asked for: training never loads them
+COMMANDS = {"selfcheck": _selfcheck, "profile": _profile}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m parallel_runtime", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m parallel_runtime", description=__doc__.splitlines()[0],
+                                 epilog="diagnostics: python -m parallel_runtime {selfcheck,profile} --help")
     ap.add_argument("--recipe", required=True, help="recipe YAML (see recipes/ and docs/runtime.md)")
     ap.add_argument("--steps", type=int, default=None, help="train until this global step (default: the recipe's)")
     ap.add_argument("--out", default=None, help="output folder: metrics.jsonl and checkpoint/ (default runs/<recipe>)")
@@ -37,19 +61,15 @@ def default_out(recipe_path: str, reference: bool) -> str:
     return os.path.join("runs", name + ("-reference" if reference else ""))
 
 
-def init_from_env(world_size: int, backend: str, timeout_s: float) -> None:
-    """Join the launcher's world (env://); a lone process of a 1-rank recipe makes its own."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    return train(argv)
+
+
+def train(argv: list[str]) -> int:
+    """Train a recipe on the launcher's world (or ``--reference`` in one process)."""
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -90,10 +110,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from parallel_runtime.launch import default_backend, init_from_env
+
     w = recipe.world
-    backend = w.backend if w.backend != "auto" else ("nccl" if w.device == "cuda" else "gloo")
+    backend = w.backend if w.backend != "auto" else default_backend(w.device)
     try:
-        init_from_env(w.size, backend, w.timeout_s)
+        init_from_env(backend, w.timeout_s)
         trainer = Trainer(recipe, out)
         trainer.train(args.steps)
         dist.barrier()

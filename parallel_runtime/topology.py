@@ -10,6 +10,14 @@ A pool is a rank grid ``[pp][num_lanes * tp]``: lane ``l``, tp index ``t`` of st
 * the full, ordered, deduplicated list of rank tuples a set of plans needs
   (:func:`required_groups`), which :mod:`parallel_runtime.groups` turns into process groups.
 
+The whole grid of a step reads on one screen (:meth:`Topology.describe`)::
+
+    >>> print(Topology.uniform(16, tp=2, pp=2).describe())
+    world 16, 1 pool(s)
+    pool 0: tp=2 pp=2 lanes=4
+      stage 0: [0,1] [2,3] [4,5] [6,7]
+      stage 1: [8,9] [10,11] [12,13] [14,15]
+
 Simulated worlds of thousands of ranks are checked here without any process.
 """
 
@@ -34,30 +42,22 @@ class RankCoord:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PoolShape:
-    """The rank grid of one pool, without its microbatches."""
+class PoolShape(Pool):
+    """The rank grid of one pool, without its microbatches.
 
-    tp: int
-    pp: int
-    ranks: tuple[tuple[int, ...], ...]  # [pp][num_lanes * tp]
+    A :class:`~balanced_loader.plan.Pool` whose microbatches are dropped, so the grid maths
+    (``rank``, ``lane_ranks``, ``num_lanes``) is the contract's own: there is no second formula
+    for ``ranks[s][l*tp + t]`` here. It adds the CP group of a set of lanes.
+    """
 
-    @property
-    def num_lanes(self) -> int:
-        return len(self.ranks[0]) // self.tp
-
-    def rank(self, stage: int, lane: int, tp_index: int = 0) -> int:
-        return self.ranks[stage][lane * self.tp + tp_index]
-
-    def lane_ranks(self, lane: int, stage: int = 0) -> tuple[int, ...]:
-        """The TP group of ``lane`` at ``stage``."""
-        return self.ranks[stage][lane * self.tp : (lane + 1) * self.tp]
+    microbatches: tuple = field(default=(), repr=False)  # always empty: a shape is the grid alone
 
     def cp_ranks(self, lanes: Sequence[int], stage: int = 0, tp_index: int = 0) -> tuple[int, ...]:
         """Ranks of a group of lanes at one stage and tp index, in the group's lane order."""
         return tuple(self.rank(stage, lane, tp_index) for lane in lanes)
 
     @staticmethod
-    def of(pool: Pool | PoolShape) -> PoolShape:
+    def of(pool: Pool) -> PoolShape:
         return PoolShape(tp=pool.tp, pp=pool.pp, ranks=tuple(tuple(r) for r in pool.ranks))
 
 
@@ -87,9 +87,12 @@ class Topology:
     # ---- construction ----------------------------------------------------
     @staticmethod
     def from_plan(plan: StepPlan) -> Topology:
-        """The topology of a step plan; also checks its microbatches' lanes (see :func:`validate_plan`)."""
+        """The topology of a step plan; also checks its microbatches' lanes (``Pool.check_lanes``:
+        :meth:`lane_work` relies on them). A plan's full contract check is
+        :func:`parallel_runtime.training.plan_check.check_plan_runs_here`."""
         topo = Topology(world_size=plan.world_size, pools=tuple(PoolShape.of(p) for p in plan.pools))
-        validate_plan(plan)
+        for pi, pool in enumerate(plan.pools):
+            pool.check_lanes(f"step {plan.step}, pool {pi}")
         return topo
 
     @staticmethod
@@ -151,8 +154,8 @@ class Topology:
         lines = [f"world {self.world_size}, {len(self.pools)} pool(s)"]
         for i, p in enumerate(self.pools):
             lines.append(f"pool {i}: tp={p.tp} pp={p.pp} lanes={p.num_lanes}")
-            for s, row in enumerate(p.ranks):
-                lanes = " ".join("[" + ",".join(str(r) for r in row[lane * p.tp:(lane + 1) * p.tp]) + "]"
+            for s in range(p.pp):
+                lanes = " ".join("[" + ",".join(str(r) for r in p.lane_ranks(lane, s)) + "]"
                                  for lane in range(p.num_lanes))
                 lines.append(f"  stage {s}: {lanes}")
         return "\n".join(lines)
@@ -177,24 +180,20 @@ def _validate_and_locate(world_size: int, pools: tuple[PoolShape, ...]) -> tuple
             if len(row) != width:
                 raise ValueError(f"{where}: stage {s} has {len(row)} ranks, stage 0 has {width}; "
                                  f"every stage needs the same number of lanes")
-            for j, r in enumerate(row):
-                if not isinstance(r, int) or not 0 <= r < world_size:
-                    raise ValueError(f"{where}: rank {r!r} at stage {s} is outside the world 0..{world_size - 1}")
-                if coords[r] is not None:
-                    raise ValueError(f"{where}: rank {r} is used twice (also pool {coords[r].pool}, "
-                                     f"stage {coords[r].stage}); pools' ranks must be disjoint")
-                coords[r] = RankCoord(rank=r, pool=pi, stage=s, lane=j // p.tp, tp_index=j % p.tp)
+            for lane in range(p.num_lanes):
+                for t in range(p.tp):
+                    r = p.rank(s, lane, t)
+                    if not isinstance(r, int) or not 0 <= r < world_size:
+                        raise ValueError(f"{where}: rank {r!r} at stage {s} is outside the world 0..{world_size - 1}")
+                    if coords[r] is not None:
+                        raise ValueError(f"{where}: rank {r} is used twice (also pool {coords[r].pool}, "
+                                         f"stage {coords[r].stage}); pools' ranks must be disjoint")
+                    coords[r] = RankCoord(rank=r, pool=pi, stage=s, lane=lane, tp_index=t)
     missing = [r for r, c in enumerate(coords) if c is None]
     if missing:
         raise ValueError(f"pools do not cover the world of {world_size} ranks; missing ranks {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     return tuple(c for c in coords if c is not None)
-
-
-def validate_plan(plan: StepPlan) -> None:
-    """Structural checks the runtime relies on (lanes in range, disjoint per microbatch)."""
-    for pi, pool in enumerate(plan.pools):
-        pool.check_lanes(f"step {plan.step}, pool {pi}")
 
 
 # ---- the rank tuples a set of plans needs ------------------------------------------

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from parallel_runtime.groups import WorldError, spawn_world
+from parallel_runtime.launch import WorldError, spawn_world
 
 __all__ = ["WorldError", "run_distributed"]
 

@@ -43,7 +43,8 @@ from parallel_runtime.engines.context import (
     shard_microbatch,
 )
 from parallel_runtime.engines.tensor import TensorParallel
-from parallel_runtime.groups import ProcessGroups, spawn_world
+from parallel_runtime.groups import ProcessGroups
+from parallel_runtime.launch import spawn_world
 from parallel_runtime.model import ModelConfig, Transformer
 from parallel_runtime.topology import Topology
 
@@ -219,10 +220,12 @@ def _engines_rank(rank: int, world: int, total: int, heads: int, kv_heads: int, 
 
 
 def _kernels(device: str, repeats: int) -> list[dict]:
-    from parallel_runtime.engines.attention import _flash_available, varlen_attention
+    from parallel_runtime.engines.attention import resolve_impl, varlen_attention
 
     dev = torch.device(device)
-    impls = ["masked", "loop", "sdpa"] + (["flash"] if dev.type == "cuda" and _flash_available() else [])
+    # "auto" picks flash-attention exactly when it is installed and the tensor is a bf16 CUDA one
+    flash = resolve_impl("auto", torch.empty(0, device=dev, dtype=torch.bfloat16)) == "flash"
+    impls = ["masked", "loop", "sdpa"] + (["flash"] if flash else [])
     rows = []
     rng = np.random.default_rng(0)
     for total in (2048, 8192) if dev.type == "cuda" else (1024, 2048):

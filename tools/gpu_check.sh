@@ -24,11 +24,11 @@ print(f\"{l['cp_engine']:8s} world {l['world_size']} tp {l['tp']} cp {l['cp']} (
 loss diff {d['max_abs_diff_loss']:.2e}, grad rel diff {d['max_rel_diff_grad']:.2e}, ok={d['ok']}, {d['seconds']} s\")"; }
 
 echo "== selfcheck on $DEVICE"
-"$PY" -m parallel_runtime.diagnostics.selfcheck --world-size 1 --device "$DEVICE" | summary
-"$PY" -m parallel_runtime.diagnostics.selfcheck --world-size 4 --cp 4 --cp-engine ring --device "$DEVICE" | summary
-"$PY" -m parallel_runtime.diagnostics.selfcheck --world-size 4 --cp 4 --cp-engine ulysses --device "$DEVICE" | summary
-"$PY" -m parallel_runtime.diagnostics.selfcheck --world-size 4 --cp 4 --cp-engine nested --ulysses 2 --device "$DEVICE" | summary
-"$PY" -m parallel_runtime.diagnostics.selfcheck --world-size 4 --tp 2 --cp 2 --cp-engine ring --device "$DEVICE" | summary
+"$PY" -m parallel_runtime selfcheck --world-size 1 --device "$DEVICE" | summary
+"$PY" -m parallel_runtime selfcheck --world-size 4 --cp 4 --cp-engine ring --device "$DEVICE" | summary
+"$PY" -m parallel_runtime selfcheck --world-size 4 --cp 4 --cp-engine ulysses --device "$DEVICE" | summary
+"$PY" -m parallel_runtime selfcheck --world-size 4 --cp 4 --cp-engine nested --ulysses 2 --device "$DEVICE" | summary
+"$PY" -m parallel_runtime selfcheck --world-size 4 --tp 2 --cp 2 --cp-engine ring --device "$DEVICE" | summary
 
 echo "== local attention kernels on $DEVICE (forward+backward, median)"
 "$PY" tools/bench_cp.py kernels --device "$DEVICE" --repeats 5 2>/dev/null

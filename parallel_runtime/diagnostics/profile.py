@@ -1,6 +1,6 @@
 """Calibrate the contract-2 cost file on this device.
 
-Usage: ``python -m parallel_runtime.diagnostics.profile --recipe R.yaml``.
+Usage: ``python -m parallel_runtime profile --recipe R.yaml``.
 
 Spawns the recipe's world (``world.size`` gloo processes, so cores are shared as in training)
 and times the model's forward and backward exactly as the trainer measures it
@@ -144,16 +144,11 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
 
     from balanced_loader.materialize import materialize_rank
     from parallel_runtime.config import load_recipe
+    from parallel_runtime.groups import GroupCache, declared_groups, plan_groups
     from parallel_runtime.topology import Topology
-    from parallel_runtime.training.step import (
-        DTYPES,
-        GroupCache,
-        Runtime,
-        declared_groups,
-        forward_backward,
-        param_specs,
-        plan_groups,
-    )
+    from parallel_runtime.training.params import param_specs
+    from parallel_runtime.training.runtime import DTYPES, Runtime
+    from parallel_runtime.training.step import forward_backward
     from parallel_runtime.training.trainer import open_data
 
     recipe = load_recipe(setup.recipe_path, list(setup.overrides))
@@ -229,7 +224,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
 
 def measure(setup: Setup, world: int, *, backend: str = "gloo", timeout_s: float = 3600.0) -> list[float]:
     """Lane time (ms) of every case, measured in a spawned world of ``world`` ranks."""
-    from parallel_runtime.groups import spawn_world
+    from parallel_runtime.launch import spawn_world
 
     return spawn_world(_rank_main, world, setup, backend=backend, timeout_s=timeout_s)[0]
 
@@ -340,7 +335,7 @@ def parse_caps(text: str | None, shapes: list[tuple[int, int]], default: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m parallel_runtime.diagnostics.profile",
+    ap = argparse.ArgumentParser(prog="python -m parallel_runtime profile",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -396,11 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(recipe_path=args.recipe, overrides=tuple(args.overrides), cases=tuple(cases), repeats=args.repeats,
                   seed=recipe.seed)
     w = recipe.world
-    from parallel_runtime.groups import WorldError
+    from parallel_runtime.launch import WorldError, default_backend
 
     try:
-        times = measure(setup, world, backend=w.backend if w.backend != "auto" else
-                        ("nccl" if w.device == "cuda" else "gloo"))
+        times = measure(setup, world, backend=w.backend if w.backend != "auto" else default_backend(w.device))
     except WorldError as e:  # e.g. a --cap longer than every doc of the source: the first rank's error first
         print(f"profile: the distributed run failed:\n{e}", file=sys.stderr)
         return 1
@@ -412,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     held = (f"held-out median |error| {ho['median_abs_err']:.1%} over {ho['cases']} microbatches" if ho["cases"]
             else "no held-out microbatches")
     header = (f"# Contract-2 cost file calibrated on this machine by:\n"
-              f"#   python -m parallel_runtime.diagnostics.profile --recipe {args.recipe}"
+              f"#   python -m parallel_runtime profile --recipe {args.recipe}"
               + "".join(f" --set {o}" for o in args.overrides)
               + (f" --shapes {args.shapes}" if args.shapes else "") + f" --degrees {args.degrees}"
               + (f" --cap {args.cap}" if args.cap else "") + f" --repeats {args.repeats}"

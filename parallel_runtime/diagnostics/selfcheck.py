@@ -28,7 +28,8 @@ import torch.distributed as dist
 from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
 from parallel_runtime.engines.context import ENGINES, CommStats, make_engine, shard_microbatch
 from parallel_runtime.engines.tensor import TensorParallel
-from parallel_runtime.groups import ProcessGroups, WorldError, spawn_world
+from parallel_runtime.groups import ProcessGroups
+from parallel_runtime.launch import WorldError, spawn_world
 from parallel_runtime.model import ModelConfig, Transformer, local_attention
 from parallel_runtime.topology import Topology
 

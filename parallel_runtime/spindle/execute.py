@@ -9,7 +9,10 @@ losses of both, ``max_rel_diff_loss``, ``max_rel_diff_grad`` and each wave's mea
 next to its planned ``ms``. Exit code 1 when a difference exceeds ``--tolerance``, 2 for bad
 input. ``--reference`` runs only the single-process reference and prints its losses.
 
-Execution (:func:`build_exec_plan` turns the plan into this, every rank computes the same):
+Three rooms: what every rank executes (:mod:`.exec_plan`: lanes, moves, gradient groups), the
+schedule (this module: :func:`run_step`), and moving tensors between ranks (:mod:`.transport`).
+Execution (:func:`~parallel_runtime.spindle.exec_plan.build_exec_plan` turns the plan into this,
+every rank computes the same):
 
 * **Lanes.** An entry's samples are split over its lanes by ``batch_shards``; a lane's work is
   done by its first rank (tp index 0). Entries with ``tp > 1`` are executed this way too: the
@@ -45,142 +48,28 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from parallel_runtime.groups import GroupLookup, ProcessGroups
+from parallel_runtime.launch import spawn_world
+from parallel_runtime.spindle.exec_plan import Entry, EntryKey, ExecPlan, build_exec_plan
 from parallel_runtime.spindle.model import (
     ModelConfig,
     MultiTaskModel,
     OpSpec,
-    block_names,
-    head_names,
     max_rel_diff,
     op_specs,
     reference_step,
     sinks,
 )
+from parallel_runtime.spindle.transport import all_reduce_grads, return_gradients, send_activations
 
 if TYPE_CHECKING:
     from balanced_loader.spindle.graph import Graph
     from balanced_loader.spindle.schedule import WavePlan
-
-EntryKey = tuple[int, int]  # (wave, index of the entry in the wave)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Lane:
-    rank: int  # the rank that does the lane's work (its tp index 0)
-    start: int
-    stop: int  # samples [start, stop) of the MetaOp's batch
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Entry:
-    key: EntryKey
-    op: str
-    first_layer: int
-    layers: int
-    batch: int  # the MetaOp's global batch
-    lanes: tuple[Lane, ...]  # [lanes with samples]
-    sources: tuple[EntryKey, ...]  # the entries whose outputs are its input (summed); () for synthetic input
-    loss: bool  # the last entry of a sink MetaOp: ends in its head and loss
-
-    def lane_of(self, rank: int) -> Lane | None:
-        return next((ln for ln in self.lanes if ln.rank == rank), None)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Move:
-    """Samples ``[start, stop)`` of an entry's output going from ``src`` to ``dst`` (an entry's input)."""
-
-    tag: int  # unique in the step (the backward reply uses tag + num_moves)
-    src_entry: EntryKey
-    dst_entry: EntryKey
-    src: int
-    dst: int
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ExecPlan:
-    """What every rank executes for one wave plan (identical on every rank)."""
-
-    world_size: int
-    waves: tuple[tuple[Entry, ...], ...]  # [num_waves][entries]
-    moves: tuple[tuple[Move, ...], ...]  # [num_waves] moves into the entries of that wave
-    grad_groups: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]  # [groups] (union ranks, parameter names)
-    planned_ms: tuple[float, ...]  # [num_waves]
-
-    @property
-    def num_moves(self) -> int:
-        return sum(len(m) for m in self.moves)
-
-    def moved_samples(self) -> int:
-        """Samples whose activations change rank (re-sharding and hand-over), per step."""
-        return sum(m.stop - m.start for ms in self.moves for m in ms if m.src != m.dst)
-
-    def group_of(self, name: str) -> tuple[int, ...]:
-        return next(ranks for ranks, names in self.grad_groups if name in names)
-
-
-def build_exec_plan(graph: Graph, plan: WavePlan) -> ExecPlan:
-    """Lanes, moves and gradient groups of ``plan`` (validated against ``graph``)."""
-    from balanced_loader.spindle.schedule import batch_shards
-
-    if graph.gpus != plan.gpus:
-        graph = graph.with_gpus(plan.gpus)
-    plan.validate(graph)
-    specs = op_specs(graph)
-    ops = {op.name: op for op in specs}
-    sink_set = set(sinks(specs))
-    last: dict[str, EntryKey] = {}  # MetaOp -> its latest entry so far
-    entries: dict[EntryKey, Entry] = {}
-    waves: list[tuple[Entry, ...]] = []
-    moves: list[tuple[Move, ...]] = []
-    tag = 0
-    for k, w in enumerate(plan.waves):
-        wave_entries, wave_moves = [], []
-        for i, wo in enumerate(w.ops):
-            op = ops[wo.op]
-            shards = batch_shards(op.batch, wo.num_lanes)
-            lanes = tuple(Lane(rank=ranks[0], start=a, stop=b) for ranks, (a, b) in zip(wo.lanes(), shards) if b > a)
-            if wo.first_layer > 0:
-                sources: tuple[EntryKey, ...] = (last[wo.op],)
-            else:
-                sources = tuple(last[a] for a in op.after)
-            done = wo.first_layer + wo.layers == op.layers
-            e = Entry(key=(k, i), op=wo.op, first_layer=wo.first_layer, layers=wo.layers, batch=op.batch,
-                      lanes=lanes, sources=sources, loss=done and wo.op in sink_set)
-            for s in sources:
-                for src in entries[s].lanes:
-                    for dst in lanes:
-                        a, b = max(src.start, dst.start), min(src.stop, dst.stop)
-                        if b > a:
-                            wave_moves.append(Move(tag=tag, src_entry=s, dst_entry=e.key, src=src.rank,
-                                                   dst=dst.rank, start=a, stop=b))
-                            tag += 1
-            entries[e.key] = e
-            last[wo.op] = e.key
-            wave_entries.append(e)
-        waves.append(tuple(wave_entries))
-        moves.append(tuple(wave_moves))
-    # the ranks that ran each parameter, then one group per distinct union (sorted by ranks)
-    ran: dict[str, set[int]] = {}
-    for e in entries.values():
-        names = [n for layer in range(e.first_layer, e.first_layer + e.layers)
-                 for n in block_names(ops[e.op].module, layer)]
-        if e.loss:
-            names += head_names(e.op)
-        for n in names:
-            ran.setdefault(n, set()).update(ln.rank for ln in e.lanes)
-    by_union: dict[tuple[int, ...], list[str]] = {}
-    for n, ranks in ran.items():
-        by_union.setdefault(tuple(sorted(ranks)), []).append(n)
-    groups = tuple((ranks, tuple(by_union[ranks])) for ranks in sorted(by_union, key=lambda r: (len(r), r)))
-    return ExecPlan(world_size=plan.gpus, waves=tuple(waves), moves=tuple(moves), grad_groups=groups,
-                    planned_ms=tuple(w.ms for w in plan.waves))
-
 
 # ---------------------------------------------------------------------------------------------
 # One rank
@@ -192,7 +81,7 @@ class Job:
     """What every rank runs: plain data, so worker processes import only torch and this package."""
 
     ops: tuple[OpSpec, ...]
-    xp: ExecPlan
+    exec_plan: ExecPlan
     config: ModelConfig
     steps: int = 1
     lr: float = 0.01
@@ -201,132 +90,119 @@ class Job:
 def make_job(graph: Graph, plan: WavePlan, config: ModelConfig, *, steps: int = 1, lr: float = 0.01) -> Job:
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    return Job(ops=op_specs(graph), xp=build_exec_plan(graph, plan), config=config, steps=steps, lr=lr)
+    return Job(ops=op_specs(graph), exec_plan=build_exec_plan(graph, plan), config=config, steps=steps, lr=lr)
 
 
-def _exchange(sends: Sequence[tuple[Any, int, int]], recvs: Sequence[tuple[Any, int, int]]) -> None:
-    """Post every ``(tensor, peer, tag)`` receive and send, then wait for all."""
-    import torch.distributed as dist
+@dataclass(kw_only=True)
+class StepState:
+    """What one rank holds during a step, by entry and by move."""
 
-    reqs = [dist.irecv(t, src=peer, tag=tag) for t, peer, tag in recvs]
-    reqs += [dist.isend(t, dst=peer, tag=tag) for t, peer, tag in sends]
-    for r in reqs:
-        r.wait()
+    outputs: dict[EntryKey, torch.Tensor] = field(default_factory=dict)  # [lane samples, tokens, hidden]
+    pieces: dict[int, torch.Tensor] = field(default_factory=dict)  # move tag -> input piece [samples, tokens, hidden]
+    losses: dict[EntryKey, torch.Tensor] = field(default_factory=dict)  # sink entry -> [] its share of the loss
+    output_grads: dict[EntryKey, torch.Tensor] = field(default_factory=dict)  # like outputs, summed over consumers
 
 
-def _step(model: MultiTaskModel, xp: ExecPlan, step: int, rank: int, groups: Any,
-          times: dict[str, list[float]]) -> dict[str, float]:
-    """Forward wave by wave, backward in reverse, gradient all-reduce; returns this rank's partial losses."""
-    import torch
-    import torch.distributed as dist
-
+def run_step(model: MultiTaskModel, exec_plan: ExecPlan, step: int, rank: int, groups: GroupLookup,
+             times: dict[str, list[Any]]) -> dict[str, float]:
+    """Forward wave by wave, backward in reverse wave order, gradient all-reduce; returns this rank's
+    partial losses by sink and appends per-wave seconds to ``times``."""
     c = model.config
-    width = (c.tokens, c.hidden)
-    outs: dict[EntryKey, torch.Tensor] = {}  # this rank's lane output of each entry
-    pieces: dict[int, torch.Tensor] = {}  # move tag -> received input piece (autograd leaf)
-    losses: dict[EntryKey, torch.Tensor] = {}
-    num_waves = len(xp.waves)
+    sample_shape = (c.tokens, c.hidden)
+    num_waves = len(exec_plan.waves)
     fwd, bwd, comm = [0.0] * num_waves, [0.0] * num_waves, [0.0] * num_waves
+
+    def lane_start(key: EntryKey) -> int:
+        return exec_plan.entry(key).my_lane(rank).start
+
+    state = StepState()
     model.zero_grad()
-    for k, entries in enumerate(xp.waves):
+    for wave, entries in enumerate(exec_plan.waves):
         t0 = time.perf_counter()
-        sends, recvs = [], []
-        for m in xp.moves[k]:
-            if m.src == rank:
-                lane = _lane(xp, m.src_entry, rank)
-                piece = outs[m.src_entry].detach()[m.start - lane.start:m.stop - lane.start]
-                if m.dst == rank:
-                    pieces[m.tag] = piece.clone()
-                else:
-                    sends.append((piece.contiguous(), m.dst, m.tag))
-            elif m.dst == rank:
-                pieces[m.tag] = torch.empty((m.stop - m.start, *width))
-                recvs.append((pieces[m.tag], m.src, m.tag))
-        _exchange(sends, recvs)
+        state.pieces.update(send_activations(exec_plan.moves[wave], rank, state.outputs, lane_start, sample_shape))
         t1 = time.perf_counter()
-        for e in entries:
-            lane = e.lane_of(rank)
-            if lane is None:
-                continue
-            if e.sources:
-                x = None
-                for s in e.sources:
-                    mine = sorted((m for m in xp.moves[k] if m.dst_entry == e.key and m.src_entry == s
-                                   and m.dst == rank), key=lambda m: m.start)
-                    assert mine[0].start == lane.start and mine[-1].stop == lane.stop
-                    part = torch.cat([pieces[m.tag].requires_grad_() for m in mine])
-                    x = part if x is None else x + part
-            else:
-                x = model.op_input(e.op, step)[lane.start:lane.stop]
-            y = model.run_layers(e.op, x, e.first_layer, e.layers)
-            outs[e.key] = y
-            if e.loss:
-                labels = model.labels(e.op, step)[lane.start:lane.stop]
-                losses[e.key] = model.loss_sum(e.op, y, labels) / e.batch
-        t2 = time.perf_counter()
-        fwd[k], comm[k] = t2 - t1, t1 - t0
-    grad_out: dict[EntryKey, torch.Tensor] = {}
-    for k in reversed(range(num_waves)):
+        for entry in entries:
+            if entry.lane_of(rank) is not None:
+                forward_entry(model, exec_plan, entry, step, rank, state)
+        fwd[wave], comm[wave] = time.perf_counter() - t1, t1 - t0
+    # backward in reverse wave order: by the time a wave runs backward, every consumer of its outputs
+    # (all in later waves) has sent its gradient back, so each entry back-propagates once
+    for wave in reversed(range(num_waves)):
         t0 = time.perf_counter()
-        for e in xp.waves[k]:
-            if e.lane_of(rank) is None:
-                continue
-            roots, grads = [], []
-            if e.key in grad_out:
-                roots.append(outs[e.key])
-                grads.append(grad_out.pop(e.key))
-            if e.key in losses:
-                roots.append(losses[e.key])
-                grads.append(torch.ones_like(losses[e.key]))
-            assert roots, f"entry {e.key} of '{e.op}' has neither consumers nor a loss"
-            torch.autograd.backward(roots, grads)
+        for entry in exec_plan.waves[wave]:
+            if entry.lane_of(rank) is not None:
+                backward_entry(entry, state)
         t1 = time.perf_counter()
-        sends, recvs, into = [], [], []
-        for m in xp.moves[k]:
-            back = m.tag + xp.num_moves
-            if m.dst == rank:
-                g = pieces[m.tag].grad
-                g = torch.zeros_like(pieces[m.tag]) if g is None else g
-                if m.src == rank:
-                    into.append((m, g))
-                else:
-                    sends.append((g.contiguous(), m.src, back))
-            elif m.src == rank:
-                buf = torch.empty((m.stop - m.start, *width))
-                recvs.append((buf, m.dst, back))
-                into.append((m, buf))
-        _exchange(sends, recvs)
-        for m, g in into:
-            lane = _lane(xp, m.src_entry, rank)
-            if m.src_entry not in grad_out:
-                grad_out[m.src_entry] = torch.zeros_like(outs[m.src_entry])
-            grad_out[m.src_entry][m.start - lane.start:m.stop - lane.start] += g
-        t2 = time.perf_counter()
-        bwd[k], comm[k] = t1 - t0, comm[k] + t2 - t1
-    assert not grad_out, "every gradient sent back was consumed by a backward"
+        returned = return_gradients(exec_plan.moves[wave], rank, state.pieces, exec_plan.num_moves, sample_shape)
+        for move, grad in returned:
+            add_output_grad(state, move.src_entry, move.start - lane_start(move.src_entry), grad)
+        bwd[wave], comm[wave] = t1 - t0, comm[wave] + time.perf_counter() - t1
+    assert not state.output_grads, "every gradient sent back was consumed by a backward"
     t0 = time.perf_counter()
-    for ranks, names in xp.grad_groups:
-        if rank not in ranks:
-            continue
-        ps = [model.params[n] for n in names]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
-        if len(ranks) > 1:
-            dist.all_reduce(flat, group=groups.get(ranks))
-        off = 0
-        for p in ps:
-            p.grad = flat[off:off + p.numel()].view_as(p).clone()
-            off += p.numel()
+    reduce_gradients(model, exec_plan, rank, groups)
     times["fwd"].append(fwd)
     times["bwd"].append(bwd)
     times["comm"].append(comm)
     times["reduce"].append(time.perf_counter() - t0)
-    return {xp.waves[key[0]][key[1]].op: float(v.detach()) for key, v in losses.items()}
+    return {exec_plan.entry(key).op: float(v.detach()) for key, v in state.losses.items()}
 
 
-def _lane(xp: ExecPlan, key: EntryKey, rank: int) -> Lane:
-    lane = xp.waves[key[0]][key[1]].lane_of(rank)
-    assert lane is not None
-    return lane
+def entry_input(model: MultiTaskModel, exec_plan: ExecPlan, entry: Entry, step: int, rank: int,
+                state: StepState) -> torch.Tensor:
+    """This rank's input of ``entry`` (``[lane samples, tokens, hidden]``): its pieces from each source
+    entry, concatenated in sample order and summed over sources; synthetic data for a first entry."""
+    lane = entry.my_lane(rank)
+    if not entry.sources:
+        return model.op_input(entry.op, step)[lane.start:lane.stop]
+    moves = exec_plan.moves[entry.key[0]]
+    x = None  # [lane samples, tokens, hidden]
+    for src in entry.sources:
+        mine = sorted((mv for mv in moves if mv.dst_entry == entry.key and mv.src_entry == src and mv.dst == rank),
+                      key=lambda mv: mv.start)  # this lane's pieces from source ``src``, in sample order
+        assert mine[0].start == lane.start and mine[-1].stop == lane.stop, "pieces must tile the lane"
+        part = torch.cat([state.pieces[mv.tag].requires_grad_() for mv in mine])
+        x = part if x is None else x + part
+    return x
+
+
+def forward_entry(model: MultiTaskModel, exec_plan: ExecPlan, entry: Entry, step: int, rank: int,
+                  state: StepState) -> None:
+    """Run ``entry``'s layers on this rank's lane; a sink's last entry adds its loss (summed / global batch)."""
+    lane = entry.my_lane(rank)
+    y = model.run_layers(  # [lane samples, tokens, hidden]
+        entry.op, entry_input(model, exec_plan, entry, step, rank, state), entry.first_layer, entry.layers)
+    state.outputs[entry.key] = y
+    if entry.loss:
+        labels = model.labels(entry.op, step)[lane.start:lane.stop]
+        # dividing by the MetaOp's global batch makes the sum of the lanes' losses the batch mean
+        state.losses[entry.key] = model.loss_sum(entry.op, y, labels) / entry.batch
+
+
+def backward_entry(entry: Entry, state: StepState) -> None:
+    """Back-propagate ``entry`` from its outputs' gradient (from every consumer) and its loss."""
+    roots, grads = [], []
+    if entry.key in state.output_grads:
+        roots.append(state.outputs[entry.key])
+        grads.append(state.output_grads.pop(entry.key))
+    if entry.key in state.losses:
+        roots.append(state.losses[entry.key])
+        grads.append(torch.ones_like(state.losses[entry.key]))
+    assert roots, f"entry {entry.key} of '{entry.op}' has neither consumers nor a loss"
+    torch.autograd.backward(roots, grads)
+
+
+def add_output_grad(state: StepState, key: EntryKey, offset: int, grad: torch.Tensor) -> None:
+    """Add a consumer's gradient of samples ``[offset, offset + len(grad))`` of this rank's output of ``key``."""
+    if key not in state.output_grads:
+        state.output_grads[key] = torch.zeros_like(state.outputs[key])
+    state.output_grads[key][offset:offset + len(grad)] += grad
+
+
+def reduce_gradients(model: MultiTaskModel, exec_plan: ExecPlan, rank: int, groups: GroupLookup) -> None:
+    """Sum each parameter's gradient over the ranks that ran it (one all-reduce per gradient group)."""
+    for ranks, names in exec_plan.grad_groups:
+        if rank in ranks:  # a rank outside a union never reads those parameters
+            all_reduce_grads([model.params[n] for n in names], groups.get(ranks), len(ranks))
 
 
 def run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
@@ -335,20 +211,16 @@ def run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     Returns per step this rank's partial losses (by sink) and the reduced gradients of the
     parameters it ran, and per-wave compute and communication seconds.
     """
-    import torch
-
-    from parallel_runtime.groups import ProcessGroups
-
-    xp = job.xp
-    if world_size != xp.world_size:
-        raise ValueError(f"the wave plan is for {xp.world_size} devices but the world has {world_size} ranks")
-    groups = ProcessGroups.build(extra=[ranks for ranks, _ in xp.grad_groups])
+    exec_plan = job.exec_plan
+    if world_size != exec_plan.world_size:
+        raise ValueError(f"the wave plan is for {exec_plan.world_size} devices but the world has {world_size} ranks")
+    groups = ProcessGroups.build(extra=[ranks for ranks, _ in exec_plan.grad_groups])
     model = MultiTaskModel(job.ops, job.config)
-    mine = [n for ranks, names in xp.grad_groups if rank in ranks for n in names]
+    mine = [n for ranks, names in exec_plan.grad_groups if rank in ranks for n in names]
     times: dict[str, list[Any]] = {"fwd": [], "bwd": [], "comm": [], "reduce": []}
     losses, grads = [], []
     for step in range(job.steps):
-        losses.append(_step(model, xp, step, rank, groups, times))
+        losses.append(run_step(model, exec_plan, step, rank, groups, times))
         grads.append({n: model.params[n].grad.detach().clone() for n in mine})
         with torch.no_grad():
             model.sgd(job.lr)
@@ -376,7 +248,7 @@ def run_reference(graph: Graph, config: ModelConfig, *, steps: int, lr: float
 def compare(graph: Graph, plan: WavePlan, config: ModelConfig, results: Sequence[dict[str, Any]], *,
             steps: int, lr: float) -> dict[str, Any]:
     """The report of a distributed run (``results`` by rank) against the reference."""
-    xp = build_exec_plan(graph, plan)
+    exec_plan = build_exec_plan(graph, plan)
     ref_losses, ref_grads = run_reference(graph, config, steps=steps, lr=lr)
     losses = []
     for step in range(steps):
@@ -393,24 +265,24 @@ def compare(graph: Graph, plan: WavePlan, config: ModelConfig, results: Sequence
     # per-wave time: the slowest rank's compute (forward + backward), median over steps after the first
     timed = range(1, steps) if steps > 1 else range(steps)
     measured = []
-    for k in range(len(xp.waves)):
+    for k in range(len(exec_plan.waves)):
         per_step = [max(res["times"]["fwd"][t][k] + res["times"]["bwd"][t][k] for res in results) for t in timed]
         measured.append(1e3 * statistics.median(per_step))
     comm = [1e3 * statistics.median(max(res["times"]["comm"][t][k] for res in results) for t in timed)
-            for k in range(len(xp.waves))]
-    ratios = [m / p if p > 0 else math.nan for m, p in zip(measured, xp.planned_ms)]
+            for k in range(len(exec_plan.waves))]
+    ratios = [m / p if p > 0 else math.nan for m, p in zip(measured, exec_plan.planned_ms)]
     return {
-        "world_size": xp.world_size, "steps": steps, "method": plan.method,
+        "world_size": exec_plan.world_size, "steps": steps, "method": plan.method,
         "planned_total_ms": round(plan.total_ms, 6), "measured_total_ms": round(sum(measured), 3),
-        "num_waves": len(xp.waves), "moves": xp.num_moves, "moved_samples": xp.moved_samples(),
-        "grad_groups": [list(ranks) for ranks, _ in xp.grad_groups],
+        "num_waves": len(exec_plan.waves), "moves": exec_plan.num_moves, "moved_samples": exec_plan.moved_samples(),
+        "grad_groups": [list(ranks) for ranks, _ in exec_plan.grad_groups],
         "losses": [{s: round(v, 7) for s, v in lo.items()} for lo in losses],
         "reference_losses": [{s: round(v, 7) for s, v in lo.items()} for lo in ref_losses],
         "max_rel_diff_loss": diff_loss, "max_rel_diff_grad": diff_grad, "params_not_reduced": missing,
         "waves": [{"planned_ms": round(p, 6), "measured_ms": round(m, 3), "comm_ms": round(cm, 3),
-                   "ratio": round(r, 4)} for p, m, cm, r in zip(xp.planned_ms, measured, comm, ratios)],
+                   "ratio": round(r, 4)} for p, m, cm, r in zip(exec_plan.planned_ms, measured, comm, ratios)],
         "ratio_median": round(statistics.median(ratios), 4),
-        "pearson_r": _pearson(list(xp.planned_ms), measured),
+        "pearson_r": _pearson(list(exec_plan.planned_ms), measured),
     }
 
 
@@ -429,8 +301,6 @@ def _pearson(a: Sequence[float], b: Sequence[float]) -> float | None:
 def execute(graph: Graph, plan: WavePlan, config: ModelConfig, *, steps: int = 1, lr: float = 0.01,
             timeout_s: float = 300.0, threads: int = 1) -> dict[str, Any]:
     """Spawn ``plan.gpus`` gloo processes, run the plan, and compare with the reference (see :func:`compare`)."""
-    from parallel_runtime.groups import spawn_world
-
     job = make_job(graph, plan, config, steps=steps, lr=lr)  # bad input fails here, before any process starts
     results = spawn_world(run_rank, plan.gpus, job, timeout_s=timeout_s, threads=threads)
     return compare(graph, plan, config, results, steps=steps, lr=lr)
@@ -442,8 +312,6 @@ def calibrate(config: ModelConfig, batches: Sequence[int] = (1, 2, 4, 8, 16, 32)
 
     Each point is the fastest of ``repeats`` runs; the fit is least squares over ``batches``.
     """
-    import torch
-
     from balanced_loader.spindle.graph import graph_from_dict
 
     probe = graph_from_dict({"gpus": 1, "metaops": [{"name": "probe", "task": "probe", "layers": 1, "batch": 1,

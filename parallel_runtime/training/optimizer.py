@@ -65,6 +65,7 @@ class FlatLayout:
         self.offsets = offsets  # [num_params + 1]
         self.numel = offsets[-1]
         self.world_size = world_size
+        # all-gather and reduce-scatter need equal shards: ceil(numel / world) each, the tail padded with zeros
         self.shard_size = -(-self.numel // world_size)
         self.padded = self.shard_size * world_size
 
@@ -80,7 +81,7 @@ class FlatLayout:
         n = full.shape[lp.spec.tp_dim]
         if n % lp.tp_size:
             raise ValueError(f"{lp.spec.name}: dim {lp.spec.tp_dim} of size {n} is not divisible by tp={lp.tp_size}")
-        step = n // lp.tp_size
+        step = n // lp.tp_size  # TP rank t holds the t-th of tp equal blocks along tp_dim (engines/tensor.shard)
         return full.narrow(lp.spec.tp_dim, lp.tp_index * step, step)
 
     def decay_mask(self) -> torch.Tensor:
@@ -137,7 +138,7 @@ class ShardedOptimizer:
                 raise ValueError(f"initial value of '{name}' has shape {tuple(value.shape)}, the layout "
                                  f"{layout.specs[i].shape}")
             seen.add(name)
-            x, y = max(a, lo), min(b, hi)
+            x, y = max(a, lo), min(b, hi)  # the part of parameter [a, b) inside this rank's shard [lo, hi)
             if x < y:
                 self.master[x - lo:y - lo].copy_(value.detach().reshape(-1)[x - a:y - a].float())
         missing = [s.name for s in layout.specs if s.name not in seen]
@@ -179,6 +180,8 @@ class ShardedOptimizer:
     @torch.no_grad()
     def push(self, local: Iterable[LocalParam]) -> None:
         """Sum every rank's local gradients into the owners' shards (``self.grad``)."""
+        # every rank writes its slices into a zero full-size buffer at their global offsets; summing the
+        # buffers (reduce-scatter) is then right for any mix of pool shapes: each slice lands in one place
         full = torch.zeros(self.layout.padded, dtype=torch.float32, device=self.device)
         for lp in local:
             if lp.tensor.grad is None:
@@ -203,6 +206,7 @@ class ShardedOptimizer:
     # ---- step --------------------------------------------------------------
     @torch.no_grad()
     def grad_norm(self) -> float:
+        # shards are disjoint, so the global squared norm is the sum of the shards' (padding is zero)
         sq = torch.sum(self.grad.double() ** 2).reshape(1)
         if self.distributed:
             dist.all_reduce(sq, group=self.group)
@@ -221,9 +225,9 @@ class ShardedOptimizer:
         b1, b2 = c.betas
         self.exp_avg.mul_(b1).add_(g, alpha=1 - b1)
         self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1 = 1 - b1**self.steps
+        bc1 = 1 - b1**self.steps  # bias corrections: the moments start at zero
         bc2 = 1 - b2**self.steps
-        if c.weight_decay:
+        if c.weight_decay:  # decoupled (AdamW): shrink the weights, not the gradient; norms are masked out
             self.master.sub_(self.master * self.decay * (lr * c.weight_decay))
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)

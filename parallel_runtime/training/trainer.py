@@ -5,15 +5,17 @@ One step on every rank:
 1. the loader yields the step's plan and this rank's microbatches (``policy.plan_source:
    local``: every rank plans the same deterministic plan; ``broadcast``: rank 0 plans and
    broadcasts it, for time-limited solvers);
-2. the plan fingerprints are all-gathered and must agree before any other collective of the step;
-3. groups the plan needs and that do not exist yet are created (same order everywhere);
-4. **pull**: the fixed fp32 optimizer shards are gathered into this rank's working parameters
+2. :func:`~parallel_runtime.training.plan_check.check_plan_runs_here`: the plan fingerprints
+   agree across ranks (before any other collective of the step), the plan keeps contract 1, the
+   model splits over its shapes, and groups it needs that do not exist yet are created (same
+   order everywhere);
+3. **pull**: the fixed fp32 optimizer shards are gathered into this rank's working parameters
    for its (pool, stage, tp index) in this step's shape;
-5. :func:`~parallel_runtime.training.step.forward_backward`: 1F1B over the pool's microbatches, CP
+4. :func:`~parallel_runtime.training.step.forward_backward`: 1F1B over the pool's microbatches, CP
    groups per microbatch, loss = token sum / the step's global valid tokens;
-6. **push**: gradients reduce-scattered into the fixed shards (every pool shape in the same
+5. **push**: gradients reduce-scattered into the fixed shards (every pool shape in the same
    coordinates); global-norm clipping and AdamW on the owned shard;
-7. rank 0 appends the step's metrics to ``OUT/metrics.jsonl``.
+6. rank 0 appends the step's metrics to ``OUT/metrics.jsonl``.
 
 Checkpoints (``OUT/checkpoint/step-N/``: one optimizer shard and RNG state per rank, loader
 state and step in ``meta.json``; ``latest`` names the newest and is replaced atomically) are
@@ -28,41 +30,29 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from balanced_loader.data.batching import validation_lengths
 from balanced_loader.loader import BalancedLoader, StepBatch
 from balanced_loader.materialize import num_valid_tokens
-from balanced_loader.plan import StepPlan
 from balanced_loader.planning import fixed_pools
-from parallel_runtime.config import STDLIB, Recipe, check_shape, dump_recipe
+from parallel_runtime.config import STDLIB, Recipe, dump_recipe
+from parallel_runtime.groups import GroupCache, declared_groups
 from parallel_runtime.model import Transformer
-from parallel_runtime.topology import Topology
+from parallel_runtime.topology import PoolShape, Topology
 from parallel_runtime.training import metrics as M
-from parallel_runtime.training.optimizer import FlatLayout, LocalParam, ShardedOptimizer
-from parallel_runtime.training.step import (
-    DTYPES,
-    FBResult,
-    GroupCache,
-    Runtime,
-    declared_groups,
-    fingerprint_int,
-    forward_backward,
-    init_params,
-    param_specs,
-    plan_groups,
-    reference_forward_backward,
-)
+from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
+from parallel_runtime.training.params import init_params, local_params, param_specs
+from parallel_runtime.training.plan_check import check_plan_runs_here
+from parallel_runtime.training.runtime import DTYPES, Runtime
+from parallel_runtime.training.step import FBResult, forward_backward, reference_forward_backward
 
 CHECKPOINT_VERSION = 1
-
-
-class PlanMismatchError(RuntimeError):
-    """Ranks hold different plans for one step."""
 
 
 def open_data(recipe: Recipe, *, build: bool):
@@ -79,19 +69,46 @@ def open_data(recipe: Recipe, *, build: bool):
 
 
 def declared_topologies(recipe: Recipe) -> list[Topology]:
-    """Pool layouts known before the first plan (their groups are created up front)."""
-    w, p = recipe.world.size, recipe.policy
+    """Pool layouts known before the first plan (their groups are created up front): the policy's
+    fixed pools when it has them (:func:`balanced_loader.planning.fixed_pools`), and the plain
+    data-parallel layout that ``--compare`` runs beside it."""
+    w = recipe.world.size
     out = []
-    if p.name == "pools":
-        from parallel_runtime.topology import PoolShape
-
-        pools = fixed_pools(recipe.policy_config())
-        out.append(Topology(world_size=w, pools=tuple(PoolShape(tp=x.tp, pp=x.pp, ranks=x.ranks) for x in pools)))
-    elif p.name != "hydraulis":
-        out.append(Topology.uniform(w, tp=p.tp or 1, pp=p.pp or 1))
-    if p.compare:
+    pools = fixed_pools(recipe.policy_config())
+    if pools is not None:
+        out.append(Topology(world_size=w, pools=tuple(PoolShape(tp=p.tp, pp=p.pp, ranks=p.ranks) for p in pools)))
+    if recipe.policy.compare:
         out.append(Topology.uniform(w))
     return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankStats:
+    """One step's figures of every rank, by rank (all-gathered in :meth:`gather`)."""
+
+    loss_sum: np.ndarray  # [world] float64, each rank's share of the step loss
+    compute_ms: np.ndarray  # [world] float64, time in compute
+    wall_ms: np.ndarray  # [world] float64, forward/backward wall time, waits included
+    planner_wait_ms: np.ndarray  # [world] float64, time the step waited for its plan
+    microbatches: np.ndarray  # [world] float64, microbatches each rank ran
+    pipeline_bytes: np.ndarray  # [world] float64, bytes each rank sent to neighbouring stages
+
+    @staticmethod
+    def of(res: FBResult, wait_s: float) -> RankStats:
+        """This rank's figures alone (a world of one)."""
+        return RankStats(loss_sum=np.array([res.loss_sum]), compute_ms=np.array([res.compute_ms]),
+                         wall_ms=np.array([res.wall_ms]), planner_wait_ms=np.array([wait_s * 1e3]),
+                         microbatches=np.array([float(res.microbatches)]),
+                         pipeline_bytes=np.array([float(res.pipeline_bytes)]))
+
+    def gather(self, world_size: int, comm_device: torch.device) -> RankStats:
+        """Every rank's figures (collective): one all-gather of this rank's fields, packed in field order."""
+        names = [f.name for f in fields(self)]
+        mine = torch.tensor([float(getattr(self, n)[0]) for n in names], dtype=torch.float64, device=comm_device)
+        every = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(every, mine)
+        rows = torch.stack(every).cpu().numpy()  # [world, fields]
+        return RankStats(**{n: rows[:, i] for i, n in enumerate(names)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +171,8 @@ class Trainer:
                                    attention=recipe.train.attention, groups=self.groups, specs=specs)
         else:
             self.model = Transformer(recipe.model, device=self.device, dtype=self.dtype, seed=None)
-            by_name = {s.name: s for s in specs}
-            self.ref_params = [LocalParam(spec=by_name[n], tensor=p) for n, p in self.model.named_parameters()]
+            self.ref_params = local_params(self.model, {s.name: s for s in specs})
+        self._valid_lengths: np.ndarray | None = None  # [num_docs] what plans' segments must tile, on first use
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
         self.step = 0
         self.resumed_from: int | None = None
@@ -215,27 +232,25 @@ class Trainer:
         t0 = time.perf_counter()
         plan = batch.plan
         if self.info.reference:
-            res = self._reference_fb(batch)
-            stats = np.array([[res.loss_sum, res.compute_ms, res.wall_ms, batch.planner_wait_s * 1e3,
-                               res.microbatches, 0]])
+            stats = RankStats.of(self._reference_fb(batch), batch.planner_wait_s)
             new_groups = 0
         else:
             stats, new_groups = self._execute(batch, push=True)
         compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
         norm = self.optimizer.step()
         self.step = batch.step + 1
-        bal = M.balance(plan, self.cost, stats[:, 1], stats[:, 2])
+        bal = M.balance(plan, self.cost, stats.compute_ms, stats.wall_ms)
         if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
             bal.update(skew=1.0, measured_bubble=0.0)
-        rec = {"step": batch.step, "loss": float(stats[:, 0].sum()), "tokens": plan.tokens,
+        rec = {"step": batch.step, "loss": float(stats.loss_sum.sum()), "tokens": plan.tokens,
                "valid_tokens": batch.num_valid_tokens, "docs": int(len(plan.doc_ids())),
                "policy": self.recipe.policy.name, "fingerprint": plan.fingerprint(), **M.plan_shape(plan), **bal,
-               "wall_ms": [round(float(x), 3) for x in stats[:, 2]],
-               "microbatches": [int(x) for x in stats[:, 4]],
-               "planner_wait_ms": round(float(stats[:, 3].max()), 3),
+               "wall_ms": [round(float(x), 3) for x in stats.wall_ms],
+               "microbatches": [int(x) for x in stats.microbatches],
+               "planner_wait_ms": round(float(stats.planner_wait_ms.max()), 3),
                "grad_norm": norm, "lr": self.optimizer.config.lr_at(self.optimizer.steps - 1),
                "pull_bytes": self.optimizer.bytes_pulled, "push_bytes": self.optimizer.bytes_pushed,
-               "pipeline_bytes": int(stats[:, 5].sum()), "new_groups": new_groups,
+               "pipeline_bytes": int(stats.pipeline_bytes.sum()), "new_groups": new_groups,
                "step_ms": round((time.perf_counter() - t0) * 1e3, 3)}
         if compare:
             rec["compare"] = compare
@@ -245,50 +260,36 @@ class Trainer:
         return rec
 
     # ---- pieces of a step ----------------------------------------------------------------
-    def check_plan(self, plan: StepPlan) -> None:
-        """All-gather the plan fingerprints; one clear error on every rank when they differ."""
-        mine = torch.tensor([fingerprint_int(plan), plan.step], dtype=torch.int64, device=self.comm_device)
-        every = [torch.zeros_like(mine) for _ in range(self.info.world_size)]
-        dist.all_gather(every, mine)
-        fps = [int(t[0]) for t in every]
-        if len(set(fps)) > 1:
-            odd = [r for r, f in enumerate(fps) if f != fps[0]]
-            raise PlanMismatchError(
-                f"plans differ across ranks at step {plan.step}: rank(s) {odd} disagree with rank 0 "
-                f"(fingerprints {[format(f, 'x') for f in fps]}); the policy is not deterministic here: set "
-                f"policy.plan_source: broadcast, or give every rank the same data, recipe and seed")
-
-    def _execute(self, batch: StepBatch, *, push: bool) -> tuple[np.ndarray, int]:
-        """Check ``batch``'s plan, create the groups it lacks, pull, forward/backward (and push the gradients);
-        returns the gathered per-rank stats (see :meth:`_gather`) and the number of groups created."""
+    def _execute(self, batch: StepBatch, *, push: bool) -> tuple[RankStats, int]:
+        """Check ``batch``'s plan (creating the groups it lacks), pull, forward/backward (and push the
+        gradients); returns every rank's stats and the number of groups created."""
         plan = batch.plan
-        self.check_plan(plan)
-        topo = Topology.from_plan(plan)
-        check_hostable(plan, self.recipe)
-        new_groups = self.groups.ensure(plan_groups(plan, self.recipe.world.cp_engine, self.recipe.world.cp_inner))
+        topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, lengths=self.valid_lengths,
+                                                groups=self.groups, comm_device=self.comm_device)
         sm = self.runtime.stage_model(topo)
         self.optimizer.pull(sm.params)
         res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
         if push:
             self.optimizer.push(sm.params)
         _zero(sm.params)
-        return self._gather(res, batch.planner_wait_s), new_groups
+        stats = RankStats.of(res, batch.planner_wait_s).gather(self.info.world_size, self.comm_device)
+        return stats, new_groups
 
-    def _gather(self, res: FBResult, wait_s: float) -> np.ndarray:
-        """``[world, 6]``: loss share, compute ms, wall ms, planner wait ms, microbatches, pipeline bytes."""
-        mine = torch.tensor([res.loss_sum, res.compute_ms, res.wall_ms, wait_s * 1e3, res.microbatches,
-                             res.pipeline_bytes], dtype=torch.float64, device=self.comm_device)
-        every = [torch.zeros_like(mine) for _ in range(self.info.world_size)]
-        dist.all_gather(every, mine)
-        return torch.stack(every).cpu().numpy()
+    @property
+    def valid_lengths(self) -> np.ndarray:
+        """``[num_docs]`` the lengths a plan's segments must tile (truncated docs end at ``max_seq_len``)."""
+        if self._valid_lengths is None:
+            d = self.recipe.data
+            self._valid_lengths = validation_lengths(self.source.lengths, d.max_seq_len, d.long_docs)
+        return self._valid_lengths
 
     def _compare_step(self, name: str, loader: BalancedLoader) -> dict[str, Any]:
         """Forward and backward of another policy's plan of the same batch (same parameters, not trained)."""
         batch = self.next_batch(loader)
         plan = batch.plan
         stats, _ = self._execute(batch, push=False)
-        return {"fingerprint": plan.fingerprint(), "loss": float(stats[:, 0].sum()), **M.plan_shape(plan),
-                **M.balance(plan, self.cost, stats[:, 1], stats[:, 2])}
+        return {"fingerprint": plan.fingerprint(), "loss": float(stats.loss_sum.sum()), **M.plan_shape(plan),
+                **M.balance(plan, self.cost, stats.compute_ms, stats.wall_ms)}
 
     def _reference_fb(self, batch: StepBatch) -> FBResult:
         self.optimizer.pull(self.ref_params)
@@ -368,14 +369,6 @@ class Trainer:
         self.loader.close()
         for ld in self.compare.values():
             ld.close()
-
-
-def check_hostable(plan: StepPlan, recipe: Recipe) -> None:
-    """ValueError naming the field when the recipe's model cannot run one of the plan's pool shapes."""
-    for i, pool in enumerate(plan.pools):
-        check_shape(recipe.model, pool.tp, pool.pp, recipe.world,
-                    where=f"plan step {plan.step}, pool {i} (tp={pool.tp}, pp={pool.pp})",
-                    degrees=sorted({g.degree for mb in pool.microbatches for g in mb}))
 
 
 def _ref_attention(recipe: Recipe) -> str:

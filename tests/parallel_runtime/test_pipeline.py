@@ -21,18 +21,13 @@ from balanced_loader.materialize import materialize_rank, num_valid_tokens
 from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
 from balanced_loader.wrapping import DatasetSource
 from parallel_runtime.engines.pipeline import BACKWARD, FORWARD, schedule_1f1b, stage_layers
+from parallel_runtime.groups import GroupCache, plan_groups
 from parallel_runtime.model import ModelConfig, Transformer
 from parallel_runtime.topology import Topology
 from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, LocalParam, ShardedOptimizer
-from parallel_runtime.training.step import (
-    GroupCache,
-    Runtime,
-    forward_backward,
-    init_params,
-    param_specs,
-    plan_groups,
-    reference_forward_backward,
-)
+from parallel_runtime.training.params import init_params, param_specs
+from parallel_runtime.training.runtime import Runtime
+from parallel_runtime.training.step import forward_backward, reference_forward_backward
 
 TOL = 1e-5
 # eps well above fp32 gradient noise: Adam divides by |g| + eps, so with eps=1e-8 a gradient element at

@@ -68,7 +68,7 @@ def test_a_small_real_profile_writes_a_cost_file(tmp_path: Path) -> None:
     assert main(args + [x for s in sets for x in ("--set", s)]) == 0
     text = out.read_text()
     assert text.startswith("# Contract-2 cost file calibrated on this machine by:\n"
-                           "#   python -m parallel_runtime.diagnostics.profile")
+                           "#   python -m parallel_runtime profile")
     cost = CostModel.from_file(str(out))
     assert cost.base.max_tokens_per_lane == 128 and cost.base.quadratic_ms + cost.base.linear_ms > 0
     assert 2 in dict(cost.base.bandwidth_gbs)

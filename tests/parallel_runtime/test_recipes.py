@@ -96,7 +96,7 @@ def test_overrides_reach_nested_fields() -> None:
 
 def test_a_plan_the_world_cannot_host_is_one_line_naming_the_field() -> None:
     from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
-    from parallel_runtime.training.trainer import check_hostable
+    from parallel_runtime.training.plan_check import check_hostable
 
     r = load_recipe(str(RECIPES / "cpu-hetero.yaml"))
     ok = StepPlan(step=3, world_size=4, pools=(Pool(tp=2, pp=2, ranks=single_pool_ranks(4, 2, 2), microbatches=(

@@ -151,6 +151,41 @@ def _crash(rank: int, world: int, sets: list[str], out: str) -> None:
     tr.Trainer(load_recipe(HETERO, sets), out).train(3)
 
 
+def _check_plans(rank: int, world: int) -> list:
+    import numpy as np
+    import torch
+
+    from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
+    from parallel_runtime.config import load_recipe
+    from parallel_runtime.groups import GroupCache
+    from parallel_runtime.training.plan_check import check_plan_runs_here
+
+    recipe = load_recipe(HETERO, TWO_RANKS)
+    groups = GroupCache(rank=rank)
+
+    def check(segments):
+        plan = StepPlan(step=0, world_size=2, pools=(Pool(tp=1, pp=1, ranks=single_pool_ranks(2), microbatches=(
+            (Group(lanes=(1, 0), segments=segments),),)),))
+        return check_plan_runs_here(plan, recipe=recipe, lengths=np.array([10, 20]), groups=groups,
+                                    comm_device=torch.device("cpu"))
+
+    topo, created = check(((0, 0, 10), (1, 0, 20)))
+    out = [topo.coord(rank).lane, created, check(((0, 0, 10), (1, 0, 20)))[1]]
+    try:
+        check(((0, 0, 10), (1, 0, 15)))  # doc 1 is not covered: contract 1 fails on every rank alike
+    except ValueError as e:
+        out.append(str(e))
+    return out
+
+
+@pytest.mark.multirank
+def test_the_runtime_checks_a_plan_against_the_contract_and_creates_its_groups() -> None:
+    got = run_distributed(_check_plans, 2, timeout=60)
+    # lane r is rank r; the 2-lane CP group is created once, then only looked up
+    assert [g[:3] for g in got] == [[0, 1, 0], [1, 1, 0]]
+    assert all(g[3] == "step 0: doc 1 covers 15 of its 20 tokens" for g in got)
+
+
 @pytest.mark.multirank
 def test_plans_that_differ_across_ranks_fail_before_any_step_collective(small) -> None:
     tmp, sets = small
@@ -185,6 +220,16 @@ def test_entry_point_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert err.count("\n") == 0 and "world.size / policy.extra: policy 'pools'" in err and "= 4 ranks" in err
     assert entry.main(["--recipe", HETERO]) == 2  # no launcher
     assert "accelerate launch --multi_gpu --num_processes 4" in capsys.readouterr().err
+
+
+def test_entry_point_runs_the_diagnostics_as_subcommands(tmp_path, capsys) -> None:
+    # python -m parallel_runtime selfcheck / profile reach the diagnostics' own argument checks
+    assert entry.main(["selfcheck", "--world-size", "6", "--tp", "4", "--cp", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "selfcheck: --world-size 6 is not divisible by tp x cp = 4 x 2 = 8"
+    assert entry.main(["profile", "--recipe", HETERO, "--shapes", "3x1"]) == 2
+    assert "--shapes: tp=3 x pp=1 does not divide world.size 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # anything else is training: --recipe is required
+        entry.main(["--steps", "1"])
 
 
 @pytest.mark.multirank

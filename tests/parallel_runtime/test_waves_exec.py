@@ -17,7 +17,8 @@ import pytest
 from distributed import run_distributed
 
 from balanced_loader.spindle import Wave, WaveOp, WavePlan, graph_from_dict, load_graph, plan_waves
-from parallel_runtime.spindle.execute import build_exec_plan, compare, main, make_job, run_rank
+from parallel_runtime.spindle.exec_plan import build_exec_plan
+from parallel_runtime.spindle.execute import compare, main, make_job, run_rank
 from parallel_runtime.spindle.model import (
     ModelConfig,
     MultiTaskModel,

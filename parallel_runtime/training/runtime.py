@@ -1,0 +1,63 @@
+"""What a rank keeps across steps: its process groups and one stage model per pool shape.
+
+A step's plan may put this rank in a pool of any ``(tp, pp)`` shape, at any stage and tp
+index. :meth:`Runtime.stage_model` builds the model part for that place once (layers of the
+stage, TP slices over the lane's TP group) and reuses it whenever the shape comes back; its
+parameters are refilled from the optimizer shards by every step's pull, so a cached model
+never carries stale weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from parallel_runtime.engines.pipeline import stage_layers
+from parallel_runtime.engines.tensor import TensorParallel
+from parallel_runtime.groups import GroupCache
+from parallel_runtime.model import ModelConfig, Transformer
+from parallel_runtime.topology import Topology
+from parallel_runtime.training.optimizer import LocalParam, ParamSpec
+from parallel_runtime.training.params import local_params
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageModel:
+    """This rank's part of the model for one pool shape, and its parameters in full coordinates."""
+
+    model: Transformer
+    params: tuple[LocalParam, ...]
+
+
+class Runtime:
+    """What a rank keeps across steps: groups, stage models by shape, the model config."""
+
+    def __init__(self, cfg: ModelConfig, *, rank: int, device: torch.device, dtype: torch.dtype,
+                 attention: str, groups: GroupCache | None, specs: Sequence[ParamSpec]) -> None:
+        self.cfg, self.rank, self.device, self.dtype = cfg, rank, device, dtype
+        self.attention = attention
+        self.groups = groups
+        self.specs = {s.name: s for s in specs}
+        self._models: dict[tuple, StageModel] = {}
+
+    def stage_model(self, topo: Topology) -> StageModel:
+        """The model of this rank's (pool shape, stage, tp index, TP group), built once and reused."""
+        c = topo.coord(self.rank)
+        pool = topo.pools[c.pool]
+        tp_ranks = topo.tp_ranks(self.rank)
+        key = (pool.tp, pool.pp, c.stage, c.tp_index, tp_ranks)
+        sm = self._models.get(key)
+        if sm is None:
+            tp = TensorParallel(size=pool.tp, index=c.tp_index,
+                                group=self.groups.get(tp_ranks) if pool.tp > 1 else None)
+            model = Transformer(self.cfg, tp=tp, layers=stage_layers(self.cfg.num_layers, pool.pp, c.stage),
+                                first_stage=c.stage == 0, last_stage=c.stage == pool.pp - 1, device=self.device,
+                                dtype=self.dtype, seed=None)
+            sm = StageModel(model=model, params=local_params(model, self.specs, tp_index=c.tp_index,
+                                                             tp_size=pool.tp))
+            self._models[key] = sm
+        return sm
