@@ -23,6 +23,7 @@ from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
 from balanced_loader.strict import from_dict, read_yaml
 from parallel_runtime.engines.context import ENGINES
+from parallel_runtime.hf.config import PRETRAINED, check_hf_config, check_hf_shape, hf_config, normalize
 from parallel_runtime.model import ModelConfig
 from parallel_runtime.training.optimizer import AdamWConfig as OptimizerConfig
 
@@ -97,11 +98,18 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RecipeModelConfig(ModelConfig):
+    """The native decoder's shape, or ``hf``: a transformers causal LM (then the other keys stay unset)."""
+
+    hf: dict | None = None  # {model_type: llama, hidden_size: 64, ...} or {pretrained: folder} (a string: the folder)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Recipe:
     seed: int = 0
     steps: int = 10  # train until this global step (a resumed run continues up to it)
     data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: RecipeModelConfig = field(default_factory=RecipeModelConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
@@ -218,8 +226,14 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
         raise ValueError("a recipe must be a YAML mapping with seed, steps, data, model, policy, cost, world, ...")
     if "seed" not in raw:
         raise ValueError("missing key 'seed': every recipe sets a top-level seed")
+    if isinstance(raw.get("model"), dict) and "hf" in raw["model"]:
+        raw = {**raw, "model": {**raw["model"], "hf": normalize(raw["model"]["hf"])}}
     recipe = from_dict(Recipe, raw, "recipe", file=path)
     recipe = dataclasses.replace(recipe, path=path)
+    hf = recipe.model.hf
+    if hf is not None and isinstance(hf.get(PRETRAINED), str):  # the folder resolves against the recipe's
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(
+            recipe.model, hf={PRETRAINED: os.path.abspath(recipe.resolve(hf[PRETRAINED]))}))
     validate(recipe)
     return recipe
 
@@ -292,7 +306,19 @@ def validate(r: Recipe) -> None:
         raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _positive(t.checkpoint_every, "train.checkpoint_every", zero=True)
     r.cost_model()  # a missing or malformed cost file fails here
+    if r.model.hf is not None:
+        _validate_hf(r)
     _validate_world_shapes(r)
+
+
+def _validate_hf(r: Recipe) -> None:
+    """``model.hf`` names the whole model: the native keys stay unset, and the CP engines must run it."""
+    native = RecipeModelConfig()
+    for f in dataclasses.fields(ModelConfig):
+        if getattr(r.model, f.name) != getattr(native, f.name):
+            raise ValueError(f"model.{f.name} is set but model.hf names the whole model; remove model.{f.name} "
+                             f"(set it inside model.hf)")
+    check_hf_config(hf_config(r.model.hf), max_seq_len=r.data.max_seq_len)
 
 
 def _validate_world_shapes(r: Recipe) -> None:
@@ -321,6 +347,11 @@ def _validate_world_shapes(r: Recipe) -> None:
 def check_shape(model: ModelConfig, tp: int, pp: int, world: WorldConfig, *, where: str,
                 degrees: list[int] | None = None) -> None:
     """ValueError naming the field when the model cannot run on a pool shape (tp, pp)."""
+    if getattr(model, "hf", None) is not None:
+        degrees = degrees if degrees is not None else allowed_degrees(world.size // (tp * pp))
+        check_hf_shape(hf_config(model.hf), tp, pp, where=where, cp_engine=world.cp_engine,
+                       cp_inner=world.cp_inner, degrees=list(degrees))
+        return
     if model.num_layers < pp:
         raise ValueError(f"{where}: model.num_layers ({model.num_layers}) is smaller than pp={pp}; "
                          f"every pipeline stage needs a layer")

@@ -31,6 +31,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from balanced_loader.materialize import num_valid_tokens
 from balanced_loader.planning import fixed_pools
 from parallel_runtime.config import STDLIB, Recipe, dump_recipe
 from parallel_runtime.groups import GroupCache, declared_groups
+from parallel_runtime.hf.model import HFModel, HFRuntime
 from parallel_runtime.model import Transformer
 from parallel_runtime.topology import PoolShape, Topology
 from parallel_runtime.training import metrics as M
@@ -157,8 +159,10 @@ class Trainer:
                 self.source = open_data(recipe, build=False)
         self.loader = self._loader(recipe.policy.name)
         self.compare = {} if reference else {name: self._loader(name) for name in recipe.policy.compare}
-        specs = param_specs(recipe.model)
-        self.optimizer = ShardedOptimizer(FlatLayout(specs, world), init_params(recipe.model, recipe.seed),
+        hf = HFModel(recipe.model.hf, seed=recipe.seed) if recipe.model.hf is not None else None  # model.hf
+        specs = hf.specs if hf else param_specs(recipe.model)
+        self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
+                                          hf.init_params() if hf else init_params(recipe.model, recipe.seed),
                                           recipe.optimizer, rank=rank, device=self.device)
         self.groups = None
         # small collectives (fingerprints, per-rank stats) on the backend's device: NCCL moves CUDA tensors only
@@ -167,8 +171,12 @@ class Trainer:
             backend = None if w.backend == "auto" else w.backend
             self.groups = GroupCache(rank=rank, backend=backend)
             self.groups.ensure(declared_groups(declared_topologies(recipe), w.cp_engine, w.cp_inner))
-            self.runtime = Runtime(recipe.model, rank=rank, device=self.device, dtype=self.dtype,
-                                   attention=recipe.train.attention, groups=self.groups, specs=specs)
+            self.runtime = (partial(HFRuntime, hf) if hf else partial(Runtime, recipe.model))(
+                rank=rank, device=self.device, dtype=self.dtype, attention=recipe.train.attention,
+                groups=self.groups, specs=specs)
+        elif hf:
+            self.model = hf.build(self.device, self.dtype)
+            self.ref_params = self.model.local_params({s.name: s for s in specs})
         else:
             self.model = Transformer(recipe.model, device=self.device, dtype=self.dtype, seed=None)
             self.ref_params = local_params(self.model, {s.name: s for s in specs})
