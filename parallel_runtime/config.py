@@ -233,7 +233,7 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
     hf = recipe.model.hf
     if hf is not None and isinstance(hf.get(PRETRAINED), str):  # the folder resolves against the recipe's
         recipe = dataclasses.replace(recipe, model=dataclasses.replace(
-            recipe.model, hf={PRETRAINED: os.path.abspath(recipe.resolve(hf[PRETRAINED]))}))
+            recipe.model, hf={**hf, PRETRAINED: os.path.abspath(recipe.resolve(hf[PRETRAINED]))}))
     validate(recipe)
     return recipe
 

@@ -1,0 +1,131 @@
+"""transformers causal LMs in the runtime (``model.hf``): the ``bl_cp`` attention adapter against the
+model's own sdpa/eager attention on packed docs, the recipe checks, a pretrained folder, and
+``recipes/cpu-hf-llama.yaml`` on 4 gloo ranks (Ulysses, ring and nested CP) against ``--reference``."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from distributed import run_distributed
+from test_trainer import reference_losses, train_rank
+
+from parallel_runtime.config import apply_overrides, load_recipe, recipe_from_dict
+from parallel_runtime.engines.context import shard_microbatch
+from parallel_runtime.hf.model import HFModel
+from parallel_runtime.model import local_attention
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = str(REPO / "recipes" / "cpu-hf-llama.yaml")
+LENGTHS = [9, 1, 14, 4, 6]
+TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def _packed(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return shard_microbatch([rng.integers(0, 64, n) for n in LENGTHS], 1, 0)  # position_ids restart per doc
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("own", ["sdpa", "eager"])
+def test_the_cp_adapter_equals_the_models_own_attention_on_packed_docs(model_type: str, own: str) -> None:
+    extra = {"initializer_range": 0.2}  # large weights: attention and RoPE matter
+    hf = HFModel({"model_type": model_type, **TINY, **extra}, seed=1)
+    ref = copy.deepcopy(hf._model)  # the same weights, under the model's own attention
+    ref.set_attn_implementation(own)
+    model = hf.build(torch.device("cpu"), torch.float32)
+    b = {k: torch.from_numpy(v) for k, v in _packed().items()}
+    nvt = int((b["labels"] != -100).sum())
+    attn = local_attention(b["cu_seqlens"], "loop")
+    loss = model(b["input_ids"], b["position_ids"], b["labels"], attn=attn, num_valid_tokens=nvt)
+    loss.backward()
+    loss = float(loss.detach())
+    # transformers finds the packed docs from the restarting position_ids and masks them itself
+    out = ref(input_ids=b["input_ids"][None], position_ids=b["position_ids"][None], use_cache=False)
+    want = torch.nn.functional.cross_entropy(out.logits[0], b["labels"], ignore_index=-100, reduction="sum") / nvt
+    want.backward()
+    assert abs(loss - float(want.detach())) <= 1e-5 * abs(float(want.detach()))
+    got_g, want_g = dict(model.hf.named_parameters()), dict(ref.named_parameters())
+    for name, p in got_g.items():
+        assert torch.allclose(p.grad, want_g[name].grad, atol=1e-5, rtol=1e-5), name
+    # the positions reach RoPE: one unpacked sequence (no restarts) is another model input
+    whole = torch.arange(len(b["input_ids"]))
+    other = model(b["input_ids"], whole, b["labels"], attn=local_attention(torch.tensor([0, len(whole)]), "loop"),
+                  num_valid_tokens=nvt)
+    assert abs(float(other.detach()) - loss) > 1e-4
+
+
+def _raw() -> dict:
+    import yaml
+
+    return yaml.safe_load(Path(RECIPE).read_text())
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["policy.tp=2"], "model.hf runs on tp=1, pp=1 lanes only (TP and PP are for the native model)"),
+    (["policy.name=pools", "policy.extra.pools=[{tp: 1, pp: 2, lanes: 2}]"],
+     "shape tp=1, pp=2 of policy 'pools': model.hf runs on tp=1, pp=1 lanes only"),
+    (["model.hidden=32"], "model.hidden is set but model.hf names the whole model; remove model.hidden"),
+    (["model.hf.hidden_sise=32"], "model.hf: unknown key 'hidden_sise' for model_type llama"),
+    (["model.hf.model_type=gpt2"], "model.hf.model_type must be one of llama, mistral, qwen2, qwen3, got 'gpt2'"),
+    (["model.hf.num_key_value_heads=2"], "world.cp_engine ulysses with Ulysses size 4 needs "
+                                         "model.hf.num_key_value_heads (2) divisible by it"),
+    (["model.hf.model_type=mistral", "model.hf.sliding_window=512"],
+     "model.hf.sliding_window (512) is smaller than data.max_seq_len (1024)"),
+    (["model.hf.attention_dropout=0.1"], "model.hf.attention_dropout must be 0"),
+    (["model.hf=no/such/folder"], "is not a local model folder (no config.json); models are never downloaded"),
+])
+def test_bad_hf_recipes_fail_with_one_line(sets: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        recipe_from_dict(apply_overrides(_raw(), sets), RECIPE)
+    msg = str(info.value)
+    assert message in msg and "\n" not in msg, msg
+
+
+def test_a_pretrained_folder_loads_its_weights(tmp_path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    saved = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **TINY))
+    saved.save_pretrained(tmp_path / "tiny")
+    r = load_recipe(RECIPE, [f"model.hf={tmp_path / 'tiny'}", "world.cp_engine=ring"])  # 2 KV heads: no Ulysses 4
+    assert r.model.hf == {"pretrained": str(tmp_path / "tiny")}
+    hf = HFModel(r.model.hf, seed=0)
+    want = dict(saved.named_parameters())
+    assert [s.name for s in hf.specs] == list(want)
+    assert all(torch.equal(t, want[n]) for n, t in hf.init_params())
+    assert all(s.tp_dim is None and s.decay == (len(s.shape) >= 2) for s in hf.specs)
+    with pytest.raises(ValueError, match="a pretrained folder takes no other keys"):
+        load_recipe(RECIPE, [f"model.hf={{pretrained: {tmp_path / 'tiny'}, hidden_size: 8}}", "world.cp_engine=ring"])
+
+
+# ---- the shipped recipe on 4 ranks --------------------------------------------------------------
+
+
+def _engines(rank: int, world: int, sets: list[str], tmp: str) -> dict:
+    return {"ulysses": train_rank(rank, world, RECIPE, sets, f"{tmp}/ulysses", 4),
+            "ring": train_rank(rank, world, RECIPE, [*sets, "world.cp_engine=ring"], f"{tmp}/ring", 2),
+            "nested": train_rank(rank, world, RECIPE, [*sets, "world.cp_engine=nested", "world.cp_inner=2"],
+                                 f"{tmp}/nested", 2)}
+
+
+@pytest.mark.multirank
+def test_the_hf_llama_recipe_equals_the_reference_on_four_ranks(tmp_path) -> None:
+    sets = [f"data.shards_dir={tmp_path / 'shards'}"]
+    ref = reference_losses(RECIPE, sets, str(tmp_path / "ref"), 4)
+    res = run_distributed(_engines, 4, sets, str(tmp_path), timeout=600)[0]
+    uly = res["ulysses"]
+    assert [m["step"] for m in uly] == [0, 1, 2, 3]
+    assert ref[-1] < ref[0]  # it learns
+    for engine, ms in res.items():
+        for m, r in zip(ms, ref):
+            assert abs(m["loss"] - r) <= 1e-5 * abs(r), (engine, m["step"], m["loss"], r)
+            assert m["fingerprint"] == uly[m["step"]]["fingerprint"]
+    assert sum(m["max_degree"] >= 2 for m in uly) >= 3  # dynamic CP groups of 2 or more in most steps
