@@ -4,7 +4,6 @@ model's own sdpa/eager attention on packed docs, the recipe checks, a pretrained
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +36,11 @@ def _packed(seed: int = 0) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("own", ["sdpa", "eager"])
 def test_the_cp_adapter_equals_the_models_own_attention_on_packed_docs(model_type: str, own: str) -> None:
     extra = {"initializer_range": 0.2}  # large weights: attention and RoPE matter
-    hf = HFModel({"model_type": model_type, **TINY, **extra}, seed=1)
-    ref = copy.deepcopy(hf._model)  # the same weights, under the model's own attention
-    ref.set_attn_implementation(own)
-    model = hf.build(torch.device("cpu"), torch.float32)
+    spec = {"model_type": model_type, **TINY, **extra}
+    model = HFModel(spec, seed=1).build(torch.device("cpu"), torch.float32)
+    ref = HFModel(spec, seed=1).build(torch.device("cpu"), torch.float32).hf  # the same init (seeded), under
+    ref.set_attn_implementation(own)  # the model's own attention
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     b = {k: torch.from_numpy(v) for k, v in _packed().items()}
     nvt = int((b["labels"] != -100).sum())
     attn = local_attention(b["cu_seqlens"], "loop")
