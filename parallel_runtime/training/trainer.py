@@ -31,7 +31,6 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, fields
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -171,9 +170,9 @@ class Trainer:
             backend = None if w.backend == "auto" else w.backend
             self.groups = GroupCache(rank=rank, backend=backend)
             self.groups.ensure(declared_groups(declared_topologies(recipe), w.cp_engine, w.cp_inner))
-            self.runtime = (partial(HFRuntime, hf) if hf else partial(Runtime, recipe.model))(
-                rank=rank, device=self.device, dtype=self.dtype, attention=recipe.train.attention,
-                groups=self.groups, specs=specs)
+            kw = dict(rank=rank, device=self.device, dtype=self.dtype, attention=recipe.train.attention,
+                      groups=self.groups, specs=specs)
+            self.runtime = HFRuntime(hf, **kw) if hf else Runtime(recipe.model, **kw)
         elif hf:
             self.model = hf.build(self.device, self.dtype)
             self.ref_params = self.model.local_params({s.name: s for s in specs})

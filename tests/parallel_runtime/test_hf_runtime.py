@@ -1,6 +1,7 @@
 """transformers causal LMs in the runtime (``model.hf``): the ``bl_cp`` attention adapter against the
 model's own sdpa/eager attention on packed docs, the recipe checks, a pretrained folder, and
-``recipes/cpu-hf-llama.yaml`` on 4 gloo ranks (Ulysses, ring and nested CP) against ``--reference``."""
+``recipes/cpu-hf-llama.yaml`` on 4 gloo ranks (Ulysses, ring and nested CP) against ``--reference``
+(which also resumes exactly from a checkpoint)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,6 @@ def test_the_hf_llama_recipe_equals_the_reference_on_four_ranks(tmp_path) -> Non
             assert abs(m["loss"] - r) <= 1e-5 * abs(r), (engine, m["step"], m["loss"], r)
             assert m["fingerprint"] == uly[m["step"]]["fingerprint"]
     assert sum(m["max_degree"] >= 2 for m in uly) >= 3  # dynamic CP groups of 2 or more in most steps
+    # a checkpoint of an HF run resumes exactly (the optimizer shards hold the HF parameters)
+    reference_losses(RECIPE, sets, str(tmp_path / "resumed"), 2)
+    assert reference_losses(RECIPE, sets, str(tmp_path / "resumed"), 4) == ref
