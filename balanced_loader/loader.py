@@ -34,7 +34,8 @@ import numpy as np
 
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.data.batching import LONG_DOC_MODES, DocStats, batch_bounds, epoch_order, to_items
-from balanced_loader.data.sources import Source, open_source
+from balanced_loader.data.open import open_source
+from balanced_loader.data.sources import Source
 from balanced_loader.materialize import Microbatch, materialize_rank, num_valid_tokens
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning import get_policy, make_plan
@@ -145,7 +146,7 @@ def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:
 class BalancedLoader:
     """Length-aware loader: global batches by token budget, planned by a policy, materialized per rank.
 
-    ``source``: anything :func:`~balanced_loader.data.sources.open_source` takes. ``cost``: a
+    ``source``: anything :func:`~balanced_loader.data.open.open_source` takes. ``cost``: a
     :class:`CostModel`, a cost file or a preset name. ``plan_config``: extra
     :class:`PlanConfig` fields (``tp``, ``pp``, ``cp``, ``time_limit_s``, ``candidates``,
     ``extra``). ``max_seq_len`` (the context limit) defaults to the largest segment the cost

@@ -34,7 +34,7 @@ def read_source_lengths(path: str) -> tuple[Any, str]:
     import os
 
     if os.path.isdir(path) or path.endswith(".jsonl"):
-        from balanced_loader.data.sources import open_source
+        from balanced_loader.data.open import open_source
 
         src = open_source(path)
         try:

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read(args: argparse.Namespace):
-    from balanced_loader.data.lengths import read_batch_source
+    from balanced_loader.data.open import read_batch_source
 
     return read_batch_source(args.lengths, args.source, positive=False)
 

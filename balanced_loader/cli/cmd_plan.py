@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _lengths(args: argparse.Namespace):
-    from balanced_loader.data.lengths import read_batch_source
+    from balanced_loader.data.open import read_batch_source
 
     return read_batch_source(args.lengths, args.source, positive=True)
 

@@ -92,27 +92,3 @@ def _read_text(p: str) -> np.ndarray:
         except ValueError:
             raise ValueError(f"length file {p}, line {lineno}: {s[:40]!r} is not an integer length") from None
     return np.asarray(out, dtype=np.int64)
-
-
-def read_batch_source(lengths_path: str | None, source_path: str | None, *,
-                      positive: bool = False) -> tuple[np.ndarray, np.ndarray | None, str]:
-    """Lengths from ``--lengths FILE`` or ``--source DIR``: ``([num_docs], shard bounds or None, label)``.
-
-    ``positive``: a length of 0 or less in a lengths file is an error naming the doc and line
-    (a source's empty docs are skipped later by the loader's rules instead).
-    """
-    if lengths_path:
-        lengths = read_lengths(lengths_path)
-        if positive and lengths.size and int(lengths.min()) <= 0:
-            i = int(np.flatnonzero(lengths <= 0)[0])
-            raise ValueError(f"--lengths {lengths_path}: lengths must be positive; doc {i} (line {i + 1}) "
-                             f"has length {int(lengths[i])}")
-        return lengths, None, lengths_path
-    from balanced_loader.data.sources import open_source
-
-    src = open_source(source_path)
-    try:
-        bounds = None if src.shard_bounds is None else np.asarray(src.shard_bounds, dtype=np.int64)
-        return np.asarray(src.lengths, dtype=np.int64), bounds, str(source_path)
-    finally:
-        src.close()

@@ -204,31 +204,3 @@ class JsonlSource(Source):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-
-
-def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -> Source:
-    """Open a source: a shard folder, a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``;
-    planning only), or a list/array of lengths."""
-    if isinstance(spec, Source):
-        return spec
-    if isinstance(spec, (str, os.PathLike)):
-        path = os.fspath(spec)
-        if os.path.isdir(path):
-            from balanced_loader.data.shards import ShardSource
-
-            return ShardSource(path)
-        if not os.path.exists(path):
-            raise ValueError(f"source {path} does not exist (expected a shard folder, a .jsonl file "
-                             f"or a length file)")
-        if path.endswith(".jsonl"):
-            return JsonlSource(path, text_field=text_field, tokenizer=tokenizer)
-        from balanced_loader.data.lengths import LENGTH_SUFFIXES, read_lengths
-
-        if path.endswith(LENGTH_SUFFIXES):
-            return LengthSource(read_lengths(path), name=f"lengths file {path}")
-        raise ValueError(f"source {path}: unsupported file type; use a shard folder (balanced-loader "
-                         f"build-shards), a .jsonl file or a length file (.npy, .txt, .txt.gz)")
-    if isinstance(spec, (list, tuple, np.ndarray)):
-        return LengthSource(spec)
-    raise ValueError(f"cannot open a source from {type(spec).__name__}; pass a shard folder, a .jsonl "
-                     f"path, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")
