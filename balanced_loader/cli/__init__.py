@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except (ValueError, OSError) as e:  # OSError: a file the user named (missing, a folder, exists, no access)
-        msg = str(e) if isinstance(e, ValueError) or not e.strerror else f"{e.strerror}: {e.filename}"
+        if isinstance(e, ValueError) or not e.strerror:
+            msg = str(e)
+        else:  # a write error of data.files names the path in strerror already; filename is then None
+            msg = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
         print(f"balanced-loader {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

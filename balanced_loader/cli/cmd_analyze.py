@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     from balanced_loader.cli import analysis as analyze
     from balanced_loader.cli import charts
+    from balanced_loader.data.files import write_json
     from balanced_loader.presets import load_cost
 
     if args.top < 0:
@@ -92,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"source": args.source, "description": what, "cost": cost_name, "stats": stats,
               "degrees": degrees, "advice": adv.to_json(), "histogram": png}
     jpath = os.path.join(args.out, "analyze.json")
-    with open(jpath, "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
+    write_json(jpath, report, indent=1)
     if args.json:
         print(json.dumps(report))
         return 0

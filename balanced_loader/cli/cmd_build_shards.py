@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from balanced_loader.data.shards import build_from_files, expand_inputs
+    from balanced_loader.data.build import build_from_files, expand_inputs
 
     if args.shard_mb <= 0 or args.docs_per_shard < 1:
         raise ValueError("--shard-mb must be > 0 and --docs-per-shard >= 1")

@@ -50,6 +50,7 @@ def histogram(lengths, max_len: int, batch_tokens: int | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    from balanced_loader.data.files import write_text
     from balanced_loader.data.lengths import read_lengths
     from balanced_loader.planning.solvers import candidates as cands
     from balanced_loader.presets import load_cost
@@ -68,11 +69,7 @@ def run(args: argparse.Namespace) -> int:
                          fixed_cost=args.fixed_cost)
     text = cands.dumps(out, world_size=args.world_size, max_len=max_len, delta_s=delta_s, delta_n=args.delta_n,
                        fixed_cost=args.fixed_cost, cost_name=cost.name)
-    try:
-        with open(args.out, "w") as f:
-            f.write(text)
-    except OSError as e:
-        raise ValueError(f"cannot write {args.out}: {e.strerror}") from None
+    write_text(args.out, text)
     print(f"{len(out)} candidates for {args.world_size} GPUs (lengths <= {max_len}, delta_s {delta_s}) -> {args.out}")
     for i, c in enumerate(out):
         print(f"  {i:2d}  {c.label():48s} covers {c.covers:>7d}  dp {c.dp_ms:10.1f} ms")

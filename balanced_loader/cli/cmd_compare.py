@@ -41,7 +41,6 @@ def _read(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     import os
     import sys
 
@@ -50,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.cli import charts
     from balanced_loader.cli import comparison as cmp
     from balanced_loader.data.batching import global_batches, validation_lengths
+    from balanced_loader.data.files import write_json
     from balanced_loader.loader import default_max_seq_len
     from balanced_loader.planning.config import PlanConfig
     from balanced_loader.presets import load_cost
@@ -107,9 +107,7 @@ def run(args: argparse.Namespace) -> int:
         "policies": [r.to_json(per_rank_step=k) for r in runs],
     }
     jpath = os.path.join(args.out, "compare.json")
-    with open(jpath, "w") as f:
-        json.dump(report, f)
-        f.write("\n")
+    write_json(jpath, report)
     load_png = charts.rank_load({r.policy: r.metrics[k].rank_busy_ms for r in runs},
                                 {r.policy: r.metrics[k].step_ms for r in runs},
                                 os.path.join(args.out, "rank_load.png"),

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.data.integrity import lengths_fingerprint
+
 
 class Source(ABC):
     """Base of every source: ``lengths`` ([num_docs] int64) and token reads by doc_id."""
@@ -48,6 +50,13 @@ class Source(ABC):
 
     def close(self) -> None:  # noqa: B027 (sources without files have nothing to release)
         """Release file handles (reads reopen them)."""
+
+    def fingerprint(self) -> str:
+        """A hash of the length index (doc order included), computed once; loader states carry it."""
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            fp = self._fingerprint = lengths_fingerprint(np.asarray(self.lengths))
+        return fp
 
     def _check_doc(self, doc_id: int) -> int:
         d = int(doc_id)

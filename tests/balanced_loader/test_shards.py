@@ -38,7 +38,10 @@ def test_roundtrip_and_index(folder):
     src.bytes_read = 0
     big = int(np.argmax([len(d) for d in docs]))
     np.testing.assert_array_equal(src.read(big, 100, 50), docs[big][100:150])
-    assert src.bytes_read == 100  # exactly the bytes of the range, nothing else
+    assert src.bytes_read == min(4096, 2 * len(docs[big]))  # the range widened to its checksum block
+    plain = ShardSource(str(path), verify="off")
+    np.testing.assert_array_equal(plain.read(big, 100, 50), docs[big][100:150])
+    assert plain.bytes_read == 100  # unchecked: exactly the bytes of the range, nothing else
     shard_path, offset = src.location(big)
     with open(shard_path, "rb") as f:  # the offset points at the raw token bytes inside the tar
         f.seek(offset)
