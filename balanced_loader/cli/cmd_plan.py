@@ -13,20 +13,20 @@ import contextlib
 from collections.abc import Iterator
 
 from balanced_loader.cli.cmd_simulate import add_cost_arguments
-from balanced_loader.cli.options import add_batch_arguments
+from balanced_loader.cli.options import COUNT, DEGREE, RANKS, SECONDS, add_batch_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_batch_arguments(p, max_seq_len_default="none, a doc no degree can hold is an error")
-    p.add_argument("--world-size", type=int, required=True, metavar="R", help="number of ranks")
+    p.add_argument("--world-size", type=RANKS, required=True, metavar="R", help="number of ranks")
     add_cost_arguments(p)
     p.add_argument("--policy", required=True, metavar="P",
                    help="maxlen, static-sp, token-kk, mcore-dcp, hydra, batch-ada, flexsp, hydraulis, greedy")
-    p.add_argument("--tp", type=int, help="tensor-parallel size (static shape; a shape of the cost file)")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size (static shape; a shape of the cost file)")
-    p.add_argument("--cp", type=int, help="fixed CP/SP degree for maxlen, static-sp, token-kk")
-    p.add_argument("--steps", type=int, metavar="K", help="plan only the first K steps")
-    p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
+    p.add_argument("--tp", type=DEGREE, help="tensor-parallel size (static shape; a shape of the cost file)")
+    p.add_argument("--pp", type=DEGREE, help="pipeline-parallel size (static shape; a shape of the cost file)")
+    p.add_argument("--cp", type=DEGREE, help="fixed CP/SP degree for maxlen, static-sp, token-kk")
+    p.add_argument("--steps", type=COUNT, metavar="K", help="plan only the first K steps")
+    p.add_argument("--time-limit", type=SECONDS, default=1.0, metavar="S",
                    help="solver time limit per call for flexsp / hydraulis (default 1 s)")
     p.add_argument("--candidates", metavar="CANDIDATES.yaml",
                    help="hydraulis: candidate strategies from 'balanced-loader candidates' (default: per batch)")

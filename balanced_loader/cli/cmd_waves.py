@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 
+from balanced_loader.cli.options import RANKS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", required=True, metavar="G.yaml", help="multi-task graph file (MetaOps, YAML)")
-    p.add_argument("--gpus", type=int, metavar="N", help="plan for N devices instead of the graph's gpus")
+    p.add_argument("--gpus", type=RANKS, metavar="N", help="plan for N devices instead of the graph's gpus")
     p.add_argument("--out", metavar="W.json", help="write the wave plan here")
     p.add_argument("--handover", action="store_true",
                    help="placement also keeps predecessors' data in place at frontier boundaries")

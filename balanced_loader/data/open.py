@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.lengths import LENGTH_SUFFIXES, read_lengths
+from balanced_loader.data.lengths import LENGTH_SUFFIXES, doc_line, read_lengths
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.sources import JsonlSource, LengthSource, Source
 
@@ -52,7 +52,9 @@ def read_batch_source(lengths_path: str | None, source_path: str | None, *,
         lengths = read_lengths(lengths_path)
         if positive and lengths.size and int(lengths.min()) <= 0:
             i = int(np.flatnonzero(lengths <= 0)[0])
-            raise ValueError(f"--lengths {lengths_path}: lengths must be positive; doc {i} (line {i + 1}) "
+            line = doc_line(lengths_path, i)
+            where = f"doc {i}" + (f" (line {line})" if line is not None else "")
+            raise ValueError(f"--lengths {lengths_path}: lengths must be positive; {where} "
                              f"has length {int(lengths[i])}")
         return lengths, None, lengths_path
     src = open_source(source_path)

@@ -485,6 +485,11 @@ class ShardSource(Source):
     def has_checksums(self) -> bool:
         return self._crc is not None
 
+    def index_arrays(self) -> dict[str, np.ndarray]:
+        """The memory-mapped index: ``lengths`` [num_docs] int64, ``shard`` [num_docs] int32,
+        ``offset`` [num_docs] int64."""
+        return {"lengths": self.lengths, "shard": self._shard, "offset": self._offset}
+
     def shard_path(self, shard: int) -> str:
         return os.path.join(self.folder, self.shard_names[shard])
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.data.integrity import lengths_fingerprint
+from balanced_loader.data.lengths import MAX_DOC_TOKENS
 
 
 class Source(ABC):
@@ -91,6 +92,9 @@ def as_lengths(values: Any, where: str = "lengths") -> np.ndarray:
     if arr.size and not np.issubdtype(arr.dtype, np.integer) and (
             not np.issubdtype(arr.dtype, np.floating) or not np.all(np.floor(arr) == arr)):
         raise ValueError(f"{where}: token counts must be integers (dtype {arr.dtype})")
+    if arr.size and float(arr.max()) > MAX_DOC_TOKENS:  # before the cast, which would wrap 2**63 to negative
+        i = int(np.argmax(arr))
+        raise ValueError(f"{where}: doc {i} has length {arr[i]}, over the limit of {MAX_DOC_TOKENS:,} tokens")
     arr = arr.astype(np.int64)
     if arr.size and arr.min() < 0:
         i = int(np.flatnonzero(arr < 0)[0])
