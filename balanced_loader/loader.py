@@ -354,7 +354,10 @@ class BalancedLoader:
                 "global_batch_tokens": self.global_batch_tokens, "max_seq_len": self.max_seq_len,
                 "long_docs": self.long_docs, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
                 "tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp,
-                "num_docs": self.source.num_docs, "num_tokens": self._source_num_tokens()}
+                "num_docs": self.source.num_docs, "num_tokens": self._source_num_tokens(),
+                # a hash of the lengths in doc order (computed once; a shard folder's comes from index.json):
+                # a permuted or edited dataset with the same totals is a different source
+                "lengths_fingerprint": self.source.fingerprint()}
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor and everything the remaining steps depend on (plain JSON-able values)."""
@@ -369,6 +372,10 @@ class BalancedLoader:
             raise ValueError(f"loader state version {state.get('version')} is not supported "
                              f"(this loader knows {STATE_VERSION})")
         mine = self._identity()
+        if "lengths_fingerprint" not in state:  # a state saved before fingerprints: counts are all it has
+            log.warning("the loader state has no lengths fingerprint (saved by an older version); the source "
+                        "is checked by its doc and token counts only")
+            mine.pop("lengths_fingerprint")
         for key in ("world_size", "policy"):
             if state.get(key) != mine[key]:
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
@@ -376,11 +383,24 @@ class BalancedLoader:
                                  f"fresh loader from an epoch boundary to change it)")
         for key, value in mine.items():
             if state.get(key) != value:
-                what = "the source changed" if key.startswith("num_") else "the loader config changed"
+                what = ("the source changed" if key.startswith(("num_", "lengths_"))
+                        else "the loader config changed")
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
                                  f"has {key}={value!r} ({what}); exact resume needs the same setup")
-        epoch, s, step = int(state["epoch"]), int(state["step_in_epoch"]), int(state["step"])
-        if s < 0 or step < 0 or epoch < 0 or (s and s >= self._get_epoch(epoch).num_steps):
+        cursor = []
+        for key in ("epoch", "step_in_epoch", "step"):
+            v = state.get(key)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"malformed loader state: the cursor's {key!r} must be an integer >= 0, got "
+                                 f"{v!r}; pass a dict from BalancedLoader.state_dict()")
+            cursor.append(int(v))
+        epoch, s, step = cursor
+        if self.epochs is not None and (epoch > self.epochs or (epoch == self.epochs and s)):
+            raise ValueError(f"loader state cursor (epoch {epoch}, step {s}) is past the last of this "
+                             f"loader's {self.epochs} epoch(s)")
+        if step < s or (epoch == 0 and step != s):
+            raise ValueError(f"malformed loader state: global step {step} cannot be step {s} of epoch {epoch}")
+        if s and s >= self._get_epoch(epoch).num_steps:
             raise ValueError(f"loader state cursor (epoch {epoch}, step {s}) is outside the epoch")
         self._cancel()
         self.epoch, self.step_in_epoch, self.step = epoch, s, step
