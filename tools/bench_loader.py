@@ -16,6 +16,11 @@ Bytes read per rank (counted by the source) are reported against the bytes of th
 own tokens: a rank reads only its segments (one ``pread`` per run, plus one token of look-ahead
 for the last label of a run cut by context parallelism), never the whole dataset.
 
+The whole-cluster path runs once per integrity mode of the source, side by side (``verify=``
+``full``, the default: member headers once per doc plus the block checksums of every read;
+``header``: headers only; ``off``: no checks), so the cost of the checks is a ratio from one run.
+With checksums a read is widened to whole checksum blocks, which the bytes-read ratio shows.
+
     python tools/bench_loader.py                  # stdlib corpus shards in .demo/ (built once)
     python tools/bench_loader.py --shards DIR --world 16 --global-batch-tokens 524288
 """
@@ -31,7 +36,8 @@ import sys
 import time
 
 from balanced_loader.data.corpus import stdlib_shards
-from balanced_loader.data.shards import ShardSource
+from balanced_loader.data.files import atomic_write
+from balanced_loader.data.shards import VERIFY_MODES, ShardSource
 from balanced_loader.loader import BalancedLoader, resolve_cost
 from balanced_loader.materialize import needed_token_count
 
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         src = stdlib_shards(args.shards, progress=sys.stderr.isatty())
     else:
         src = ShardSource(args.shards)
+    checked = {m: ShardSource(src.folder, verify=m) for m in VERIFY_MODES}  # one source per integrity mode
     urls = [src.shard_path(i) for i in range(len(src.shard_names))]
     print(f"{src.describe()}: {src.num_docs} docs, {src.num_tokens} tokens ({src.dtype}), {len(urls)} shards; "
           f"world {args.world}, policy {args.policy}, {args.global_batch_tokens} tokens/step, "
@@ -130,34 +137,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"epoch 0 doc stats: {stats.to_json()}")
     logging.getLogger("balanced_loader").setLevel(logging.ERROR)  # the same line for every loader below
     plain_read(urls)  # warm the page cache for both
-    plain_t, cluster_t, rank_t = [], [], []
-    cluster = rank_tokens = plain_tokens = None
-    for i in range(args.repeats):  # alternate which path goes first, so drifting load hits both alike
-        if i % 2:
-            cluster = loader_cluster(src, args)
-            cluster_t.append(cluster["seconds"])
-        plain_tokens, t = plain_read(urls)
-        plain_t.append(t)
-        if i % 2 == 0:
-            cluster = loader_cluster(src, args)
-            cluster_t.append(cluster["seconds"])
+    plain_t, rank_t = [], []
+    mode_t: dict[str, list[float]] = {m: [] for m in VERIFY_MODES}
+    runs: dict[str, dict] = {}
+    rank_tokens = plain_tokens = None
+    for i in range(args.repeats):  # rotate which path goes first, so drifting load hits all alike
+        order = [*VERIFY_MODES, "plain"]
+        for what in order[i % len(order):] + order[:i % len(order)]:
+            if what == "plain":
+                plain_tokens, t = plain_read(urls)
+                plain_t.append(t)
+            else:
+                runs[what] = loader_cluster(checked[what], args)
+                mode_t[what].append(runs[what]["seconds"])
         rank_tokens, t = loader_one_rank(src, args, 0)
         rank_t.append(t)
-    assert cluster is not None and plain_tokens is not None and rank_tokens is not None
+    assert plain_tokens is not None and rank_tokens is not None
+    cluster, cluster_t = runs["full"], mode_t["full"]
     plain_s, cluster_s, rank_s = (statistics.median(x) for x in (plain_t, cluster_t, rank_t))
     plain_rate = plain_tokens / plain_s
     cluster_rate = cluster["tokens"] / cluster_s
     rank_rate = rank_tokens / rank_s
     share_rate = plain_rate  # a rank reading 1/world of the shards reads at the same rate
     ratios = [r / max(n, 1) for r, n in zip(cluster["bytes_read"], cluster["bytes_needed"])]
-    assert cluster["tokens"] == plain_tokens == src.num_tokens, "every token must be delivered exactly once"
+    for m in VERIFY_MODES:
+        assert runs[m]["tokens"] == plain_tokens == src.num_tokens, "every token must be delivered exactly once"
 
     print()
     print("| path | tokens | seconds (median) | tokens/s | vs plain |")
     print("|---|---:|---:|---:|---:|")
     print(f"| plain webdataset read, all shards | {plain_tokens:,} | {plain_s:.3f} | {plain_rate / 1e6:.1f}M | 1.00 |")
-    print(f"| loader, whole cluster ({args.world} ranks materialized) | {cluster['tokens']:,} | {cluster_s:.3f} "
-          f"| {cluster_rate / 1e6:.1f}M | {cluster_rate / plain_rate:.2f} |")
+    for m in VERIFY_MODES:
+        s = statistics.median(mode_t[m])
+        rate = runs[m]["tokens"] / s
+        print(f"| loader, whole cluster ({args.world} ranks materialized), verify={m} | {runs[m]['tokens']:,} "
+              f"| {s:.3f} | {rate / 1e6:.1f}M | {rate / plain_rate:.2f} |")
     print(f"| loader, one rank (plans every step, reads its share) | {rank_tokens:,} | {rank_s:.3f} "
           f"| {rank_rate / 1e6:.1f}M | {rank_rate / share_rate:.2f} |")
     print()
@@ -165,12 +179,18 @@ def main(argv: list[str] | None = None) -> int:
           f"max_seq_len {cluster['max_seq_len']}, planning {cluster['plan_seconds']:.3f} s in total "
           f"(every rank plans every step; rank 0 waited {cluster['planner_wait_s']:.3f} s for plans), "
           f"positions incl. CP padding {cluster['positions']:,}")
-    print("bytes read / bytes needed per rank: " + ", ".join(f"{x:.4f}" for x in ratios)
-          + f" (max {max(ratios):.4f}; each rank reads {sum(cluster['bytes_read']) / args.world / 2**20:.1f} MiB "
-            f"of the {sum(os.path.getsize(u) for u in urls) / 2**20:.1f} MiB of shards)")
+    full_s, off_s = statistics.median(mode_t["full"]), statistics.median(mode_t["off"])
+    print(f"integrity checks (verify=full vs off, whole cluster): {full_s / off_s:.3f}x the time "
+          f"(header only: {statistics.median(mode_t['header']) / off_s:.3f}x)")
+    for m in VERIFY_MODES:
+        r = [a / max(n, 1) for a, n in zip(runs[m]["bytes_read"], runs[m]["bytes_needed"])]
+        print(f"verify={m}: bytes read / bytes needed per rank: " + ", ".join(f"{x:.4f}" for x in r)
+              + f" (max {max(r):.4f}; each rank reads {sum(runs[m]['bytes_read']) / args.world / 2**20:.1f} MiB "
+                f"of the {sum(os.path.getsize(u) for u in urls) / 2**20:.1f} MiB of shards)")
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json, "w") as f:
             json.dump({"args": vars(args), "plain_s": plain_t, "cluster_s": cluster_t, "rank_s": rank_t,
+                       "verify_s": mode_t, "verify_bytes_read": {m: runs[m]["bytes_read"] for m in VERIFY_MODES},
                        "plain_tokens": plain_tokens, "rank_tokens": rank_tokens, "cluster": cluster,
                        "ratio_cluster": cluster_rate / plain_rate, "ratio_rank": rank_rate / share_rate,
                        "bytes_ratio_max": max(ratios)}, f, indent=1)

