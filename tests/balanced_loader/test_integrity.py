@@ -181,9 +181,8 @@ def test_atomic_write_keeps_the_old_file_when_the_disk_is_full(tmp_path, monkeyp
     target = tmp_path / "out.json"
     target.write_text("old\n")
     monkeypatch.setattr(files_mod.os, "fsync", _no_space)
-    with pytest.raises(OSError) as ei:
-        with atomic_write(target) as f:
-            f.write("new, partly written")
+    with pytest.raises(OSError) as ei, atomic_write(target) as f:
+        f.write("new, partly written")
     assert str(target) in str(ei.value) and "No space left on device" in str(ei.value)
     assert "None" not in str(ei.value)
     assert target.read_text() == "old\n" and _leftovers(tmp_path) == []
