@@ -7,14 +7,14 @@ Layout of a shard folder::
                            ``webdataset.WebDataset(urls).decode()`` as sample["npy"]
     shards.json            written by the writer: tokenizer identity, dtype, docs, bytes and crc32 per
                            shard, the checksum block size
-    shards.crc.npy         written by the writer: [num_blocks] uint32 crc32 of every CHECK_BLOCK_BYTES
-                           block of every doc's token bytes, in doc order
+    shards.crc.npy         written by the writer: uint32 checksums in doc order; per doc the crc32 of
+                           all its token bytes, then the crc32 of each CHECK_BLOCK_BYTES block
     index.json             the length index: shard list (name, docs, bytes, crc32), dtype, tokenizer,
                            lengths fingerprint, whether member names are the doc_ids
     index.lengths.npy      [num_docs] int64 tokens per doc         (memory-mapped on open)
     index.shard.npy        [num_docs] int32 shard of each doc      (memory-mapped on open)
     index.offset.npy       [num_docs] int64 byte offset of the doc's token data inside its tar
-    index.crc_start.npy    [num_docs + 1] int64 first checksum block of each doc (when checksummed)
+    index.crc_start.npy    [num_docs + 1] int64 where each doc's checksums start in shards.crc.npy
 
 doc_ids run in shard order, then member order, so the docs of shard ``s`` are
 ``shard_bounds[s]:shard_bounds[s + 1]``. A tar member's data is contiguous, so tokens
@@ -127,7 +127,7 @@ class ShardWriter:
         self._tar: tarfile.TarFile | None = None
         self._file: contextlib.ExitStack | None = None  # the open atomic_write of the current shard
         self._crc_file: CrcFile | None = None
-        self._crcs: list[np.ndarray] = []  # per doc: [blocks] uint32
+        self._crcs: list[np.ndarray] = []  # per doc: [1 + blocks] uint32, whole doc then blocks
         self._written: list[str] = []  # files this writer completed (removed again on failure)
         self._docs = 0
         self._bytes = 0
@@ -202,7 +202,9 @@ class ShardWriter:
             self._tar.addfile(info, io.BytesIO(payload))
         except OSError as e:  # the with-block's exit removes this writer's files
             raise write_error(os.path.join(self.out_dir, self.shards[-1]["name"]), e) from None
-        self._crcs.append(block_crcs(memoryview(arr).cast("B"), self.check_block_bytes))
+        raw = memoryview(arr).cast("B")
+        doc_crc = np.array([zlib.crc32(raw)], dtype=np.uint32)
+        self._crcs.append(np.concatenate([doc_crc, block_crcs(raw, self.check_block_bytes)]))
         self._docs += 1
         self._bytes += len(payload) + 512
         self.num_docs += 1
@@ -294,13 +296,14 @@ def list_shards(folder: str) -> list[str]:
 
 def _writer_checksums(folder: str, meta: dict[str, Any] | None, lengths: np.ndarray, itemsize: int
                       ) -> tuple[np.ndarray | None, int | None]:
-    """``(crc_start [num_docs + 1] int64, block bytes)`` when the writer left checksums for these docs."""
+    """``(crc_start [num_docs + 1] int64, block bytes)`` when the writer left checksums for these docs
+    (per doc: one whole-doc crc32, then one per block)."""
     path = os.path.join(folder, CRC_FILE)
     if meta is None or "check_block_bytes" not in meta or not os.path.exists(path):
         return None, None
     block = int(meta["check_block_bytes"])
     start = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(num_blocks(lengths * itemsize, block), out=start[1:])
+    np.cumsum(1 + num_blocks(lengths * itemsize, block), out=start[1:])
     try:
         crcs = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as e:
@@ -465,8 +468,8 @@ class ShardSource(Source):
         self.lengths = np.asarray(arrays["lengths"])  # [num_docs] int64, memory-mapped
         self._shard = np.asarray(arrays["shard"])  # [num_docs] int32, memory-mapped
         self._offset = np.asarray(arrays["offset"])  # [num_docs] int64, memory-mapped
-        self._crc_start: np.ndarray | None = None  # [num_docs + 1] int64 first checksum block per doc
-        self._crc: np.ndarray | None = None  # [num_blocks] uint32
+        self._crc_start: np.ndarray | None = None  # [num_docs + 1] int64 where each doc's checksums start
+        self._crc: np.ndarray | None = None  # [num_docs + num_blocks] uint32: per doc, whole doc then blocks
         self._block = int(index.get("check_block_bytes") or 0)
         if "crc_start" in arrays:
             self._crc_start = np.asarray(arrays["crc_start"])
@@ -564,21 +567,26 @@ class ShardSource(Source):
                 self._header_ok[d] = True
         lo, hi = start * item, (start + length) * item  # bytes of the doc's token data
         crc = self._crc is not None and self.verify == "full" and hi > lo
-        if crc:  # widen to whole checksum blocks
+        if crc:
             b = self._block
-            first, last = lo // b, -(-hi // b)
             nbytes = int(self.lengths[d]) * item
             k0, k1 = self._crc_start[d:d + 2].tolist()
-            if k1 - k0 != -(-nbytes // b):
+            if k1 - k0 - 1 != -(-nbytes // b):
                 raise self._mismatch(d, shard, f"its length {nbytes // item} disagrees with its checksums")
-            lo, hi = first * b, min(last * b, nbytes)
+            whole = lo == 0 and hi == nbytes  # the whole doc: one crc32 call
+            if not whole:  # widen to whole checksum blocks
+                first, last = lo // b, -(-hi // b)
+                lo, hi = first * b, min(last * b, nbytes)
         buf = self._pread(shard, hi - lo, base + lo)
         if len(buf) != hi - lo:
             raise ValueError(f"shard {self.shard_path(shard)} is truncated: doc {d} needs bytes "
                              f"[{base + lo}, {base + hi}) but the file ends first")
-        if crc:  # a plain loop: reads cover few blocks, and numpy calls would cost more than the crc32s
+        if crc and whole:
+            if zlib.crc32(buf) != int(self._crc[k0]):
+                raise self._mismatch(d, shard, "the checksum of its token bytes differs (the token data is corrupt)")
+        elif crc:  # a plain loop: reads cover few blocks, and numpy calls would cost more than the crc32s
             mv = memoryview(buf)
-            for i, want in enumerate(self._crc[k0 + first:k0 + last].tolist()):
+            for i, want in enumerate(self._crc[k0 + 1 + first:k0 + 1 + last].tolist()):
                 if zlib.crc32(mv[i * b:(i + 1) * b]) != want:
                     at = (first + i) * b
                     raise self._mismatch(d, shard, f"the checksum of token bytes [{at}, {min(at + b, hi)}) "
