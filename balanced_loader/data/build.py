@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from balanced_loader.data.shards import META_FILE, ShardWriter, read_index_json
+from balanced_loader.data.index import META_FILE, read_index_json
+from balanced_loader.data.shards import ShardWriter
 from balanced_loader.data.sources import jsonl_text
 from balanced_loader.data.tokenizers import get_tokenizer, token_dtype
 

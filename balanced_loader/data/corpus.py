@@ -41,7 +41,8 @@ def stdlib_shards(out_dir: str, *, limit: int | None = None, max_shard_bytes: in
     reused; an incomplete or different folder is rebuilt (only shard and index files are removed).
     """
     from balanced_loader.data.build import build_from_files
-    from balanced_loader.data.shards import INDEX_FILE, META_FILE, ShardSource
+    from balanced_loader.data.index import INDEX_FILE, META_FILE
+    from balanced_loader.data.shards import ShardSource
 
     files = stdlib_py_files(limit)
     if os.path.exists(os.path.join(out_dir, INDEX_FILE)):

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from balanced_loader.data.index import INDEX_FILE, build_index, list_shards, read_index_json
 from balanced_loader.data.integrity import file_crc32, lengths_fingerprint
-from balanced_loader.data.shards import INDEX_FILE, ShardSource, build_index, list_shards, read_index_json
+from balanced_loader.data.shards import ShardSource
 
 MAX_DOC_LINES = 100  # problem lines of single docs before the rest are counted only
 

@@ -19,8 +19,9 @@ import pytest
 from balanced_loader import cli
 from balanced_loader.data import files as files_mod
 from balanced_loader.data.files import atomic_write
+from balanced_loader.data.index import CRC_FILE, INDEX_FILE, META_FILE
 from balanced_loader.data.integrity import CHECK_BLOCK_BYTES, lengths_fingerprint
-from balanced_loader.data.shards import CRC_FILE, INDEX_FILE, META_FILE, ShardSource, write_shards
+from balanced_loader.data.shards import ShardSource, write_shards
 from balanced_loader.plan import Group, Plan, Pool, StepPlan
 
 DOCS_PER_SHARD = 4

@@ -12,8 +12,9 @@ import pytest
 
 from balanced_loader import cli
 from balanced_loader.data.corpus import stdlib_py_files, stdlib_shards
+from balanced_loader.data.index import INDEX_FILE, build_index
 from balanced_loader.data.integrity import CHECK_BLOCK_BYTES
-from balanced_loader.data.shards import INDEX_FILE, ShardSource, build_index, write_shards
+from balanced_loader.data.shards import ShardSource, write_shards
 
 
 def make_docs(n=60, seed=0, hi=2000):
