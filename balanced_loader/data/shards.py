@@ -20,8 +20,9 @@ doc_ids run in shard order, then member order, so the docs of shard ``s`` are
 ``shard_bounds[s]:shard_bounds[s + 1]``. A tar member's data is contiguous, so tokens
 ``[a, b)`` of a doc are one ``pread`` of ``(b - a) * itemsize`` bytes at ``offset + a * itemsize``.
 
-The index is scanned and written by :mod:`.index`. Reads are checked (:mod:`.integrity`): the first read of a doc checks its tar and ``.npy``
-headers against the index, and every read checks the block checksums it covers
+The index is scanned and written by :mod:`.index`. Reads are checked (:mod:`.integrity`): the
+first read of a doc checks its tar and ``.npy`` headers against the index, and every read checks
+the checksums it covers, the whole-doc crc32 or the 1 KiB block crc32s of a partial read
 (``verify="full"``, the default; ``"header"`` skips the checksums, ``"off"`` both). A mismatch
 is one ``ValueError`` naming the shard file and the doc_id: wrong tokens are never returned.
 Every file is written complete or not at all (:func:`~balanced_loader.data.files.atomic_write`).
