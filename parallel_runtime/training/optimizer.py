@@ -329,6 +329,7 @@ class ShardedOptimizer:
         self.bytes_pull_sent = 0  # sent in pulls as an owner
         self.bytes_push_received = 0  # received in pushes as an owner
         self.exchanges = 0  # pull/push collectives (buckets) run
+        self.peak_bucket_elems = 0  # the largest send or receive buffer of one of them
         self.plans_built = 0  # exchange plans derived (cache misses)
         self._plans: dict[tuple[int, ...], _Plan] = {}
 
@@ -488,6 +489,7 @@ class ShardedOptimizer:
 
     def _all_to_all(self, out: torch.Tensor, out_n: list[int], inp: torch.Tensor, inp_n: list[int]) -> None:
         self.exchanges += 1
+        self.peak_bucket_elems = max(self.peak_bucket_elems, out.numel(), inp.numel())
         if self.distributed:
             dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=out_n, input_split_sizes=inp_n,
                                    group=self.group)
