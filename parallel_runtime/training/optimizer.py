@@ -105,11 +105,14 @@ class FlatLayout:
         step = n // lp.tp_size
         return full.narrow(lp.spec.tp_dim, lp.tp_index * step, step)
 
-    def decay_mask(self) -> torch.Tensor:
-        mask = torch.zeros(self.padded, dtype=torch.bool)  # [padded]
+    def decay_mask(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Whether weight decay applies, for flat positions ``[lo, hi)`` (default: all of ``[0, padded)``)."""
+        hi = self.padded if hi is None else hi
+        mask = torch.zeros(hi - lo, dtype=torch.bool)  # [hi - lo]
         for i, s in enumerate(self.specs):
-            if s.decay:
-                mask[self.offsets[i] : self.offsets[i + 1]] = True
+            a, b = max(self.offsets[i], lo), min(self.offsets[i + 1], hi)
+            if s.decay and a < b:
+                mask[a - lo : b - lo] = True
         return mask
 
 
@@ -133,7 +136,6 @@ class AdamWConfig:
 
 # ---- slices as runs of flat coordinates --------------------------------------------------
 
-_FEW_RUNS = 16  # up to this many runs: copy run by run; more: one indexed copy (index <= one bucket)
 _MAX_PLANS = 64  # exchange plans kept (distinct layout sets seen); oldest dropped first, on every rank alike
 
 
@@ -240,36 +242,56 @@ def _merge(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return s[np.r_[0, cut]], e[np.r_[cut - 1, len(s) - 1]]
 
 
-def _index(s: np.ndarray, e: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Every element of the runs, in order (``[sum(e - s)] int64``)."""
+def _strided(s: np.ndarray, e: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """The runs as strided blocks ``(start, count, stride, length)``: consecutive runs of one length at one
+    spacing (a TP slice's rows) form one block, so copies need no index tensor. Blocks never overlap
+    themselves (spacing >= length)."""
     n = e - s
-    first = np.cumsum(n) - n
-    return torch.from_numpy(np.arange(int(n.sum()), dtype=np.int64) + np.repeat(s - first, n)).to(device)
+    if len(s) == 1:
+        return [(int(s[0]), 1, 0, int(n[0]))]
+    d = np.diff(s)  # [k - 1]
+    # cut between runs i and i+1 where the length changes, they would overlap, or the spacing changes
+    cut = (n[1:] != n[:-1]) | (d < n[:-1])
+    cut[1:] |= d[1:] != d[:-1]
+    first = np.r_[0, np.flatnonzero(cut) + 1]
+    count = np.diff(np.r_[first, len(s)])
+    stride = np.where(count > 1, d[np.minimum(first, len(d) - 1)], 0)
+    return list(zip(s[first].tolist(), count.tolist(), stride.tolist(), n[first].tolist()))
+
+
+def _view(flat: torch.Tensor, start: int, count: int, stride: int, length: int) -> torch.Tensor:
+    """``[count, length]`` view of ``flat`` (1-D, contiguous) at a strided block."""
+    return flat.as_strided((count, length), (stride, 1), flat.storage_offset() + start)
 
 
 def _take(flat: torch.Tensor, s: np.ndarray, e: np.ndarray) -> torch.Tensor:
-    """``flat``'s elements in the runs, concatenated in run order."""
+    """``flat``'s elements in the runs, concatenated in run order (a view when they are one run)."""
     s, e = _merge(s, e)
+    if len(s) == 0:
+        return flat[:0]
     if len(s) == 1:
         return flat[int(s[0]):int(e[0])]
-    if len(s) <= _FEW_RUNS:
-        return torch.cat([flat[x:y] for x, y in zip(s.tolist(), e.tolist())]) if len(s) else flat[:0]
-    return flat.index_select(0, _index(s, e, flat.device))
+    out = torch.empty(int((e - s).sum()), dtype=flat.dtype, device=flat.device)
+    o = 0
+    for block in _strided(s, e):
+        m = block[1] * block[3]
+        out[o:o + m].view(block[1], block[3]).copy_(_view(flat, *block))
+        o += m
+    return out
 
 
 def _put(flat: torch.Tensor, s: np.ndarray, e: np.ndarray, values: torch.Tensor, *, add: bool) -> None:
     """Write (or add) ``values`` into ``flat``'s runs, in run order."""
     s, e = _merge(s, e)
-    values = values.to(flat.dtype)
-    if len(s) <= _FEW_RUNS:
-        o = 0
-        for x, y in zip(s.tolist(), e.tolist()):
-            (flat[x:y].add_ if add else flat[x:y].copy_)(values[o:o + y - x])
-            o += y - x
-    elif add:
-        flat.index_add_(0, _index(s, e, flat.device), values)
-    else:
-        flat.index_copy_(0, _index(s, e, flat.device), values)
+    if len(s) == 0:
+        return
+    o = 0
+    for block in _strided(s, e):
+        m = block[1] * block[3]
+        src = values[o:o + m].view(block[1], block[3])
+        dst = _view(flat, *block)
+        dst.add_(src) if add else dst.copy_(src)  # copy_/add_ convert the dtype (bf16 slices, fp32 buffers)
+        o += m
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +343,7 @@ class ShardedOptimizer:
             raise ValueError(f"initial value of parameter '{missing[0]}' is missing")
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.decay = layout.decay_mask()[lo:hi].to(self.device)
+        self.decay = layout.decay_mask(lo, hi).to(self.device)
         self.grad = torch.zeros_like(self.master)
         self.steps = 0
         self.bytes_pulled = 0  # received in pulls (4 bytes per element of this rank's slices)
