@@ -60,7 +60,8 @@ def _old_push(opt: ShardedOptimizer, local: list[LocalParam]) -> None:
     for lp in local:
         if lp.tensor.grad is not None and (lp.spec.tp_dim is not None or lp.tp_index == 0):
             opt.layout.slice_view(full, lp).add_(lp.tensor.grad)
-    dist.reduce_scatter_tensor(opt.grad, full, op=dist.ReduceOp.SUM)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(opt.grad, full, op=dist.ReduceOp.SUM)
     opt.bytes_pushed += full.numel() * 4
 
 

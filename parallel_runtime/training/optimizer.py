@@ -165,45 +165,58 @@ class _Runs:
     param: np.ndarray | None = None  # [k] int64
     local: np.ndarray | None = None  # [k] int64
 
-    def clip(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The runs' parts inside ``[a, b)``, in run order: starts, ends and run indices (``[m] int64`` each)."""
-        i0 = int(np.searchsorted(self.reach, a, "right"))
-        i1 = int(np.searchsorted(self.start, b, "left"))
-        s = np.maximum(self.start[i0:i1], a)
-        e = np.minimum(self.end[i0:i1], b)
+    def clip(self, lows: np.ndarray, highs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The runs' parts inside each window ``[lows[w], highs[w])`` (windows ascending, disjoint), in run
+        order: starts, ends, run indices and window indices (``[m] int64`` each)."""
+        i0 = np.searchsorted(self.reach, lows, "right")  # first run that may reach into the window
+        i1 = np.maximum(np.searchsorted(self.start, highs, "left"), i0)
+        cnt = i1 - i0
+        w = np.repeat(np.arange(len(lows), dtype=np.int64), cnt)
+        idx = np.arange(int(cnt.sum()), dtype=np.int64) + np.repeat(i0 - (np.cumsum(cnt) - cnt), cnt)
+        s, e = np.maximum(self.start[idx], lows[w]), np.minimum(self.end[idx], highs[w])
         keep = e > s
-        return s[keep], e[keep], np.arange(i0, i1, dtype=np.int64)[keep]
+        return s[keep], e[keep], idx[keep], w[keep]
 
 
-def _runs(layout: FlatLayout, rows: np.ndarray, lo: int, hi: int, *, own: bool) -> _Runs:
-    """The runs of the slices ``rows`` (``[n, 3]``: parameter, tp index, tp size) inside ``[lo, hi)``.
-
-    Sorted before clipping (clipping is monotone), so a rank's own runs and an owner's view of
-    them list any window's parts in the same order."""
-    starts, lens, params, locs = [], [], [], []
-    for j, (p, ti, ts) in enumerate(rows.tolist()):
-        if layout.offsets[p + 1] <= lo or layout.offsets[p] >= hi:
-            continue
-        s, n = _param_runs(layout, p, ti, ts)
+def _runs(layout: FlatLayout, rows: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+    """The runs of the slices ``rows`` (``[n, 3]``: parameter, tp index, tp size) of parameters that
+    overlap ``[lo, hi)``, sorted by start (stable): starts, ends, row indices, offsets in the slices."""
+    offs = np.asarray(layout.offsets, dtype=np.int64)
+    inside = np.flatnonzero((offs[rows[:, 0] + 1] > lo) & (offs[rows[:, 0]] < hi))
+    z = [np.zeros(0, dtype=np.int64)]
+    starts, lens, params, locs = list(z), list(z), list(z), list(z)
+    for j in inside.tolist():
+        s, n = _param_runs(layout, *rows[j].tolist())
         starts.append(s)
         lens.append(n)
-        if own:
-            params.append(np.full(len(s), j, dtype=np.int64))
-            locs.append(np.cumsum(n) - n)
-    if not starts:
-        z = np.zeros(0, dtype=np.int64)
-        return _Runs(z, z, z, z if own else None, z if own else None)
+        params.append(np.full(len(s), j, dtype=np.int64))
+        locs.append(np.cumsum(n) - n)
     start, n = np.concatenate(starts), np.concatenate(lens)
     order = np.argsort(start, kind="stable")
-    start, end = start[order], start[order] + n[order]
-    param = local = None
-    if own:
-        param, local = np.concatenate(params)[order], np.concatenate(locs)[order]
-    else:
-        s, e = np.maximum(start, lo), np.minimum(end, hi)
-        keep = e > s
-        start, end = s[keep], e[keep]
+    return start[order], start[order] + n[order], np.concatenate(params)[order], np.concatenate(locs)[order]
+
+
+def _own_runs(layout: FlatLayout, rows: np.ndarray) -> _Runs:
+    """This rank's runs, in flat coordinates, with local parameter and offset."""
+    start, end, param, local = _runs(layout, rows, 0, layout.padded)
     return _Runs(start, end, np.maximum.accumulate(end) if len(end) else end, param, local)
+
+
+def _their_runs(layout: FlatLayout, every: list[np.ndarray], rank: int) -> _Runs:
+    """Every rank q's runs inside shard ``rank``, at ``q * shard_size + (flat - lo)``: ascending in (q, start),
+    so one sorted search finds each rank's parts of a window. Clipped after sorting (clipping is
+    monotone), so an owner lists the parts of a window in the same order as their holder."""
+    size = layout.shard_size
+    lo = rank * size
+    starts, ends = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for q, rows in enumerate(every):
+        start, end, _, _ = _runs(layout, rows, lo, lo + size)
+        s, e = np.maximum(start, lo), np.minimum(end, lo + size)
+        keep = e > s
+        starts.append(s[keep] - lo + q * size)
+        ends.append(e[keep] - lo + q * size)
+    start, end = np.concatenate(starts), np.concatenate(ends)
+    return _Runs(start, end, np.maximum.accumulate(end) if len(end) else end)
 
 
 def _cell_loads(s: np.ndarray, e: np.ndarray, cell: int, size: int) -> np.ndarray:
@@ -299,7 +312,7 @@ class _Plan:
     """One exchange: this rank's runs, every rank's runs inside this rank's shard, the buckets."""
 
     mine: _Runs  # flat coordinates, with local parameter and offset
-    peers: tuple[_Runs, ...]  # [world] runs of rank q inside this rank's shard
+    theirs: _Runs  # every rank's runs inside this rank's shard (see _their_runs)
     windows: tuple[tuple[int, int], ...]  # shard-relative [a, b) of each bucket
 
 
@@ -448,23 +461,20 @@ class ShardedOptimizer:
             got = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(got, mine, group=self.group)
             every = [g[:n].cpu().numpy() for g, n in zip(got, key[1::2])]
-        lo, hi = self._bounds()
         size = self.layout.shard_size
-        own = _runs(self.layout, rows, 0, self.layout.padded, own=True)
-        peers = tuple(_runs(self.layout, r, lo, hi, own=False) for r in every)
+        own, theirs = _own_runs(self.layout, rows), _their_runs(self.layout, every, self.rank)
         # per cell of the shard-relative space: the most any rank receives (from all owners) or sends (to all)
         cell = max(1, self.bucket_elems // (4 * world))
-        recv = [own.clip(r * size, (r + 1) * size)[:2] for r in range(world)]
-        load = np.maximum(
-            _cell_loads(np.concatenate([s - r * size for r, (s, _) in enumerate(recv)]),
-                        np.concatenate([e - r * size for r, (_, e) in enumerate(recv)]), cell, size),
-            _cell_loads(np.concatenate([p.start for p in peers]) - lo, np.concatenate([p.end for p in peers]) - lo,
-                        cell, size))
+        shards = np.arange(world, dtype=np.int64) * size
+        rs, re, _, rw = own.clip(shards, shards + size)
+        ts, te, _, tw = theirs.clip(shards, shards + size)
+        load = np.maximum(_cell_loads(rs - rw * size, re - rw * size, cell, size),
+                          _cell_loads(ts - tw * size, te - tw * size, cell, size))
         if self.distributed:
             t = torch.from_numpy(load).to(self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             load = t.cpu().numpy()
-        plan = _Plan(mine=own, peers=peers, windows=_windows(load, cell, size, self.bucket_elems))
+        plan = _Plan(mine=own, theirs=theirs, windows=_windows(load, cell, size, self.bucket_elems))
         if len(self._plans) >= _MAX_PLANS:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
@@ -474,18 +484,16 @@ class ShardedOptimizer:
     def _run(self, plan: _Plan, flats: list[torch.Tensor], *, push: bool) -> None:
         """Every bucket of ``plan``: a pull (owners -> slices) or a push (slices -> owners, summed)."""
         world, size = self.layout.world_size, self.layout.shard_size
-        lo = self.rank * size
+        shards = np.arange(world, dtype=np.int64) * size
         for a, b in plan.windows:
             # this rank's runs inside window [a, b) of every owner's shard, in owner (= flat) order
-            parts = [plan.mine.clip(r * size + a, r * size + b) for r in range(world)]
-            mine_n = [int((e - s).sum()) for s, e, _ in parts]
-            ms, me, mi = (np.concatenate(x) for x in zip(*parts))
+            ms, me, mi, mw = plan.mine.clip(shards + a, shards + b)
+            mine_n = np.bincount(mw, weights=me - ms, minlength=world).astype(np.int64).tolist()
             moff = np.cumsum(me - ms) - (me - ms)  # where each part sits in this rank's buffer
             # every rank's runs inside this rank's window, in rank order, shard-relative
-            theirs = [p.clip(lo + a, lo + b)[:2] for p in plan.peers]
-            peer_n = [int((e - s).sum()) for s, e in theirs]
-            ps = np.concatenate([s for s, _ in theirs]) - lo
-            pe = np.concatenate([e for _, e in theirs]) - lo
+            ps, pe, _, pw = plan.theirs.clip(shards + a, shards + b)
+            peer_n = np.bincount(pw, weights=pe - ps, minlength=world).astype(np.int64).tolist()
+            ps, pe = ps - pw * size, pe - pw * size
             mine = torch.empty(sum(mine_n), dtype=torch.float32, device=self.device)
             if push:
                 for j in np.unique(plan.mine.param[mi]).tolist():  # gradients of local param j -> send buffer
