@@ -439,8 +439,9 @@ class ShardedOptimizer:
         return np.array(rows, dtype=np.int64).reshape(-1, 3), tensors
 
     def _plan(self, rows: np.ndarray) -> _Plan:
-        """The cached exchange for every rank's current description (two small collectives per call,
-        one more plus one MAX all-reduce on a miss)."""
+        """The cached exchange for every rank's current description: one all-gather of 16 bytes per rank
+        per call; on a miss also one of the descriptions and a MAX all-reduce of the cell loads. The key
+        is every rank's (fingerprint, length), so all ranks hit or miss together."""
         fp = int.from_bytes(hashlib.blake2b(rows.tobytes(), digest_size=8).digest(), "little", signed=True)
         meta = torch.tensor([fp, len(rows)], dtype=torch.int64, device=self.device)
         world = self.layout.world_size
@@ -489,17 +490,19 @@ class ShardedOptimizer:
             # this rank's runs inside window [a, b) of every owner's shard, in owner (= flat) order
             ms, me, mi, mw = plan.mine.clip(shards + a, shards + b)
             mine_n = np.bincount(mw, weights=me - ms, minlength=world).astype(np.int64).tolist()
-            moff = np.cumsum(me - ms) - (me - ms)  # where each part sits in this rank's buffer
+            n = me - ms
+            moff = np.cumsum(n) - n  # where each part sits in this rank's buffer
+            mj = plan.mine.param[mi]  # ... in which local parameter
+            mloc = plan.mine.local[mi] + ms - plan.mine.start[mi]  # ... and where in it
             # every rank's runs inside this rank's window, in rank order, shard-relative
             ps, pe, _, pw = plan.theirs.clip(shards + a, shards + b)
             peer_n = np.bincount(pw, weights=pe - ps, minlength=world).astype(np.int64).tolist()
             ps, pe = ps - pw * size, pe - pw * size
             mine = torch.empty(sum(mine_n), dtype=torch.float32, device=self.device)
             if push:
-                for j in np.unique(plan.mine.param[mi]).tolist():  # gradients of local param j -> send buffer
-                    sel = plan.mine.param[mi] == j
-                    loc = plan.mine.local[mi[sel]] + ms[sel] - plan.mine.start[mi[sel]]
-                    _put(mine, moff[sel], moff[sel] + (me - ms)[sel], _take(flats[j], loc, loc + (me - ms)[sel]),
+                for j in np.unique(mj).tolist():  # gradients of local parameter j -> send buffer
+                    sel = mj == j
+                    _put(mine, moff[sel], moff[sel] + n[sel], _take(flats[j], mloc[sel], mloc[sel] + n[sel]),
                          add=False)
                 recv = torch.empty(sum(peer_n), dtype=torch.float32, device=self.device)
                 self._all_to_all(recv, peer_n, mine, mine_n)
@@ -509,10 +512,9 @@ class ShardedOptimizer:
             else:
                 send = _take(self.master, ps, pe)
                 self._all_to_all(mine, mine_n, send, peer_n)
-                for j in np.unique(plan.mine.param[mi]).tolist():  # receive buffer -> local param j
-                    sel = plan.mine.param[mi] == j
-                    loc = plan.mine.local[mi[sel]] + ms[sel] - plan.mine.start[mi[sel]]
-                    _put(flats[j], loc, loc + (me - ms)[sel], _take(mine, moff[sel], moff[sel] + (me - ms)[sel]),
+                for j in np.unique(mj).tolist():  # receive buffer -> local parameter j
+                    sel = mj == j
+                    _put(flats[j], mloc[sel], mloc[sel] + n[sel], _take(mine, moff[sel], moff[sel] + n[sel]),
                          add=False)
                 self.bytes_pulled += mine.numel() * 4
                 self.bytes_pull_sent += send.numel() * 4
