@@ -66,7 +66,11 @@ def _contributes(lp: LocalParam) -> bool:
     return lp.spec.tp_dim is not None or lp.tp_index == 0
 
 
-def _world(rank: int, world: int, bucket_elems: int) -> list[dict]:
+def _world(rank: int, world: int) -> dict[str, list[dict]]:
+    return {"small": _steps(rank, world, 7), "default": _steps(rank, world, 8 << 20)}
+
+
+def _steps(rank: int, world: int, bucket_elems: int) -> list[dict]:
     opt = ShardedOptimizer(FlatLayout(SPECS, world), iter(_init().items()), AdamWConfig(), rank=rank,
                            bucket_elems=bucket_elems)
     out = []
@@ -123,7 +127,8 @@ def _check(res: list[list[dict]], world: int) -> None:
 
 @pytest.mark.multirank
 def test_pull_push_move_exactly_the_slices() -> None:
-    small, default = run_distributed(_world, 4, 7, timeout=120), run_distributed(_world, 4, 8 << 20, timeout=120)
+    res = run_distributed(_world, 4, timeout=120)
+    small, default = [r["small"] for r in res], [r["default"] for r in res]
     _check(small, 4)
     _check(default, 4)
     # 7-element buckets: many collectives, never a buffer above the bound; the default: one per pull
