@@ -21,7 +21,7 @@ from balanced_loader.data.sources import Source
 from balanced_loader.materialize import cp_positions, materialize_group
 from balanced_loader.plan import Group
 from parallel_runtime.diagnostics.selfcheck import LayoutSpec, run_rank
-from parallel_runtime.engines import context as cp_module
+from parallel_runtime.engines import attention as attention_module
 from parallel_runtime.engines.attention import varlen_attention
 from parallel_runtime.engines.context import PackedLayout, UlyssesAttention, make_engine, shard_microbatch
 from parallel_runtime.groups import ProcessGroups
@@ -124,7 +124,7 @@ def _world4(rank: int, world: int) -> dict:
     topo = Topology.uniform(world)
     groups = ProcessGroups.build([topo], inner_sizes=[2])
     real_new_group = dist.new_group
-    tile_tokens = cp_module.TILE_TOKENS
+    tile_size = attention_module.TILE_SIZE
 
     def forbidden(*a, **kw):
         raise AssertionError("new_group called after ProcessGroups.build (hot path)")
@@ -134,12 +134,12 @@ def _world4(rank: int, world: int) -> dict:
         for kind, inner, overlap in (("ring", 1, True), ("ring", 1, False), ("ulysses", 4, True),
                                      ("nested", 2, True)):
             out[f"{kind}-{inner}-{overlap}"] = _engine_case(world, kind, inner, 8, 4, overlap, rank, groups)
-        cp_module.TILE_TOKENS = 6  # ring blocks cut into many tiles of whole segments
+        attention_module.TILE_SIZE = 5  # ring blocks cut into many tiles, across segment bounds
         for kind, inner in (("ring", 1), ("nested", 2)):
             out[f"{kind}-{inner}-tiled"] = _engine_case(world, kind, inner, 8, 4, True, rank, groups)
     finally:
         dist.new_group = real_new_group
-        cp_module.TILE_TOKENS = tile_tokens
+        attention_module.TILE_SIZE = tile_size
     # whole model, several layouts, in this one world
     specs = [LayoutSpec(world_size=4, tp=2, cp=2, engine="ring"),
              LayoutSpec(world_size=4, tp=1, cp=4, engine="ring", overlap=False, seed=1),
