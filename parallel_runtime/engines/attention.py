@@ -189,7 +189,7 @@ def _spans(doc: torch.Tensor, tile: int) -> _Spans:
     return _Spans(bounds=bounds, doc_lo=np.minimum.reduceat(d, starts), doc_hi=np.maximum.reduceat(d, starts))
 
 
-def _visible_tiles(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor, k_pos: torch.Tensor,
+def visible_tiles(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor, k_pos: torch.Tensor,
                    tile: int):
     """Per query tile ``(a, b, [(c, e, mask or None), ...])``: the key tiles it can see. Tiles whose doc
     ranges are disjoint or whose mask is all False are skipped (half the work of a causal block);
@@ -233,7 +233,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc: torc
     kh, vh = k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
     out = torch.zeros_like(q)
     lse = torch.full((tq, h), float("-inf"), dtype=q.dtype, device=q.device)
-    for a, b, row in _visible_tiles(q_doc, q_pos, k_doc, k_pos, tile):
+    for a, b, row in visible_tiles(q_doc, q_pos, k_doc, k_pos, tile):
         if not row:
             continue
         n = b - a
@@ -273,7 +273,7 @@ def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     kh, vh = k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)  # [Hkv, Tk, D]
-    for a, b, row in _visible_tiles(q_doc, q_pos, k_doc, k_pos, tile):
+    for a, b, row in visible_tiles(q_doc, q_pos, k_doc, k_pos, tile):
         if not row:
             continue
         n = b - a
