@@ -1,17 +1,21 @@
 """Local attention kernels on packed (varlen) batches: causal inside each doc, never across docs.
 
-Two families:
+Three families:
 
 * :func:`varlen_attention` -- the model's attention when a lane holds whole docs
   (``cu_seqlens`` marks them). Differentiable through torch autograd. Implementations:
   ``masked`` (one dense block-diagonal causal mask: the textbook formula, used as the
-  reference), ``loop`` (per-doc causal SDPA, CPU default), ``sdpa`` (SDPA with a dense mask,
-  CUDA fallback), ``flash`` (flash-attention varlen, CUDA default when installed and the
-  dtype is fp16/bf16).
-* :func:`block_forward` / :func:`block_backward` -- one (queries x keys) block with an
-  explicit mask, returning / consuming the log-sum-exp. Ring attention merges these blocks
-  with online softmax and runs the matching backward (the flash-attention identities), so
-  they are plain tensor functions, not autograd ops.
+  reference), ``loop`` (per-doc causal fused SDPA, CPU default), ``tiled`` (the tiled kernels
+  below), ``sdpa`` (SDPA with a dense mask, CUDA fallback), ``flash`` (flash-attention varlen,
+  CUDA default when installed and the dtype is fp16/bf16).
+* :func:`tiled_forward` / :func:`tiled_backward` -- one (queries x keys) block whose mask is
+  given by doc ids and positions, by online softmax over score tiles of at most
+  ``TILE_SIZE x TILE_SIZE`` (FlashAttention-2 on the CPU): the forward returns the
+  log-sum-exp, the backward recomputes each tile's probabilities from it. Tiles that see
+  nothing are skipped (causal costs about half). Memory: the inputs plus one tile. Ring
+  attention runs every block through these (or flash-attention on CUDA).
+* :func:`block_forward` / :func:`block_backward` -- the same with an explicit dense mask:
+  the reference the tiled kernels are tested against.
 
 Shapes: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]`` with ``H % Hkv == 0`` (grouped-query
 attention: query head ``h`` reads KV head ``h // (H // Hkv)``).

@@ -39,12 +39,13 @@ def flash_blocks_usable(q: torch.Tensor) -> bool:
 
 def _call(fn: Callable[..., Any], values: dict[str, Any]) -> Any:
     """Call ``fn`` with the entries of ``values`` its signature names (the rest keep their defaults)."""
-    params = inspect.signature(fn).parameters
+    # flash-attn >= 2.7 wraps these in torch custom ops: the signature is the wrapped function's
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in values
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if missing:
-        raise RuntimeError(f"this flash_attn version's {fn.__name__} needs {missing}; ring blocks support "
-                           f"flash-attn 2.x (uninstall it to use the tiled torch kernels)")
+        raise RuntimeError(f"this flash_attn version's {getattr(fn, '__name__', fn)} needs {missing}; ring "
+                           f"blocks support flash-attn 2.x (uninstall it to use the tiled torch kernels)")
     return fn(**{n: values[n] for n in params if n in values})
 
 
