@@ -2,12 +2,14 @@
 
 Each rank holds its lane's tokens in the zigzag ring layout (every segment ``[chunk j | chunk
 2r-1-j]``). K and V travel around the ring with asynchronous point-to-point ops posted before
-each step's compute; every step's (queries x keys) block runs through a kernel that returns the
-log-sum-exp (:func:`parallel_runtime.engines.attention.tiled_forward` by default, flash-attention's
-varlen kernels on CUDA, see :mod:`parallel_runtime.engines.flash`) and partial results merge by
-log-sum-exp. No block is ever materialized: memory grows linearly with tokens per lane. The
-backward re-runs the blocks with the final log-sum-exp and sends dK/dV around the ring behind
-K/V, so they end on their owner (r-1 hops each: twice the forward's bytes).
+each step's compute. Every step's (queries x keys) block runs through kernels that return the
+log-sum-exp, and partial results merge by log-sum-exp: on CPU torch's fused flash SDPA kernels
+per (query run x key run) piece when the block is a few long pieces, else
+:func:`parallel_runtime.engines.attention.tiled_forward` (the reference and fallback); on CUDA
+flash-attention's varlen kernels when installed (:mod:`parallel_runtime.engines.flash`). No block
+is ever materialized: memory grows linearly with tokens per lane. The backward re-runs the
+blocks with the final log-sum-exp and sends dK/dV around the ring behind K/V, so they end on
+their owner (r-1 hops each: twice the forward's bytes).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel_runtime.engines.attention import merge_block, tiled_backward, tiled_forward
+from parallel_runtime.engines.attention import (
+    Piece,
+    fused_block_backward,
+    fused_block_forward,
+    merge_block,
+    tiled_backward,
+    tiled_forward,
+)
 from parallel_runtime.engines.flash import flash_block_backward, flash_block_forward, flash_blocks_usable
 from parallel_runtime.engines.tensor import via_host
 
@@ -84,6 +93,9 @@ def post_p2p(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessG
     return wait
 
 
+FUSED_MIN_ROWS = 64  # CPU blocks whose pieces average this many query rows run the fused kernels
+
+
 @dataclass(frozen=True)
 class _Block:
     """One (queries x keys) block of a ring step: the rows of the segments where some query sees some
@@ -100,18 +112,55 @@ class _Block:
     max_q: int
     max_k: int
     causal: bool  # diagonal blocks: causal with bottom-right alignment on padded positions
+    pieces: tuple[Piece, ...] | None  # the fused CPU kernels' pieces (None: run the tiled kernel)
 
 
-def _make_block(q_rows: list[np.ndarray], k_rows: list[np.ndarray], q_pos: np.ndarray, q_seg: np.ndarray,
+Runs = list[tuple[int, int]]  # row ranges [lo, hi) of one segment, positions increasing, padding (-1) last
+
+
+def _piece(qp: np.ndarray, kp: np.ndarray) -> tuple[int, int, bool] | None | bool:
+    """(query rows, key rows, causal) of a run pair with the padding cut off; None if nothing is
+    visible; False if the pair is neither fully visible nor top-left causal (no fused piece)."""
+    nq, nk = int((qp >= 0).sum()), int((kp >= 0).sum())
+    if not nq or not nk:
+        return None
+    if not (np.array_equal(qp[:nq], qp[0] + np.arange(nq)) and np.array_equal(kp[:nk], kp[0] + np.arange(nk))):
+        return False
+    if kp[0] > qp[nq - 1]:
+        return None
+    if kp[nk - 1] <= qp[0]:
+        return nq, nk, False
+    return (nq, nk, True) if kp[0] == qp[0] else False
+
+
+def _make_block(q_runs: list[Runs], k_runs: list[Runs], q_pos: np.ndarray, q_seg: np.ndarray,
                 k_pos: np.ndarray, k_seg: np.ndarray, causal: bool, device: torch.device) -> _Block | None:
-    """The block over the segments (per-segment row lists) where a real query sees a real key; None if none."""
-    kept_q, kept_k = [], []
-    for qi, ki in zip(q_rows, k_rows):
+    """The block over the segments (run lists per segment) where a real query sees a real key; None if none."""
+    kept_q, kept_k, pieces = [], [], []
+    fusable = True
+    off_q = off_k = 0
+    for qr, kr in zip(q_runs, k_runs):
+        qi = np.concatenate([np.arange(a, b) for a, b in qr])
+        ki = np.concatenate([np.arange(a, b) for a, b in kr])
         qp, kp = q_pos[qi], k_pos[ki]
         qp, kp = qp[qp >= 0], kp[kp >= 0]
-        if len(qp) and len(kp) and kp.min() <= qp.max():
-            kept_q.append(qi)
-            kept_k.append(ki)
+        if not (len(qp) and len(kp) and kp.min() <= qp.max()):
+            continue
+        oq = off_q
+        for qa, qb in qr:
+            ok = off_k
+            for ka, kb in kr:
+                pc = _piece(q_pos[qa:qb], k_pos[ka:kb])
+                if pc is False:
+                    fusable = False
+                elif pc is not None:
+                    pieces.append((oq, oq + pc[0], ok, ok + pc[1], pc[2]))
+                ok += kb - ka
+            oq += qb - qa
+        kept_q.append(qi)
+        kept_k.append(ki)
+        off_q += len(qi)
+        off_k += len(ki)
     if not kept_q:
         return None
     qi, ki = np.concatenate(kept_q), np.concatenate(kept_k)
@@ -122,9 +171,10 @@ def _make_block(q_rows: list[np.ndarray], k_rows: list[np.ndarray], q_pos: np.nd
     def cu(parts: list[np.ndarray]) -> torch.Tensor:
         return t(np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int32))
 
+    fused = fusable and len(pieces) * FUSED_MIN_ROWS <= len(qi)  # few large pieces: the fused kernels pay off
     return _Block(q_rows=t(qi), k_rows=t(ki), q_doc=t(q_seg[qi]), q_pos=t(q_pos[qi]), k_doc=t(k_seg[ki]),
                   k_pos=t(k_pos[ki]), cu_q=cu(kept_q), cu_k=cu(kept_k), max_q=max(len(p) for p in kept_q),
-                  max_k=max(len(p) for p in kept_k), causal=causal)
+                  max_k=max(len(p) for p in kept_k), causal=causal, pieces=tuple(pieces) if fused else None)
 
 
 class RingPass:
@@ -148,14 +198,14 @@ class RingPass:
         self.r, self.j, self.group, self.ranks = r, j, group, ranks
         self.overlap, self.stats = overlap, stats
         starts = np.concatenate([[0], np.cumsum(2 * halves)[:-1]])  # [num_segments]
-        rows = {"all": [np.arange(a, a + 2 * h) for a, h in zip(starts, halves)],
-                "first": [np.arange(a, a + h) for a, h in zip(starts, halves)],
-                "second": [np.arange(a + h, a + 2 * h) for a, h in zip(starts, halves)]}
+        runs = {"all": [[(a, a + h), (a + h, a + 2 * h)] for a, h in zip(starts, halves)],
+                "first": [[(a, a + h)] for a, h in zip(starts, halves)],
+                "second": [[(a + h, a + 2 * h)] for a, h in zip(starts, halves)]}
         q_pos, q_seg = positions[j]
 
         def block(src: int, qsel: str, ksel: str, causal: bool) -> _Block | None:
             k_pos, k_seg = positions[src]
-            return _make_block(rows[qsel], rows[ksel], q_pos, q_seg, k_pos, k_seg, causal, device)
+            return _make_block(runs[qsel], runs[ksel], q_pos, q_seg, k_pos, k_seg, causal, device)
 
         self.diag_second = block(j, "second", "all", True)
         self.diag_first = block(j, "first", "first", True)
@@ -176,6 +226,8 @@ class RingPass:
         if flash_blocks_usable(q):
             o_b, l_b = flash_block_forward(qb, kb[:, :hkv], kb[:, hkv:], b.cu_q, b.cu_k, b.max_q, b.max_k,
                                            b.causal, scale)
+        elif b.pieces is not None and q.device.type == "cpu":
+            o_b, l_b = fused_block_forward(qb, kb[:, :hkv], kb[:, hkv:], b.pieces, scale)
         else:
             qb, kb = qb.to(out.dtype), kb.to(out.dtype)  # half inputs without flash: fp32 tiles
             o_b, l_b = tiled_forward(qb, kb[:, :hkv], kb[:, hkv:], b.q_doc, b.q_pos, b.k_doc, b.k_pos, scale)
@@ -194,6 +246,9 @@ class RingPass:
             dq_b, dk_b, dv_b = flash_block_backward(dob, qb, kb[:, :hkv], kb[:, hkv:], out.index_select(0, b.q_rows),
                                                     lse.index_select(0, b.q_rows), b.cu_q, b.cu_k, b.max_q,
                                                     b.max_k, b.causal, scale)
+        elif b.pieces is not None and q.device.type == "cpu":
+            dq_b, dk_b, dv_b = fused_block_backward(dob, qb, kb[:, :hkv], kb[:, hkv:], out.index_select(0, b.q_rows),
+                                                    lse.index_select(0, b.q_rows).to(q.dtype), b.pieces, scale)
         else:
             f = delta.dtype
             dq_b, dk_b, dv_b = tiled_backward(dob.to(f), qb.to(f), kb[:, :hkv].to(f), kb[:, hkv:].to(f),

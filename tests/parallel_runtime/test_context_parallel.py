@@ -22,6 +22,7 @@ from balanced_loader.materialize import cp_positions, materialize_group
 from balanced_loader.plan import Group
 from parallel_runtime.diagnostics.selfcheck import LayoutSpec, run_rank
 from parallel_runtime.engines import attention as attention_module
+from parallel_runtime.engines import ring as ring_module
 from parallel_runtime.engines.attention import varlen_attention
 from parallel_runtime.engines.context import PackedLayout, UlyssesAttention, make_engine, shard_microbatch
 from parallel_runtime.groups import ProcessGroups
@@ -124,7 +125,7 @@ def _world4(rank: int, world: int) -> dict:
     topo = Topology.uniform(world)
     groups = ProcessGroups.build([topo], inner_sizes=[2])
     real_new_group = dist.new_group
-    tile_size = attention_module.TILE_SIZE
+    tile_size, fused_min_rows = attention_module.TILE_SIZE, ring_module.FUSED_MIN_ROWS
 
     def forbidden(*a, **kw):
         raise AssertionError("new_group called after ProcessGroups.build (hot path)")
@@ -137,9 +138,13 @@ def _world4(rank: int, world: int) -> dict:
         attention_module.TILE_SIZE = 5  # ring blocks cut into many tiles, across segment bounds
         for kind, inner in (("ring", 1), ("nested", 2)):
             out[f"{kind}-{inner}-tiled"] = _engine_case(world, kind, inner, 8, 4, True, rank, groups)
+        ring_module.FUSED_MIN_ROWS = 0  # every block through the fused CPU kernels, piece by piece
+        for kind, inner in (("ring", 1), ("nested", 2)):
+            out[f"{kind}-{inner}-fused"] = _engine_case(world, kind, inner, 8, 4, True, rank, groups)
     finally:
         dist.new_group = real_new_group
         attention_module.TILE_SIZE = tile_size
+        ring_module.FUSED_MIN_ROWS = fused_min_rows
     # whole model, several layouts, in this one world
     specs = [LayoutSpec(world_size=4, tp=2, cp=2, engine="ring"),
              LayoutSpec(world_size=4, tp=1, cp=4, engine="ring", overlap=False, seed=1),
@@ -176,16 +181,20 @@ LONG = (1500, 3, 545)  # the 1500-token doc spans several 128-row tiles on every
 def _world4_long(rank: int, world: int) -> dict:
     topo = Topology.uniform(world)
     groups = ProcessGroups.build([topo], inner_sizes=[2])
-    tile_size = attention_module.TILE_SIZE
+    tile_size, fused_min_rows = attention_module.TILE_SIZE, ring_module.FUSED_MIN_ROWS
     attention_module.TILE_SIZE = 128
     try:
         out = {f"{kind}-{inner}": _engine_case(world, kind, inner, 4, 2, True, rank, groups, LONG)
-               for kind, inner in (("ring", 1), ("nested", 2))}
+               for kind, inner in (("ring", 1), ("nested", 2))}  # long pieces: the fused CPU kernels
+        ring_module.FUSED_MIN_ROWS = 10**9  # the tiled kernels, several tiles per block
+        out.update({f"{kind}-{inner}-tiled": _engine_case(world, kind, inner, 4, 2, True, rank, groups, LONG)
+                    for kind, inner in (("ring", 1), ("nested", 2))})
         # the whole model: one 1200-token doc per CP group of 2 (two groups), peak memory reported
         out["model"] = run_rank(rank, world, LayoutSpec(world_size=4, cp=2, engine="ring", doc_tokens=1200,
                                                         docs_per_group=1, microbatches=1, seed=12))
     finally:
         attention_module.TILE_SIZE = tile_size
+        ring_module.FUSED_MIN_ROWS = fused_min_rows
     return out
 
 
@@ -193,7 +202,7 @@ def _world4_long(rank: int, world: int) -> dict:
 def test_ring_and_nested_on_a_doc_spanning_many_tiles() -> None:
     results = run_distributed(_world4_long, 4, timeout=240)
     for rank, res in enumerate(results):
-        for name in ("ring-1", "nested-2"):
+        for name in ("ring-1", "nested-2", "ring-1-tiled", "nested-2-tiled"):
             assert res[name]["err"] < 1e-10, (rank, name, res[name]["err"])
     check = results[0]["model"]
     assert check["ok"], check

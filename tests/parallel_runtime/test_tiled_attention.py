@@ -105,3 +105,32 @@ def test_causal_tiles_above_the_diagonal_and_across_docs_are_skipped() -> None:
     # a fully visible tile carries no mask (none is applied), the diagonal one carries its mask
     row = dict((a, r) for a, _, r in visible_tiles(doc, pos, doc, pos, 20))[20]
     assert [m is None for _, _, m in row] == [True, False]
+
+
+@pytest.mark.parametrize(("lengths", "degree", "fused"), [((1500, 3, 545), 2, True), ((1500, 3, 545), 3, True),
+                                                         ((1, 9, 16, 2, 23, 5), 2, False)])
+def test_ring_block_pieces_cover_exactly_the_visible_pairs(lengths: tuple[int, ...], degree: int,
+                                                           fused: bool) -> None:
+    # the fused CPU kernels see a block as pieces (fully visible, or causal from a shared first
+    # position): their union must be the block's doc/position mask, padding excluded
+    from parallel_runtime.engines.context import PackedLayout
+    from parallel_runtime.engines.ring import FUSED_MIN_ROWS, CommStats, RingPass
+
+    lay = PackedLayout(lengths=lengths, degree=degree)
+    positions = [lay.ring_positions(s) for s in range(degree)]
+    for j in range(degree):
+        ring = RingPass(positions, lay.padded // (2 * degree), j, None, tuple(range(degree)), True, CommStats(),
+                        torch.device("cpu"))
+        blocks = [b for b in (ring.diag_second, ring.diag_first, *ring.off) if b is not None]
+        assert blocks
+        for b in blocks:
+            want = causal_doc_mask(b.q_doc, b.q_pos, b.k_doc, b.k_pos)
+            if b.pieces is None:
+                assert not fused
+                continue
+            assert fused and len(b.pieces) * FUSED_MIN_ROWS <= len(b.q_rows)
+            got = torch.zeros_like(want)
+            for qa, qb, ka, kb, causal in b.pieces:
+                part = torch.ones(qb - qa, kb - ka, dtype=torch.bool)
+                got[qa:qb, ka:kb] |= torch.tril(part) if causal else part
+            assert torch.equal(got, want)
