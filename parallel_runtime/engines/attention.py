@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from parallel_runtime.engines.flash import flash_available
 
-_flash_available = flash_available  # the name tools/bench_cp.py imports
 
 IMPLS = ("auto", "masked", "loop", "sdpa", "flash", "tiled")
 
@@ -69,7 +68,7 @@ def resolve_impl(impl: str, q: torch.Tensor) -> str:
     if impl != "auto":
         return impl
     if q.is_cuda:
-        return "flash" if q.dtype in (torch.float16, torch.bfloat16) and _flash_available() else "sdpa"
+        return "flash" if q.dtype in (torch.float16, torch.bfloat16) and flash_available() else "sdpa"
     return "loop"  # per-doc work (sum of L^2), not one dense T x T mask
 
 
