@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from parallel_runtime.engines.flash import flash_available
 
-
 IMPLS = ("auto", "masked", "loop", "sdpa", "flash", "tiled")
 
 
