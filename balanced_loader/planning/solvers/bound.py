@@ -16,7 +16,8 @@ All terms hold for any plan that keeps each item one segment (every policy does)
   classes, each class within its token and time capacity; the least ``T`` for which this LP is
   feasible (bisection, HiGHS) is a bound. Unlike the area term it charges the ``beta`` of a
   second pass to the lanes that need one. Docs are merged into at most ``BUCKETS`` density
-  buckets, each at its lowest work per token (a further relaxation, so still a bound).
+  buckets, each at its lowest work per token, and the lanes with ``g >= CLASSES`` groups into one
+  class without a token limit (further relaxations, so still a bound).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import numpy as np
 
 from balanced_loader.cost import CostModel, ShapeCost
 
-BUCKETS = 96  # density buckets of the passes LP
+BUCKETS = 128  # density buckets of the passes LP
+CLASSES = 6  # lane classes g = 1 .. CLASSES - 1 exactly; the last one stands for every g >= CLASSES
 REL_TOL = 1e-3  # bisection stops when the bracket is this tight (the lower end is returned)
 
 
@@ -79,9 +81,10 @@ def _passes_feasible(work: np.ndarray, tokens: np.ndarray, u: float, beta: float
     ``g = 0 .. floor(u / beta)`` (``g`` groups: ``g * cap`` tokens, ``u - g * beta`` ms each)?"""
     from scipy.optimize import linprog  # scipy: loaded only when the bound is asked for
 
-    top = int(u // beta)
-    if top < 1:
+    most = int(u // beta)
+    if most < 1:
         return False
+    top = min(most, CLASSES)  # class ``top`` < most: every g >= top, no token limit (a relaxation)
     k = len(work)
     nv = k * top + top  # y[b, g-1] then x[g-1] (class 0 is the slack of the lane count)
     a_eq = np.zeros((k, nv))
@@ -92,10 +95,12 @@ def _passes_feasible(work: np.ndarray, tokens: np.ndarray, u: float, beta: float
         t = np.zeros(nv)
         t[np.arange(k) * top + g - 1] = work
         t[k * top + g - 1] = -(u - g * beta)
-        m = np.zeros(nv)
-        m[np.arange(k) * top + g - 1] = tokens
-        m[k * top + g - 1] = -g * cap
-        rows += [t, m]
+        rows.append(t)
+        if g < top or top == most:
+            m = np.zeros(nv)
+            m[np.arange(k) * top + g - 1] = tokens
+            m[k * top + g - 1] = -g * cap
+            rows.append(m)
     count = np.zeros(nv)
     count[k * top:] = 1.0
     a_ub = np.vstack([*rows, count])
