@@ -68,6 +68,9 @@ class Pool:
     pp: int
     ranks: tuple[tuple[int, ...], ...]  # [pp][num_lanes * tp]; lane l, tp index t -> ranks[s][l*tp+t]
     microbatches: tuple[tuple[Group, ...], ...]  # [num_microbatches][groups]
+    # [num_barriers] sorted microbatch indices k: before microbatch k every lane of the pool waits until all
+    # its lanes are free (a barrier over the pool's ranks; Megatron-Core's hybrid CP has one after each round)
+    barriers: tuple[int, ...] = ()
 
     @property
     def num_lanes(self) -> int:
@@ -104,13 +107,28 @@ class Pool:
                         raise ValueError(f"{gw}: lane {lane} is in two groups of one microbatch")
                     used.add(lane)
 
+    def check_barriers(self, where: str) -> None:
+        """ValueError unless the barriers are sorted, unique and each ``0 < k < num_microbatches``."""
+        nm = len(self.microbatches)
+        prev = 0
+        for k in self.barriers:
+            if not 0 < k < nm:
+                raise ValueError(f"{where}: barrier before microbatch {k} is outside 1..{nm - 1} "
+                                 f"(a barrier must fall between two of the pool's {nm} microbatches)")
+            if k <= prev:
+                raise ValueError(f"{where}: barriers must be sorted and unique, got {list(self.barriers)}")
+            prev = k
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "tp": self.tp,
             "pp": self.pp,
             "ranks": [list(r) for r in self.ranks],
             "microbatches": [[g.to_json() for g in mb] for mb in self.microbatches],
         }
+        if self.barriers:  # only when present: plans without barriers keep their bytes and fingerprints
+            d["barriers"] = list(self.barriers)
+        return d
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Pool:
@@ -119,6 +137,7 @@ class Pool:
             pp=int(d["pp"]),
             ranks=tuple(tuple(int(x) for x in r) for r in d["ranks"]),
             microbatches=tuple(tuple(Group.from_json(g) for g in mb) for mb in d["microbatches"]),
+            barriers=tuple(int(k) for k in d.get("barriers", ())),
         )
 
 
@@ -230,6 +249,7 @@ class StepPlan:
                 if cap <= 0:
                     raise ValueError(f"{pw}: shape is marked unusable (max_tokens_per_lane: 0)")
             pool.check_lanes(pw)
+            pool.check_barriers(pw)
             for k, mb in enumerate(pool.microbatches):
                 for gi, g in enumerate(mb):
                     gw = f"{pw}, microbatch {k}, group {gi}"

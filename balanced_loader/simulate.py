@@ -5,7 +5,10 @@ Definitions (all times in ms, one step, ``W`` = world size, ``T`` = step time):
 * **group time** ``t(g)``: contract 2, ``microbatch_ms + sum_s ((q*s^2 + l*s)/d + [d>1]*comm(s, d))``.
 * **lane busy time** ``b(l)``: the sum of ``t(g) / pp`` over the groups that include lane ``l``.
   Every rank of a lane (its ``tp`` ranks at each of the ``pp`` stages) is busy for ``b(l)``.
-* **lane finish**: the contract-2 execution order (a group starts when all its lanes are free).
+* **lane finish**: the contract-2 execution order (a group starts when all its lanes are free; at a
+  pool barrier ``k``, before microbatch ``k`` every lane of the pool waits for the last of them).
+* **barrier wait** ``w(l)``: the time lane ``l`` spends waiting at its pool's barriers (contract 1's
+  ``barriers``); **barrier_idle** = ``sum_r w(r) / (W * T)``, a part of ``pp_bubble`` and ``idle``.
 * **pool makespan** ``M(p)`` = :func:`pool_ms`: last lane finish plus pipeline fill
   and drain ``(pp - 1) * max_g t(g) / pp``. **Step time** ``T = max_p M(p)`` = :func:`step_ms`.
 * **pp_bubble of a pool** = ``1 - sum_{ranks r of p} busy(r) / (N(p) * M(p)) = 1 - mean_l b(l) / M(p)``
@@ -55,17 +58,35 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------
 
 
+NO_BARRIERS = np.zeros(0, dtype=np.int64)  # [0] int64: a pool without barriers
+NO_BARRIERS.flags.writeable = False
+
+
 @njit(cache=True)
 def lane_schedule(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarray, pp: int,
-                  num_lanes: int) -> tuple[np.ndarray, np.ndarray]:
+                  num_lanes: int, barrier_g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Contract-2 execution of one pool's groups in order.
 
-    ``lane_ptr`` ``[G + 1]`` offsets into ``lanes`` ``[sum of degrees]``; ``group_ms`` ``[G]``.
-    Returns ``(finish [num_lanes], busy [num_lanes])`` in ms (one stage's share).
+    ``lane_ptr`` ``[G + 1]`` offsets into ``lanes`` ``[sum of degrees]``; ``group_ms`` ``[G]``;
+    ``barrier_g`` ``[B]`` sorted group indices: before group ``barrier_g[i]`` every lane waits for
+    the last one (a pool barrier; ``G`` means after the last group).
+    Returns ``(finish [num_lanes], busy [num_lanes], barrier wait [num_lanes])`` in ms (one stage's share).
     """
     finish = np.zeros(num_lanes, dtype=np.float64)
     busy = np.zeros(num_lanes, dtype=np.float64)
-    for g in range(group_ms.shape[0]):
+    wait = np.zeros(num_lanes, dtype=np.float64)
+    nb = barrier_g.shape[0]
+    bi = 0
+    for g in range(group_ms.shape[0] + 1):
+        while bi < nb and barrier_g[bi] <= g:
+            # a barrier: every lane of the pool starts its next group when the last lane is free
+            top = finish.max()
+            for x in range(num_lanes):
+                wait[x] += top - finish[x]
+                finish[x] = top
+            bi += 1
+        if g == group_ms.shape[0]:
+            break
         a = lane_ptr[g]
         b = lane_ptr[g + 1]
         # a group starts once the last of its lanes is free, then holds all of them for one stage's share
@@ -77,22 +98,33 @@ def lane_schedule(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarray,
         for j in range(a, b):
             finish[lanes[j]] = start + t
             busy[lanes[j]] += t
-    return finish, busy
+    return finish, busy, wait
 
 
 def lane_schedule_py(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarray, pp: int,
-                     num_lanes: int) -> tuple[np.ndarray, np.ndarray]:
+                     num_lanes: int, barrier_g: np.ndarray | Sequence[int] = ()
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pure-Python reference of :func:`lane_schedule`."""
     finish = [0.0] * num_lanes
     busy = [0.0] * num_lanes
-    for g in range(len(group_ms)):
+    wait = [0.0] * num_lanes
+    bars = [int(x) for x in barrier_g]
+    ng = len(group_ms)
+    for g in range(ng + 1):
+        for _ in range(bars.count(g)):  # barrier_g holds values in 0..G
+            top = max(finish)
+            wait = [w + top - f for w, f in zip(wait, finish)]
+            finish = [top] * num_lanes
+        if g == ng:
+            break
         ls = [int(x) for x in lanes[lane_ptr[g]:lane_ptr[g + 1]]]
         start = max([0.0] + [finish[x] for x in ls])
         t = float(group_ms[g]) / pp
         for x in ls:
             finish[x] = start + t
             busy[x] += t
-    return np.asarray(finish, dtype=np.float64), np.asarray(busy, dtype=np.float64)
+    return (np.asarray(finish, dtype=np.float64), np.asarray(busy, dtype=np.float64),
+            np.asarray(wait, dtype=np.float64))
 
 
 def makespan_ms(finish: np.ndarray, gmax: float, pp: int) -> float:
@@ -102,9 +134,10 @@ def makespan_ms(finish: np.ndarray, gmax: float, pp: int) -> float:
 
 
 def placed_pool_ms(lanes_of: Sequence[Sequence[int]], group_ms: Sequence[float] | np.ndarray, pp: int,
-                   num_lanes: int) -> float:
+                   num_lanes: int, barrier_groups: Sequence[int] = ()) -> float:
     """Contract-2 time of a pool's groups in execution order: group ``g`` on lanes ``lanes_of[g]``
-    taking ``group_ms[g]`` (for planners whose groups are not yet a :class:`Pool`)."""
+    taking ``group_ms[g]`` (for planners whose groups are not yet a :class:`Pool`); a barrier before
+    each group index of ``barrier_groups`` (sorted)."""
     gms = np.asarray(group_ms, dtype=np.float64)  # [G]
     if gms.size == 0:
         return 0.0
@@ -112,7 +145,8 @@ def placed_pool_ms(lanes_of: Sequence[Sequence[int]], group_ms: Sequence[float] 
     lane_ptr = np.zeros(len(degree) + 1, dtype=np.int64)  # [G + 1]
     np.cumsum(degree, out=lane_ptr[1:])
     lanes = np.fromiter(itertools.chain.from_iterable(lanes_of), dtype=np.int64, count=int(lane_ptr[-1]))
-    finish, _ = lane_schedule(lane_ptr, lanes, gms, pp, num_lanes)
+    bars = np.asarray(barrier_groups, dtype=np.int64) if len(barrier_groups) else NO_BARRIERS  # [B]
+    finish, _, _ = lane_schedule(lane_ptr, lanes, gms, pp, num_lanes, bars)
     return makespan_ms(finish, float(gms.max()), pp)
 
 
@@ -137,6 +171,19 @@ def solo_stage_ms(sc: ShapeCost, lengths: np.ndarray, fixed_ms: float | np.ndarr
 # ---------------------------------------------------------------------------------------------
 
 
+def barrier_groups(microbatches: Sequence[Sequence[Any]], barriers: Sequence[int]) -> np.ndarray:
+    """``[B]`` int64: for each barrier ``k`` (before microbatch ``k``), the number of groups in
+    microbatches ``0 .. k - 1`` (the index of the first group it holds back)."""
+    if not len(barriers):
+        return NO_BARRIERS
+    sizes = np.fromiter(map(len, microbatches), dtype=np.int64, count=len(microbatches))  # [num_microbatches]
+    first = np.concatenate(([0], np.cumsum(sizes)))  # [num_microbatches + 1]
+    k = np.asarray(barriers, dtype=np.int64)  # [B]
+    if k.size and (k.min() < 0 or k.max() > len(sizes) or np.any(np.diff(k) <= 0)):
+        raise ValueError(f"barriers {list(barriers)} must be sorted, unique and within 0..{len(sizes)}")
+    return first[k]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PoolArrays:
     """A pool's groups in execution order, flattened."""
@@ -146,20 +193,25 @@ class PoolArrays:
     lanes: np.ndarray  # [sum degree] lane indices
     seg_ptr: np.ndarray  # [G + 1] offsets into seg_len
     seg_len: np.ndarray  # [S] float64 segment lengths (tokens)
+    barrier_g: np.ndarray  # [B] group index of each barrier (groups before its microbatch)
 
     @staticmethod
     def from_pool(pool: Pool) -> PoolArrays:
         groups = [g for mb in pool.microbatches for g in mb]
-        return PoolArrays._build([g.lanes for g in groups], [g.segments for g in groups])
+        return PoolArrays._build([g.lanes for g in groups], [g.segments for g in groups],
+                                 barrier_groups(pool.microbatches, pool.barriers))
 
     @staticmethod
     def from_json(pool: dict[str, Any]) -> PoolArrays:
         """From a pool's plan-JSON mapping, without building dataclasses (the fast path)."""
-        groups = [g for mb in pool["microbatches"] for g in mb]
-        return PoolArrays._build([g["lanes"] for g in groups], [g["segments"] for g in groups])
+        mbs = pool["microbatches"]
+        groups = [g for mb in mbs for g in mb]
+        return PoolArrays._build([g["lanes"] for g in groups], [g["segments"] for g in groups],
+                                 barrier_groups(mbs, pool.get("barriers", ())))
 
     @staticmethod
-    def _build(lanes_of: list[Sequence[int]], segments_of: list[Sequence[Sequence[int]]]) -> PoolArrays:
+    def _build(lanes_of: list[Sequence[int]], segments_of: list[Sequence[Sequence[int]]],
+               barrier_g: np.ndarray = NO_BARRIERS) -> PoolArrays:
         # CSR layout: group g's lanes are lanes[lane_ptr[g]:lane_ptr[g+1]], its segment lengths
         # seg_len[seg_ptr[g]:seg_ptr[g+1]]; fromiter with a count fills each array in one pass
         n = len(lanes_of)
@@ -172,7 +224,8 @@ class PoolArrays:
         np.cumsum(degree, out=lane_ptr[1:])
         seg_ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(nseg, out=seg_ptr[1:])
-        return PoolArrays(degree=degree, lane_ptr=lane_ptr, lanes=lanes, seg_ptr=seg_ptr, seg_len=seg_len)
+        return PoolArrays(degree=degree, lane_ptr=lane_ptr, lanes=lanes, seg_ptr=seg_ptr, seg_len=seg_len,
+                          barrier_g=barrier_g)
 
     def group_ms(self, sc: ShapeCost) -> np.ndarray:
         """Contract-2 time of every group, ``[G]`` ms (``ShapeCost.segment_ms`` per segment, summed per group)."""
@@ -183,11 +236,12 @@ class PoolArrays:
         group_of_seg = np.repeat(np.arange(n, dtype=np.int64), nseg)  # [S]
         return sc.microbatch_ms + np.bincount(group_of_seg, weights=seg, minlength=n)
 
-    def schedule(self, sc: ShapeCost, pp: int, num_lanes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(group_ms [G], finish [num_lanes], busy [num_lanes])``: the pool's contract-2 lane schedule."""
+    def schedule(self, sc: ShapeCost, pp: int, num_lanes: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(group_ms [G], finish, busy, barrier wait [num_lanes])``: the pool's contract-2 lane schedule."""
         gms = self.group_ms(sc)
-        finish, busy = lane_schedule(self.lane_ptr, self.lanes, gms, pp, num_lanes)
-        return gms, finish, busy
+        finish, busy, wait = lane_schedule(self.lane_ptr, self.lanes, gms, pp, num_lanes, self.barrier_g)
+        return gms, finish, busy, wait
 
     def attention_tokens2(self) -> float:
         """Sum of squared segment lengths (for attention FLOPs)."""
@@ -211,13 +265,25 @@ class PoolMetrics:
     lane_finish_ms: np.ndarray  # [num_lanes]
     max_group_ms: float
     tokens: int
+    lane_barrier_ms: np.ndarray  # [num_lanes] time each lane waits at the pool's barriers
+    barriers: int = 0  # number of barriers of the pool
+
+    @property
+    def barrier_idle(self) -> float:
+        """Share of the pool's rank-time spent waiting at its barriers (part of ``pp_bubble``)."""
+        w = self.lane_barrier_ms
+        return float(w.mean()) / self.makespan_ms if self.makespan_ms > 0 and w.size else 0.0
 
     def to_json(self) -> dict[str, Any]:
         busy = self.lane_busy_ms
         mean = float(busy.mean()) if busy.size else 0.0
-        return {"tp": self.tp, "pp": self.pp, "lanes": self.num_lanes, "ranks": self.num_ranks,
-                "makespan_ms": self.makespan_ms, "pp_bubble": self.pp_bubble,
-                "skew": float(busy.max() / mean) if mean > 0 else 1.0, "tokens": self.tokens}
+        d = {"tp": self.tp, "pp": self.pp, "lanes": self.num_lanes, "ranks": self.num_ranks,
+             "makespan_ms": self.makespan_ms, "pp_bubble": self.pp_bubble,
+             "skew": float(busy.max() / mean) if mean > 0 else 1.0, "tokens": self.tokens}
+        if self.barriers:
+            d["barriers"] = self.barriers
+            d["barrier_idle"] = self.barrier_idle
+        return d
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -235,12 +301,14 @@ class StepMetrics:
     plan_seconds: float
     rank_busy_ms: np.ndarray  # [world_size]
     pools: tuple[PoolMetrics, ...]
+    rank_barrier_ms: np.ndarray  # [world_size] time each rank waits at barriers
+    barrier_idle: float = 0.0  # share of all rank-time spent waiting at barriers (part of pp_bubble, idle)
 
     def to_json(self, *, pools: bool = True) -> dict[str, Any]:
         d: dict[str, Any] = {
             "step": self.step, "step_ms": self.step_ms, "pp_bubble": self.pp_bubble,
-            "dp_bubble": self.dp_bubble, "idle": self.idle, "skew": self.skew, "tokens": self.tokens,
-            "tokens_per_s": self.tokens_per_s, "plan_seconds": self.plan_seconds,
+            "dp_bubble": self.dp_bubble, "idle": self.idle, "barrier_idle": self.barrier_idle, "skew": self.skew,
+            "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "plan_seconds": self.plan_seconds,
         }
         if self.mfu is not None:
             d["mfu"] = self.mfu
@@ -258,15 +326,17 @@ def _pool_metrics(tp: int, pp: int, ranks: np.ndarray, arr: PoolArrays,
     if len(arr.degree) == 0:
         z = np.zeros(nl, dtype=np.float64)
         return PoolMetrics(tp=tp, pp=pp, num_lanes=nl, num_ranks=nranks, makespan_ms=0.0, pp_bubble=0.0,
-                           lane_busy_ms=z, lane_finish_ms=z.copy(), max_group_ms=0.0, tokens=0), 0.0
+                           lane_busy_ms=z, lane_finish_ms=z.copy(), max_group_ms=0.0, tokens=0,
+                           lane_barrier_ms=z.copy(), barriers=len(arr.barrier_g)), 0.0
     if int(arr.lanes.min()) < 0 or int(arr.lanes.max()) >= nl:
         raise ValueError(f"pool tp={tp} pp={pp}: a group uses a lane outside 0..{nl - 1}")
-    gms, finish, busy = arr.schedule(sc, pp, nl)  # [G], [nl], [nl]
+    gms, finish, busy, wait = arr.schedule(sc, pp, nl)  # [G], [nl], [nl], [nl]
     gmax = float(gms.max())
     makespan = makespan_ms(finish, gmax, pp)
     ppb = 1.0 - float(busy.mean()) / makespan if makespan > 0 else 0.0
     pm = PoolMetrics(tp=tp, pp=pp, num_lanes=nl, num_ranks=nranks, makespan_ms=makespan, pp_bubble=ppb,
-                     lane_busy_ms=busy, lane_finish_ms=finish, max_group_ms=gmax, tokens=int(arr.seg_len.sum()))
+                     lane_busy_ms=busy, lane_finish_ms=finish, max_group_ms=gmax, tokens=int(arr.seg_len.sum()),
+                     lane_barrier_ms=wait, barriers=len(arr.barrier_g))
     return pm, arr.attention_tokens2()
 
 
@@ -281,6 +351,7 @@ def _step_metrics(step: int, world_size: int, plan_seconds: float,
     w = world_size
     pools: list[PoolMetrics] = []
     rank_busy = np.zeros(w, dtype=np.float64)  # [world_size]
+    rank_wait = np.zeros(w, dtype=np.float64)  # [world_size]
     tokens2 = 0.0
     for tp, pp, ranks, arr in pools_in:
         pm, t2 = _pool_metrics(tp, pp, ranks, arr, cost)
@@ -291,23 +362,26 @@ def _step_metrics(step: int, world_size: int, plan_seconds: float,
                 raise ValueError(f"step {step}: pool tp={tp} pp={pp} has a rank outside 0..{w - 1}")
             # ranks is [pp][lanes * tp]: every tp rank of a lane, at every stage, is busy as long as the lane
             rank_busy[ranks] = np.repeat(pm.lane_busy_ms, tp)[None, :]
+            rank_wait[ranks] = np.repeat(pm.lane_barrier_ms, tp)[None, :]
     step_ms = max((p.makespan_ms for p in pools), default=0.0)
     tokens = sum(p.tokens for p in pools)
     if step_ms > 0:
         pp_bubble = sum(p.num_ranks * p.pp_bubble for p in pools) / w
         dp_bubble = 1.0 - sum(p.num_ranks * p.makespan_ms for p in pools) / (w * step_ms)
         idle = 1.0 - float(rank_busy.sum()) / (w * step_ms)
+        barrier_idle = float(rank_wait.sum()) / (w * step_ms)
         skew = float(rank_busy.max()) / float(rank_busy.mean())
         tps = tokens / (step_ms / 1e3)
     else:
-        pp_bubble = dp_bubble = idle = 0.0
+        pp_bubble = dp_bubble = idle = barrier_idle = 0.0
         skew, tps = 1.0, 0.0
     mfu = None
     if model is not None and hardware is not None and step_ms > 0:
         mfu = model_flops(model, tokens, tokens2) / (step_ms / 1e3 * w * hardware.peak_tflops * 1e12)
     return StepMetrics(step=step, world_size=w, step_ms=step_ms, pp_bubble=pp_bubble, dp_bubble=dp_bubble,
                        idle=idle, skew=skew, tokens=tokens, tokens_per_s=tps, mfu=mfu,
-                       plan_seconds=plan_seconds, rank_busy_ms=rank_busy, pools=tuple(pools))
+                       plan_seconds=plan_seconds, rank_busy_ms=rank_busy, pools=tuple(pools),
+                       rank_barrier_ms=rank_wait, barrier_idle=barrier_idle)
 
 
 def _ranks(ranks: Sequence[Sequence[int]]) -> np.ndarray:
@@ -331,7 +405,7 @@ def simulate_step_json(step: dict[str, Any], world_size: int, cost: CostModel, *
         pools = [(int(p["tp"]), int(p["pp"]), _ranks(p["ranks"]), PoolArrays.from_json(p)) for p in step["pools"]]
         return _step_metrics(int(step["step"]), world_size, float(step.get("plan_seconds", 0.0)), pools, cost,
                              model, hardware)
-    except (KeyError, TypeError, IndexError) as e:
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
         raise ValueError(f"malformed plan step: {type(e).__name__}: {e}") from None
 
 
@@ -340,7 +414,7 @@ def lane_finish_ms(pool: Pool, cost: CostModel) -> tuple[np.ndarray, float]:
     arr = PoolArrays.from_pool(pool)
     if len(arr.degree) == 0:
         return np.zeros(pool.num_lanes, dtype=np.float64), 0.0
-    gms, finish, _ = arr.schedule(cost.shape(pool.tp, pool.pp), pool.pp, pool.num_lanes)
+    gms, finish, _, _ = arr.schedule(cost.shape(pool.tp, pool.pp), pool.pp, pool.num_lanes)
     return finish, float(gms.max())
 
 
@@ -392,7 +466,7 @@ def summarize(metrics: Sequence[StepMetrics]) -> dict[str, float]:
     """Totals and means over steps: time-weighted throughput, arithmetic means of the ratios."""
     if not metrics:
         return {"steps": 0, "total_ms": 0.0, "mean_step_ms": 0.0, "pp_bubble": 0.0, "dp_bubble": 0.0,
-                "idle": 0.0, "skew": 1.0, "tokens_per_s": 0.0, "mean_plan_ms": 0.0}
+                "idle": 0.0, "barrier_idle": 0.0, "skew": 1.0, "tokens_per_s": 0.0, "mean_plan_ms": 0.0}
     total = sum(m.step_ms for m in metrics)
     tokens = sum(m.tokens for m in metrics)
     n = len(metrics)
@@ -403,6 +477,7 @@ def summarize(metrics: Sequence[StepMetrics]) -> dict[str, float]:
         "pp_bubble": sum(m.pp_bubble for m in metrics) / n,
         "dp_bubble": sum(m.dp_bubble for m in metrics) / n,
         "idle": sum(m.idle for m in metrics) / n,
+        "barrier_idle": sum(m.barrier_idle for m in metrics) / n,
         "skew": sum(m.skew for m in metrics) / n,
         "tokens_per_s": tokens / (total / 1e3) if total > 0 else 0.0,
         "mean_plan_ms": 1e3 * sum(m.plan_seconds for m in metrics) / n,

@@ -61,6 +61,7 @@ class Outcome:
     skew: float = float("nan")
     idle: float = float("nan")
     plan_ms: float = float("nan")
+    vs_bound: float = float("nan")  # total time / total step-time lower bound
     error: str | None = None
 
     @property
@@ -69,7 +70,7 @@ class Outcome:
 
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "step_ms": self.step_ms, "skew": self.skew, "idle": self.idle,
-                "plan_ms": self.plan_ms, "error": self.error}
+                "plan_ms": self.plan_ms, "vs_bound": self.vs_bound, "error": self.error}
 
 
 def run_policy(label: str, batches: list[BatchItems], vlen: np.ndarray, cost: CostModel,
@@ -86,7 +87,7 @@ def run_policy(label: str, batches: list[BatchItems], vlen: np.ndarray, cost: Co
     print(f"  {label}: mean {s['mean_step_ms']:.1f} ms, skew {s['skew']:.2f}, plan {s['mean_plan_ms']:.1f} ms "
           f"({dt:.1f} s)", file=sys.stderr)
     return Outcome(label=label, step_ms=[m.step_ms for m in run.metrics], skew=s["skew"], idle=s["idle"],
-                   plan_ms=s["mean_plan_ms"])
+                   plan_ms=s["mean_plan_ms"], vs_bound=s.get("vs_bound", float("nan")))
 
 
 def ratio(base: Outcome, new: Outcome) -> float | None:
@@ -117,13 +118,14 @@ def doc_batches(lengths: np.ndarray, max_len: int, docs_per_batch: int, count: i
 
 
 def side_by_side(outs: list[Outcome]) -> list[str]:
-    rows = ["| policy | mean step (ms) | skew | idle | plan (ms/step) |", "|---|---:|---:|---:|---:|"]
+    rows = ["| policy | mean step (ms) | skew | idle | plan (ms/step) | time / bound |",
+            "|---|---:|---:|---:|---:|---:|"]
     for o in outs:
         if o.error:
-            rows.append(f"| {o.label} | not produced: {o.error} | | | |")
+            rows.append(f"| {o.label} | not produced: {o.error} | | | | |")
         else:
             rows.append(f"| {o.label} | {o.total / len(o.step_ms):,.1f} | {o.skew:.2f} | {o.idle:.1%} | "
-                        f"{o.plan_ms:,.1f} |")
+                        f"{o.plan_ms:,.1f} | {o.vs_bound:.3f}x |")
     return rows
 
 
@@ -183,7 +185,8 @@ def flexsp_setting(lengths: np.ndarray, nb: int) -> tuple[list[str], dict[str, A
            "- only the Wikipedia column: the GitHub and CommonCrawl length files are not available here; "
            "13B and 30B rows are not run (their lane caps at each context are not in the presets).", ""]
     for ctx, outs in tables:
-        md += [f"Side by side, {ctx}K (means over the batches):", ""] + side_by_side(outs) + [""]
+        md += [f"Side by side, {ctx}K (means over the batches; time / bound: total modeled time over the summed "
+               "step-time lower bounds, balanced_loader/planning/solvers/bound.py):", ""] + side_by_side(outs) + [""]
     est = {"static-sp (SP 64)": (6016, 7910), "batch-ada": (3861, 7719), "flexsp": (3101, 5643)}
     data["released_solver_estimates_ms_384K"] = est
     o384 = {o.label: o for o in tables[-1][1]}

@@ -107,8 +107,10 @@ def length_histogram(lengths: np.ndarray, path: str, *, title: str, lane_cap: in
     return _save(fig, path)
 
 
-def rank_load(busy_ms: Mapping[str, np.ndarray], step_ms: Mapping[str, float], path: str, *, title: str) -> str:
-    """Per-rank busy time of one step, one panel per policy, with that policy's step time as a dashed line."""
+def rank_load(busy_ms: Mapping[str, np.ndarray], step_ms: Mapping[str, float], path: str, *, title: str,
+              barrier_ms: Mapping[str, np.ndarray] | None = None) -> str:
+    """Per-rank busy time of one step, one panel per policy, with that policy's step time as a dashed line;
+    ``barrier_ms`` (per policy, ``[world_size]``) stacks each rank's wait at the plan's barriers on top."""
     names = list(busy_ms)
     n = max(len(names), 1)
     fig, ax = _figure(11.0, 1.0 + 1.9 * n, n, 1, sharex=True, sharey=True)
@@ -120,6 +122,10 @@ def rank_load(busy_ms: Mapping[str, np.ndarray], step_ms: Mapping[str, float], p
         color = f"C{i % 10}"
         x = np.arange(len(v) + 1)
         a.stairs(v, x, fill=True, color=color, alpha=0.55, label=f"{name}: busy time per rank")
+        wait = np.asarray((barrier_ms or {}).get(name, ()), dtype=np.float64)  # [world_size] or empty
+        if wait.size == v.size and wait.any():
+            a.stairs(v + wait, x, baseline=v, fill=True, facecolor="none", edgecolor="dimgray", hatch="///",
+                     linewidth=0.0, label=f"waiting at barriers ({wait.sum() / max(v.size, 1):,.0f} ms/rank)")
         t = float(step_ms[name])
         a.axhline(t, color=color, linestyle="--", linewidth=1.3, label=f"{name}: step time {t:,.0f} ms")
         mean = float(v.mean()) if v.size else 0.0

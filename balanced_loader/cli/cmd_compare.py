@@ -1,8 +1,9 @@
 """``balanced-loader compare``: plan the same global batches with several policies and compare them.
 
 Prints a table (modeled step time, speedup over the first policy, skew, bubbles, planning
-time), writes ``OUT/compare.json``, ``OUT/rank_load.png`` (per-rank busy time of one step for
-each policy) and ``OUT/step_times.png`` (step time per policy over steps).
+time, time over the step-time lower bound, barrier waits when a plan has barriers), writes
+``OUT/compare.json``, ``OUT/rank_load.png`` (per-rank busy time of one step for each policy, barrier
+waits hatched on top) and ``OUT/step_times.png`` (step time per policy over steps).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
                                 {r.policy: r.metrics[k].step_ms for r in runs},
                                 os.path.join(args.out, "rank_load.png"),
                                 title=f"Per-rank busy time, step {k} ({args.world_size} ranks, "
-                                      f"{len(batches[k]):,} sequences, {int(batches[k].lengths.sum()):,} tokens)")
+                                      f"{len(batches[k]):,} sequences, {int(batches[k].lengths.sum()):,} tokens)",
+                                barrier_ms={r.policy: r.metrics[k].rank_barrier_ms for r in runs})
     steps_png = charts.step_times({r.policy: [m.step_ms for m in r.metrics] for r in runs},
                                   os.path.join(args.out, "step_times.png"),
                                   title=f"Modeled step time per policy ({args.world_size} ranks, "

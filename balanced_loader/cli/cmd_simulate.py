@@ -106,13 +106,17 @@ def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -
     from balanced_loader.simulate import si_units
 
     has_mfu = any(m.mfu is not None for m in metrics)
+    has_barrier = any(p.barriers for m in metrics for p in m.pools)
     cols = f"{'step':>6} {'step_ms':>11} {'pp_bubble':>9} {'dp_bubble':>9} {'idle':>7} {'skew':>6} {'tokens/s':>9}"
+    cols += f" {'barrier':>7}" if has_barrier else ""
     cols += f" {'MFU':>6}" if has_mfu else ""
     lines = [header] if header else []
     lines.append(cols)
     for m in metrics:
         row = (f"{m.step:>6} {m.step_ms:>11.1f} {m.pp_bubble:>9.1%} {m.dp_bubble:>9.1%} {m.idle:>7.1%} "
                f"{m.skew:>6.2f} {si_units(m.tokens_per_s):>9}")
+        if has_barrier:
+            row += f" {m.barrier_idle:>7.1%}"
         if has_mfu:
             row += f" {m.mfu:>6.1%}" if m.mfu is not None else f" {'-':>6}"
         lines.append(row)
@@ -125,11 +129,15 @@ def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -
         row = (f"{'mean':>6} {summary['mean_step_ms']:>11.1f} {summary['pp_bubble']:>9.1%} "
                f"{summary['dp_bubble']:>9.1%} {summary['idle']:>7.1%} {summary['skew']:>6.2f} "
                f"{si_units(summary['tokens_per_s']):>9}")
+        if has_barrier:
+            row += f" {summary['barrier_idle']:>7.1%}"
         if has_mfu:
             row += f" {summary['mfu']:>6.1%}" if "mfu" in summary else f" {'-':>6}"
         lines.append(row)
     lines.append("step_ms: modeled step time (contract 2); pp_bubble/dp_bubble/idle: share of rank time idle "
-                 "inside pools / between pools / in total; skew: max/mean rank busy time")
+                 "inside pools / between pools / in total; skew: max/mean rank busy time"
+                 + ("; barrier: share of rank time waiting at the plan's barriers (part of pp_bubble)"
+                    if has_barrier else ""))
     if not pools and any(len(m.pools) > 1 for m in metrics):
         lines.append("per-pool makespan, pp_bubble and skew: --pools (or --json)")
     return "\n".join(lines)

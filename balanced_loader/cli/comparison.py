@@ -7,7 +7,9 @@ one batch without a budget). Every policy plans exactly the same batches; every 
 validated against the batch before it is simulated (:mod:`balanced_loader.simulate`).
 
 The speedup of a policy is ``total modeled time of the first policy / its total modeled time``
-over the compared steps.
+over the compared steps. ``vs_bound`` is its total modeled time over the summed lower bounds of
+the steps (:mod:`balanced_loader.planning.solvers.bound`, over every usable shape of the cost model).
+Barrier waits (contract 1 ``barriers``, e.g. mcore-dcp's rounds) are part of every time and bubble.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import get_policy, make_plan, warm_up
 from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.solvers.bound import StepBound, step_lower_bound
 from balanced_loader.simulate import StepMetrics, si_units, simulate_step, summarize
 
 if TYPE_CHECKING:
@@ -65,8 +68,10 @@ def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: C
                      configs: Sequence[PlanConfig], *, model: ModelShape | None = None,
                      hardware: Hardware | None = None, validate: bool = True,
                      progress: Callable[[int], None] | None = None,
-                     keep_plans: bool = False) -> tuple[list[PolicyRun], dict[str, list[StepPlan]]]:
-    """Plan every batch with every config, validate, simulate.
+                     keep_plans: bool = False, bound: bool = True
+                     ) -> tuple[list[PolicyRun], dict[str, list[StepPlan]]]:
+    """Plan every batch with every config, validate, simulate; with ``bound``, each run's summary
+    also holds ``bound_ms`` (mean lower bound per step) and ``vs_bound`` (total time / total bound).
 
     ``lengths`` (by doc_id) is what validation checks each planned doc covers (see
     :func:`balanced_loader.data.batching.validation_lengths`).
@@ -75,7 +80,10 @@ def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: C
     warm_up(batches, cost, configs)
     per: dict[str, list[StepMetrics]] = {c.policy: [] for c in configs}
     plans: dict[str, list[StepPlan]] = {c.policy: [] for c in configs}
+    bounds: list[StepBound] = []
     for step, items in enumerate(batches):
+        if bound:
+            bounds.append(step_lower_bound(items.lengths, cost, configs[0].world_size if configs else 1))
         for c in configs:
             try:
                 plan = make_plan(items, cost, c, step)
@@ -92,6 +100,10 @@ def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: C
     base_total = None
     for c in configs:
         s = summarize(per[c.policy])
+        if bounds:
+            total_bound = sum(b.bound_ms for b in bounds)
+            s["bound_ms"] = total_bound / len(bounds)
+            s["vs_bound"] = s["total_ms"] / total_bound if total_bound > 0 else float("nan")
         if base_total is None:
             base_total = s["total_ms"]
         speedup = base_total / s["total_ms"] if s["total_ms"] > 0 else float("nan")
@@ -101,9 +113,13 @@ def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: C
 
 def format_table(runs: Sequence[PolicyRun]) -> str:
     has_mfu = any("mfu" in r.summary for r in runs)
+    has_bound = any("vs_bound" in r.summary for r in runs)
+    has_barrier = any(r.summary.get("barrier_idle", 0.0) > 0 for r in runs)
     w = max([len(r.policy) for r in runs] + [6])
     head = (f"{'policy':<{w}} {'step_ms':>11} {'speedup':>8} {'skew':>6} {'pp_bubble':>9} {'dp_bubble':>9} "
             f"{'idle':>7} {'tokens/s':>9} {'plan_ms':>9}")
+    head += f" {'barrier':>7}" if has_barrier else ""
+    head += f" {'/bound':>7}" if has_bound else ""
     head += f" {'MFU':>6}" if has_mfu else ""
     lines = [head]
     first = runs[0].policy if runs else ""
@@ -112,9 +128,15 @@ def format_table(runs: Sequence[PolicyRun]) -> str:
         row = (f"{r.policy:<{w}} {s['mean_step_ms']:>11.1f} {r.speedup:>7.2f}x {s['skew']:>6.2f} "
                f"{s['pp_bubble']:>9.1%} {s['dp_bubble']:>9.1%} {s['idle']:>7.1%} {si_units(s['tokens_per_s']):>9} "
                f"{s['mean_plan_ms']:>9.1f}")
+        if has_barrier:
+            row += f" {s.get('barrier_idle', 0.0):>7.1%}"
+        if has_bound:
+            row += f" {s['vs_bound']:>6.3f}x" if "vs_bound" in s else f" {'-':>7}"
         if has_mfu:
             row += f" {s['mfu']:>6.1%}" if "mfu" in s else f" {'-':>6}"
         lines.append(row)
     lines.append(f"means over steps; speedup = total modeled time of '{first}' / the policy's; skew = max/mean "
-                 "rank busy time; plan_ms = planning time per step")
+                 "rank busy time; plan_ms = planning time per step"
+                 + ("; barrier = rank time waiting at the plan's barriers (part of idle)" if has_barrier else "")
+                 + ("; /bound = total time / total step-time lower bound" if has_bound else ""))
     return "\n".join(lines)

@@ -300,3 +300,31 @@ def test_flexsp_falls_back_when_the_solver_fails_or_is_missing(monkeypatch):
     with pytest.warns(RuntimeWarning, match="unavailable"):
         p = plan(ln, cost, 16)
     assert any("unavailable" in n for n in p.notes)
+
+
+def test_rebalancing_with_two_passes_moves_short_docs_to_early_lanes():
+    # linear work 1 ms/token, beta 2 ms, cap 10. Lanes 0-1 run a 20-token doc until 12 ms; lanes 2-3 are
+    # free at 0. One pass: each lane takes at most 10 tokens, so lanes 0-1 still get one doc each and end
+    # at 12 + 2 + 9 = 23 ms. Two passes: lanes 2-3 hold all four 9-token docs in two groups each (2 + 9 +
+    # 2 + 9 = 22 ms) and lanes 0-1 take nothing after their long doc.
+    sc = CostModel(quadratic_ms=0.0, linear_ms=1.0, microbatch_ms=2.0, comm_bytes_per_token=0.0,
+                   bandwidth_gbs=((2, 1.0),), max_tokens_per_lane=10).base
+    ln = np.array([20, 9, 9, 9, 9], dtype=np.int64)
+
+    def grp(d, docs):
+        return SpGroup(degree=d, docs=tuple(docs), ms=sc.group_ms(ln[list(docs)], d))
+
+    mbs = [(grp(2, [0]),), (grp(1, [1]), grp(1, [2]), grp(1, [3]), grp(1, [4]))]
+    lanes = [[(0, 1)], [(0,), (1,), (2,), (3,)]]
+    one = rebalance_single_lanes(mbs, lanes, ln, sc, 4)
+    two = rebalance_single_lanes(mbs, lanes, ln, sc, 4, passes=2)
+    assert pool_time(*one, 4, 1) == pytest.approx(23.0)
+    assert pool_time(*two, 4, 1) == pytest.approx(22.0)
+    mbs2, lanes2 = two
+    assert len(mbs2) == 3  # the second groups of lanes 2-3 form an extra microbatch right after
+    assert sorted(i for mb in mbs2 for g in mb for i in g.docs) == list(range(5))
+    assert all(ln[list(g.docs)].sum() <= 10 * g.degree for mb in mbs2 for g in mb)
+    assert {x for mb in lanes2[1:] for ln_ in mb for x in ln_} == {2, 3}
+    for mb in lanes2:  # the lanes of one microbatch are disjoint
+        flat = [x for ln_ in mb for x in ln_]
+        assert len(flat) == len(set(flat))

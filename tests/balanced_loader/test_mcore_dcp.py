@@ -84,3 +84,27 @@ def test_matches_the_real_megatron_scheduler():
                     per_rank[r] = list(docs)
             ours.append(per_rank)
         assert ours == [[list(x) for x in r] for r in ids]
+
+
+def round_by_round_ms(lengths, lanes: int, cost: CostModel) -> float:
+    """Megatron's execution read literally: each round lasts as long as its slowest group (its docs one
+    after another), and a barrier separates the rounds; the step is the sum of the rounds."""
+    sc = cost.shape(1, 1)
+    total = 0.0
+    for rnd in schedule(np.asarray(lengths), lanes, sc.max_tokens_per_lane):
+        total += max(sum(sc.group_ms([int(lengths[i])], size) for i in docs) for _, size, docs in rnd)
+    return total
+
+
+def test_one_barrier_per_round_boundary_and_round_by_round_time():
+    rng = np.random.default_rng(5)
+    for lanes in (4, 16):
+        lengths = np.minimum(rng.lognormal(2.0, 1.3, 200).astype(np.int64) + 1, 10 * lanes)
+        plan = make_plan(BatchItems.from_lengths(lengths), COST, PlanConfig(policy="mcore-dcp", world_size=lanes))
+        plan.validate(lengths, COST, doc_ids=range(len(lengths)))
+        rounds = schedule(lengths, lanes, 10)
+        starts = np.cumsum([0] + [max(len(d) for _, _, d in r) for r in rounds])  # first microbatch per round
+        assert plan.pools[0].barriers == tuple(int(k) for k in starts[1:-1])
+        assert len(rounds) > 2
+        # with the barriers, contract-2 timing is exactly the round-by-round sum of maxima
+        assert np.isclose(plan.predicted_ms, round_by_round_ms(lengths, lanes, COST), rtol=1e-9)

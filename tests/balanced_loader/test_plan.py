@@ -119,3 +119,43 @@ def test_empty_step_is_valid():
     p = make(())
     p.validate(LENGTHS, COST, doc_ids=[])
     assert step_ms(p, COST) == 0.0
+
+
+def with_barriers(p: StepPlan, barriers: tuple[int, ...]) -> StepPlan:
+    pool = p.pools[0]
+    return StepPlan(step=p.step, world_size=p.world_size, pools=(
+        Pool(tp=pool.tp, pp=pool.pp, ranks=pool.ranks, microbatches=pool.microbatches, barriers=barriers),))
+
+
+def test_barriers_round_trip_and_enter_the_fingerprint():
+    p = good()
+    assert "barriers" not in p.pools[0].to_json()  # plans without barriers keep their bytes
+    b = with_barriers(p, (1,))
+    b.validate(LENGTHS, COST, doc_ids=range(4))
+    d = json.loads(Plan(policy="x", world_size=4, steps=(b,)).dumps())
+    assert d["steps"][0]["pools"][0]["barriers"] == [1]
+    back = Plan.from_json(d).steps[0]
+    assert back == b and back.pools[0].barriers == (1,)
+    assert back.fingerprint() == b.fingerprint() != p.fingerprint()
+    # a barrier waits for every lane: never faster than the same placements without it
+    assert step_ms(b, COST) >= step_ms(p, COST)
+
+
+@pytest.mark.parametrize("barriers, message", [
+    ((0,), r"barrier before microbatch 0 is outside 1\.\.1"),
+    ((2,), r"barrier before microbatch 2 is outside 1\.\.1"),
+    ((1, 1), r"barriers must be sorted and unique, got \[1, 1\]"),
+])
+def test_invalid_barriers_name_the_problem(barriers, message):
+    with pytest.raises(ValueError, match=message) as e:
+        with_barriers(good(), barriers).validate(LENGTHS, COST)
+    assert "step 3, pool 0" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unsorted_barriers_are_rejected():
+    three = make(tuple((Group(lanes=(k,), segments=((k, 0, int(LENGTHS[k])),)),) for k in range(1, 4))
+                 + ((Group(lanes=(0, 1), segments=((0, 0, 150),)),),))
+    three.validate(LENGTHS, COST)
+    with_barriers(three, (1, 3)).validate(LENGTHS, COST)
+    with pytest.raises(ValueError, match=r"sorted and unique, got \[3, 1\]"):
+        with_barriers(three, (3, 1)).validate(LENGTHS, COST)

@@ -70,16 +70,20 @@ def random_plans(draw) -> tuple[CostModel, StepPlan]:
                 groups.append(Group(lanes=tuple(free[i:i + d]), segments=tuple(segs)))
                 i += d
             mbs.append(tuple(groups))
-        pools.append(Pool(tp=tp, pp=pp, ranks=ranks, microbatches=tuple(mbs)))
+        bars = tuple(sorted(draw(st.sets(st.integers(1, len(mbs) - 1)))) if len(mbs) > 1 else ())
+        pools.append(Pool(tp=tp, pp=pp, ranks=ranks, microbatches=tuple(mbs), barriers=bars))
     return cost, StepPlan(step=0, world_size=offset, pools=tuple(pools))
 
 
 def reference_pool(pool: Pool, cost: CostModel) -> tuple[list[float], float, float]:
-    """Contract 2 read literally, one group at a time: (lane finish, largest group ms, pool ms)."""
+    """Contract 2 read literally, one group at a time: (lane finish, largest group ms, pool ms).
+    A barrier before microbatch k: every lane of the pool starts it at the last lane's finish."""
     sc = cost.shape(pool.tp, pool.pp)
     finish = [0.0] * pool.num_lanes
     gmax = 0.0
-    for mb in pool.microbatches:
+    for k, mb in enumerate(pool.microbatches):
+        if k in pool.barriers:
+            finish = [max(finish)] * pool.num_lanes
         for g in mb:
             t = sc.group_ms([s[2] for s in g.segments], len(g.lanes))
             gmax = max(gmax, t)
@@ -123,10 +127,48 @@ def test_lane_kernel_equals_its_reference(case):
         expect = [cost.group_ms([s[2] for s in g.segments], len(g.lanes), pool.tp, pool.pp)
                   for mb in pool.microbatches for g in mb]
         np.testing.assert_allclose(gms, expect, rtol=1e-12)
-        a = lane_schedule(arr.lane_ptr, arr.lanes, gms, pool.pp, pool.num_lanes)
-        b = lane_schedule_py(arr.lane_ptr, arr.lanes, gms, pool.pp, pool.num_lanes)
+        a = lane_schedule(arr.lane_ptr, arr.lanes, gms, pool.pp, pool.num_lanes, arr.barrier_g)
+        b = lane_schedule_py(arr.lane_ptr, arr.lanes, gms, pool.pp, pool.num_lanes, arr.barrier_g)
         np.testing.assert_array_equal(a[0], b[0])
         np.testing.assert_allclose(a[1], b[1], rtol=1e-12)
+        np.testing.assert_allclose(a[2], b[2], rtol=1e-9, atol=1e-9)
+
+
+@given(random_plans())
+def test_barriers_only_add_time(case):
+    """Without its barriers a pool is never slower; the barrier wait is idle time inside the step."""
+    cost, plan = case
+    bare = StepPlan(step=0, world_size=plan.world_size, pools=tuple(
+        Pool(tp=p.tp, pp=p.pp, ranks=p.ranks, microbatches=p.microbatches) for p in plan.pools))
+    m, m0 = simulate_step(plan, cost), simulate_step(bare, cost)
+    assert m.step_ms >= m0.step_ms * (1 - 1e-12)
+    for pm, p0 in zip(m.pools, m0.pools):
+        assert pm.makespan_ms >= p0.makespan_ms * (1 - 1e-12)
+        np.testing.assert_allclose(pm.lane_busy_ms, p0.lane_busy_ms, rtol=1e-12)
+        assert np.all(pm.lane_barrier_ms >= 0)
+        # a lane's finish is its busy time plus its contract-2 waits: the barrier share never exceeds it
+        assert np.all(pm.lane_barrier_ms <= pm.lane_finish_ms - pm.lane_busy_ms + 1e-6)
+    assert 0 <= m.barrier_idle <= m.idle + 1e-12
+    assert m0.barrier_idle == 0
+
+
+def test_barrier_hand_computed():
+    """Two lanes: mb 0 = a 100 ms group on lane 0, mb 1 = 10 ms groups on each lane. A barrier before
+    mb 1 holds lane 1 back 100 ms (step 110 ms, not 110 vs 100 on the lanes: same step; lane 1 ends at 110)."""
+    cost = CostModel.from_dict({"quadratic_ms": 0.0, "linear_ms": 1.0, "microbatch_ms": 0.0,
+                                "comm_bytes_per_token": 0.0, "bandwidth_gbs": {2: 1.0},
+                                "max_tokens_per_lane": 10**6})
+    mbs = ((Group(lanes=(0,), segments=((0, 0, 100),)),),
+           (Group(lanes=(0,), segments=((1, 0, 10),)), Group(lanes=(1,), segments=((2, 0, 10),))))
+    pool = Pool(tp=1, pp=1, ranks=((0, 1),), microbatches=mbs, barriers=(1,))
+    m = simulate_step(StepPlan(step=0, world_size=2, pools=(pool,)), cost)
+    assert m.step_ms == 110.0
+    np.testing.assert_allclose(m.pools[0].lane_finish_ms, [110.0, 110.0])
+    np.testing.assert_allclose(m.rank_barrier_ms, [0.0, 100.0])
+    assert math.isclose(m.barrier_idle, 100.0 / 220.0)
+    bare = Pool(tp=1, pp=1, ranks=((0, 1),), microbatches=mbs)
+    np.testing.assert_allclose(lane_finish_ms(bare, cost)[0], [110.0, 10.0])
+    assert placed_pool_ms([(0,), (0,), (1,)], [100.0, 10.0, 10.0], 1, 2, barrier_groups=[1]) == 110.0
 
 
 @given(random_plans())
@@ -136,7 +178,9 @@ def test_placed_groups_time_like_the_pool(case):
         sc = cost.shape(pool.tp, pool.pp)
         groups = [g for mb in pool.microbatches for g in mb]
         gms = [sc.group_ms([s[2] for s in g.segments], g.degree) for g in groups]
-        got = placed_pool_ms([g.lanes for g in groups], gms, pool.pp, pool.num_lanes)
+        first = np.cumsum([0] + [len(mb) for mb in pool.microbatches])  # group index of each microbatch
+        got = placed_pool_ms([g.lanes for g in groups], gms, pool.pp, pool.num_lanes,
+                             barrier_groups=[int(first[k]) for k in pool.barriers])
         assert math.isclose(got, pool_ms(pool, cost), rel_tol=1e-9, abs_tol=1e-12)
 
 

@@ -11,7 +11,9 @@ decoding to real docs and re-costing. ``M`` values whose summed lower bounds can
 best greedy total get no MILP. The step is assembled for contract 2 (lanes run ahead across
 microbatches): groups go on aligned lane blocks by earliest free time, 1-lane groups may be
 re-dealt by their lanes' finish times, and the fastest of (M, MILP or greedy microbatches,
-order) by contract-2 time wins, so the result is never slower than the greedy plan.
+order) by contract-2 time wins, so the result is never slower than the greedy plan. The re-deal is
+also tried with up to two 1-lane groups per lane and microbatch: a lane free early takes a second
+group of short docs that a late lane would otherwise hold.
 
 Knobs (``PlanConfig.extra``): ``min_degree`` (default 1), ``num_m`` (5), ``node_limit`` (50),
 ``rel_gap`` (0.002), ``buckets`` (16), ``max_solves`` (24 HiGHS solves per step),
@@ -214,7 +216,8 @@ def plan_microbatches(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, opts: 
             for order_ in (base, base[::-1]):
                 placed = place_lanes(order_, num_lanes, pp)
                 for mbs, lanes in ((order_, placed),
-                                   rebalance_single_lanes(order_, placed, lengths, sc, num_lanes, pp)):
+                                   rebalance_single_lanes(order_, placed, lengths, sc, num_lanes, pp),
+                                   rebalance_single_lanes(order_, placed, lengths, sc, num_lanes, pp, passes=2)):
                     t = pool_time(mbs, lanes, num_lanes, pp)
                     if best is None or t < best[0] - 1e-9:
                         best = (t, mbs, lanes)

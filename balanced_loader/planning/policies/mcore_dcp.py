@@ -26,6 +26,10 @@ branch; papers/hydra_dcp.md section 2). All ``lanes`` of the pool form one DPxCP
 * Execution: every doc is its own pass (its own microbatch in the plan), as Megatron runs
   each sub-sample as a separate forward/backward; a group's docs run in the order they
   were added; round r starts at the microbatch after the longest list of round r - 1.
+* Barriers: ``hybrid_context_parallel_forward_backward`` calls ``torch.distributed.barrier`` over
+  the DPxCP group after every round but the last, so the plan's pool carries a barrier before the
+  first microbatch of each round r >= 1 (contract 1 ``barriers``): no lane starts round r before
+  every lane has finished round r - 1.
 
 Kept faithfully, including the quirks noted above. Differences: a doc no degree can hold
 is one ``ValueError`` (Megatron would loop or assert); when a doubled group would not fit in
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
@@ -203,7 +208,10 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     lane0 = np.empty(n, dtype=np.int64)
     deg = np.empty(n, dtype=np.int64)
     base = 0
+    barriers: list[int] = []  # [rounds - 1] first microbatch of every round after the first
     for rnd in schedule(items.lengths, setup.lanes, setup.cap, top):
+        if base:
+            barriers.append(base)
         longest = 0
         for first, size, docs in rnd:
             idx = np.asarray(docs, dtype=np.int64)
@@ -213,4 +221,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
             longest = max(longest, len(docs))
         base += longest
     micro = assemble(items, mb, lane0, deg)
-    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+    plan = one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+    # every round fills microbatches base .. base + longest - 1, so assemble drops none and k stays put
+    assert len(micro) == base
+    return replace(plan, pools=(replace(plan.pools[0], barriers=tuple(barriers)),))

@@ -344,7 +344,7 @@ def place_lanes(microbatches: list[tuple[SpGroup, ...]], num_lanes: int, pp: int
 
 
 def rebalance_single_lanes(microbatches: list[tuple[SpGroup, ...]], lanes: list[list[tuple[int, ...]]],
-                           lengths: np.ndarray, sc: ShapeCost, num_lanes: int, pp: int = 1
+                           lengths: np.ndarray, sc: ShapeCost, num_lanes: int, pp: int = 1, passes: int = 1
                            ) -> tuple[list[tuple[SpGroup, ...]], list[list[tuple[int, ...]]]]:
     """Re-deal each microbatch's 1-lane groups over their lanes, given when those lanes become free.
 
@@ -353,7 +353,10 @@ def rebalance_single_lanes(microbatches: list[tuple[SpGroup, ...]], lanes: list[
     longest first onto the lane (among those lanes) that would finish it earliest and still
     has room under ``max_tokens_per_lane`` (where that greedy deal leaves a doc without room,
     the microbatch keeps its 1-lane groups). Larger groups keep their docs and lanes.
-    ``lengths`` ``[n]`` are indexed by the groups' doc indices.
+    With ``passes > 1`` a lane may open up to ``passes`` 1-lane groups (each paying
+    ``microbatch_ms``) where that finishes a doc earlier: a lane that is free early takes a second
+    group of short docs instead of a late lane holding them (its 2nd .. groups go into extra
+    microbatches right after this one). ``lengths`` ``[n]`` are indexed by the groups' doc indices.
     """
     finish = np.zeros(num_lanes)  # [num_lanes] ms, the lane recurrence as in place_lanes
     out_mbs: list[tuple[SpGroup, ...]] = []
@@ -369,37 +372,72 @@ def rebalance_single_lanes(microbatches: list[tuple[SpGroup, ...]], lanes: list[
             finish[idx] = finish[idx].max() + g.ms / pp
             kept.append(g)
             kept_lanes.append(ln)
+        extra: list[list[tuple[SpGroup, tuple[int, ...]]]] = []
         if docs:
-            single = [(g, ln) for g, ln in zip(groups, placed) if g.degree == 1]
-            for g, ln in _redeal(docs, free, finish, lengths, sc, pp) or single:
-                finish[ln[0]] += g.ms / pp
-                kept.append(g)
-                kept_lanes.append(ln)
+            single = [[(g, ln) for g, ln in zip(groups, placed) if g.degree == 1]]
+            dealt = _redeal(docs, free, finish, lengths, sc, pp, passes) or single
+            for k, part in enumerate(dealt):
+                for g, ln in part:
+                    finish[ln[0]] += g.ms / pp
+                    if k == 0:
+                        kept.append(g)
+                        kept_lanes.append(ln)
+                if k:
+                    extra.append(part)
         out_mbs.append(tuple(kept))
         out_lanes.append(kept_lanes)
+        for part in extra:
+            out_mbs.append(tuple(g for g, _ in part))
+            out_lanes.append([ln for _, ln in part])
     return out_mbs, out_lanes
 
 
 def _redeal(docs: list[int], free: list[int], finish: np.ndarray, lengths: np.ndarray, sc: ShapeCost,
-            pp: int) -> list[tuple[SpGroup, tuple[int, ...]]] | None:
-    """``docs`` longest first onto the lane of ``free`` that would finish it earliest with room;
-    ``None`` when this greedy deal leaves a doc without room (the original groups are kept then)."""
+            pp: int, passes: int = 1) -> list[list[tuple[SpGroup, tuple[int, ...]]]] | None:
+    """``docs`` longest first onto the lane of ``free`` that would finish it earliest with room (in its
+    last group, or in a new one while it has fewer than ``passes``); per pass ``k`` the groups of every
+    lane's ``k``-th group. ``None`` when this greedy deal leaves a doc without room (the original groups
+    are kept then)."""
     cap = sc.max_tokens_per_lane
+    beta = sc.microbatch_ms
     work = np.asarray(sc.compute_ms(lengths[docs].astype(np.float64)))  # [k]
     free_arr = np.asarray(free, dtype=np.int64)
-    load = np.zeros(len(free))  # [lanes] work assigned in this microbatch
-    tok = np.zeros(len(free), dtype=np.int64)
-    members: list[list[int]] = [[] for _ in free]
+    nf = len(free)
+    held = np.zeros(nf)  # [lanes] ms of this microbatch's groups on each lane (beta included)
+    tok = np.zeros(nf, dtype=np.int64)  # [lanes] tokens of each lane's last group
+    ngroups = np.zeros(nf, dtype=np.int64)  # [lanes]
+    members: list[list[list[int]]] = [[] for _ in free]  # [lane][group] doc indices
+    loads: list[list[float]] = [[] for _ in free]  # [lane][group] work ms
     for k in np.lexsort((np.asarray(docs), -work)):
         i = docs[int(k)]
-        room = tok + lengths[i] <= cap
-        if not room.any():
+        # into the lane's last group (its first one pays beta), or into a new group (another beta)
+        same = (ngroups == 0) | (tok + lengths[i] <= cap)
+        end_same = np.where(same, finish[free_arr] + (held + work[k] + (ngroups == 0) * beta) / pp, np.inf)
+        more = (ngroups >= 1) & (ngroups < passes)
+        end_new = np.where(more, finish[free_arr] + (held + beta + work[k]) / pp, np.inf)
+        j_same, j_new = int(np.argmin(end_same)), int(np.argmin(end_new))
+        if not np.isfinite(end_same[j_same]) and not np.isfinite(end_new[j_new]):
             return None
-        # each lane's one-lane group is still growing: its time is microbatch_ms plus the work dealt so far
-        end = finish[free_arr] + (sc.microbatch_ms + load + work[k]) / pp
-        j = int(np.argmin(np.where(room, end, np.inf)))
-        load[j] += work[k]
+        if end_same[j_same] <= end_new[j_new]:
+            j = j_same
+            if ngroups[j] == 0:
+                ngroups[j] = 1
+                held[j] += beta
+                members[j].append([])
+                loads[j].append(0.0)
+        else:
+            j = j_new
+            ngroups[j] += 1
+            held[j] += beta
+            tok[j] = 0
+            members[j].append([])
+            loads[j].append(0.0)
+        held[j] += work[k]
         tok[j] += lengths[i]
-        members[j].append(int(i))
-    return [(SpGroup(degree=1, docs=tuple(members[j]), ms=float(sc.microbatch_ms + load[j])), (lane,))
-            for j, lane in enumerate(free) if members[j]]
+        members[j][-1].append(int(i))
+        loads[j][-1] += float(work[k])
+    out: list[list[tuple[SpGroup, tuple[int, ...]]]] = [[] for _ in range(int(ngroups.max(initial=1)))]
+    for j, lane in enumerate(free):
+        for p_, (mem, load) in enumerate(zip(members[j], loads[j])):
+            out[p_].append((SpGroup(degree=1, docs=tuple(mem), ms=float(beta + load)), (lane,)))
+    return out

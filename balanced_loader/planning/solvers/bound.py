@@ -1,0 +1,165 @@
+"""A lower bound on the contract-2 step time of every plan of a batch (``compare`` reports plans
+against it).
+
+All terms hold for any plan that keeps each item one segment (every policy does):
+
+* **area**: rank-time. A group of degree ``d`` on shape ``(tp, pp)`` holds ``d * tp * pp`` ranks
+  for ``t(g) / pp``. Each doc costs at least ``tp * (d * seg(s, d) + beta * s / cap)`` rank-ms at
+  its cheapest shape and degree that holds it (``s <= d * cap``, ``d <=`` lanes): a lane-slot of
+  a group holds at most ``cap`` tokens, so each ``beta`` covers at most ``d * cap`` tokens.
+  Divided by ``W`` ranks (pipeline fill is not counted).
+* **longest**: a pool's time is at least any of its groups' whole time, so at least the doc
+  whose cheapest group alone (``beta + seg(s, d)``) takes longest.
+* **passes** (one shape only, an LP relaxation): a lane running ``g`` groups holds at most
+  ``g * cap`` tokens and has ``pp * T - g * beta`` ms left for work. Lanes are split into classes
+  ``g = 0, 1, ..`` (fractional counts ``x_g``, summing to the lanes) and docs (fractionally) into
+  classes, each class within its token and time capacity; the least ``T`` for which this LP is
+  feasible (bisection, HiGHS) is a bound. Unlike the area term it charges the ``beta`` of a
+  second pass to the lanes that need one. Docs are merged into at most ``BUCKETS`` density
+  buckets, each at its lowest work per token, and the lanes with ``g >= CLASSES`` groups into one
+  class without a token limit (further relaxations, so still a bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from balanced_loader.cost import CostModel, ShapeCost
+
+BUCKETS = 128  # density buckets of the passes LP
+CLASSES = 6  # lane classes g = 1 .. CLASSES - 1 exactly; the last one stands for every g >= CLASSES
+REL_TOL = 1e-3  # bisection stops when the bracket is this tight (the lower end is returned)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepBound:
+    area_ms: float
+    longest_ms: float
+    passes_ms: float = 0.0  # 0 when not computed (several shapes, or no fixed cost)
+
+    @property
+    def bound_ms(self) -> float:
+        return max(self.area_ms, self.longest_ms, self.passes_ms)
+
+    def to_json(self) -> dict[str, float]:
+        return {"bound_ms": self.bound_ms, "area_ms": self.area_ms, "longest_ms": self.longest_ms,
+                "passes_ms": self.passes_ms}
+
+
+def cheapest(sc: ShapeCost, s: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """``([n] lane-ms, [n] ms)``: each doc's least ``d * seg(s, d)`` and least ``seg(s, d)`` over the
+    degrees ``d <= lanes`` that hold it (``s <= d * cap``; ``inf`` where none does).
+
+    ``bw(d)`` is constant between bandwidth keys, where ``d * seg`` is constant (least at the lowest
+    feasible ``d``) and ``seg`` falls (least at the interval's top): so the keys, the keys minus one,
+    1, 2 and ``lanes``, each as is and raised to the memory-fit degree, hold both minima.
+    """
+    cap = sc.max_tokens_per_lane
+    dmin = np.maximum(1, -(-s.astype(np.int64) // cap))  # [n] memory-fit degree
+    keys = [k for k, _ in sc.bandwidth_gbs]
+    cands = sorted({1, 2, lanes, *keys, *(k - 1 for k in keys)})
+    lane_ms = np.full(len(s), np.inf)  # [n]
+    group_ms = np.full(len(s), np.inf)  # [n]
+    for c in cands:
+        for d in (np.full(len(s), c, dtype=np.int64), np.maximum(dmin, c)):
+            ok = (d <= lanes) & (d >= dmin)
+            if not ok.any():
+                continue
+            dd = d[ok].astype(np.float64)
+            seg = np.asarray(sc.segment_ms(s[ok], dd), dtype=np.float64)
+            lane_ms[ok] = np.minimum(lane_ms[ok], dd * seg)
+            group_ms[ok] = np.minimum(group_ms[ok], seg)
+    return lane_ms, group_ms
+
+
+def _passes_feasible(work: np.ndarray, tokens: np.ndarray, u: float, beta: float, cap: float,
+                     lanes: int) -> bool:
+    """Is there a fractional split of the buckets (``[k]`` work ms, ``[k]`` tokens) over lane classes
+    ``g = 0 .. floor(u / beta)`` (``g`` groups: ``g * cap`` tokens, ``u - g * beta`` ms each)?"""
+    from scipy.optimize import linprog  # scipy: loaded only when the bound is asked for
+
+    most = int(u // beta)
+    if most < 1:
+        return False
+    top = min(most, CLASSES)  # class ``top`` < most: every g >= top, no token limit (a relaxation)
+    k = len(work)
+    nv = k * top + top  # y[b, g-1] then x[g-1] (class 0 is the slack of the lane count)
+    a_eq = np.zeros((k, nv))
+    for b in range(k):
+        a_eq[b, b * top:(b + 1) * top] = 1.0
+    rows = []
+    for g in range(1, top + 1):
+        t = np.zeros(nv)
+        t[np.arange(k) * top + g - 1] = work
+        t[k * top + g - 1] = -(u - g * beta)
+        rows.append(t)
+        if g < top or top == most:
+            m = np.zeros(nv)
+            m[np.arange(k) * top + g - 1] = tokens
+            m[k * top + g - 1] = -g * cap
+            rows.append(m)
+    count = np.zeros(nv)
+    count[k * top:] = 1.0
+    a_ub = np.vstack([*rows, count])
+    b_ub = np.concatenate([np.zeros(len(rows)), [lanes]])
+    res = linprog(np.zeros(nv), A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.ones(k), bounds=(0, None),
+                  method="highs")
+    return res.status == 0
+
+
+def passes_bound(lane_ms: np.ndarray, s: np.ndarray, sc: ShapeCost, lanes: int, lo: float) -> float:
+    """The passes LP's least whole-model lane time ``u`` (ms; at least ``lo``), by bisection."""
+    beta, cap = float(sc.microbatch_ms), float(sc.max_tokens_per_lane)
+    if beta <= 0 or len(s) == 0:
+        return 0.0
+    # buckets of similar work per token, each at its least density (less work: still a relaxation)
+    order = np.argsort(lane_ms / s)
+    parts = np.array_split(order, min(BUCKETS, len(order)))
+    tokens = np.asarray([s[p].sum() for p in parts])  # [k]
+    work = np.asarray([(lane_ms[p] / s[p]).min() * s[p].sum() for p in parts])  # [k]
+    hi = max(lo, beta) * 2
+    while not _passes_feasible(work, tokens, hi, beta, cap, lanes):
+        lo, hi = hi, hi * 2
+    while hi - lo > REL_TOL * hi:
+        mid = 0.5 * (lo + hi)
+        if _passes_feasible(work, tokens, mid, beta, cap, lanes):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def step_lower_bound(lengths: np.ndarray, cost: CostModel, world_size: int,
+                     shapes: Sequence[tuple[int, int]] | None = None, *, passes: bool = True) -> StepBound:
+    """:class:`StepBound` of a batch ``lengths`` ``[n]`` on ``world_size`` ranks over ``shapes``
+    (default: every usable shape of the cost model whose ``tp * pp`` divides the world)."""
+    s = np.asarray(lengths, dtype=np.float64)  # [n]
+    if s.size == 0:
+        return StepBound(area_ms=0.0, longest_ms=0.0)
+    scs = ([cost.shape(tp, pp) for tp, pp in shapes] if shapes is not None
+           else [sc for sc in cost.shapes() if world_size % sc.gpus == 0])
+    scs = [sc for sc in scs if sc.usable and world_size // sc.gpus >= 1]
+    if not scs:
+        raise ValueError(f"no usable shape of the cost model fits {world_size} ranks")
+    rank_ms = np.full(len(s), np.inf)  # [n] least rank-ms of each doc
+    longest = np.full(len(s), np.inf)  # [n] least whole-group time of each doc
+    tables = []
+    for sc in scs:
+        lanes = world_size // sc.gpus
+        lane_ms, group_ms = cheapest(sc, s, lanes)
+        tables.append(lane_ms)
+        # the fixed cost: a lane-slot of a group holds at most cap tokens, so beta per cap tokens
+        rank_ms = np.minimum(rank_ms, sc.tp * (lane_ms + sc.microbatch_ms * s / sc.max_tokens_per_lane))
+        longest = np.minimum(longest, sc.microbatch_ms + group_ms)
+    area = float(rank_ms.sum()) / world_size
+    if not np.isfinite(area):
+        raise ValueError("a doc fits no shape of the cost model at any degree")
+    out = StepBound(area_ms=area, longest_ms=float(longest.max()))
+    if passes and len(scs) == 1:
+        sc = scs[0]
+        u = passes_bound(tables[0], s, sc, world_size // sc.gpus, area * sc.pp)
+        out = StepBound(area_ms=out.area_ms, longest_ms=out.longest_ms, passes_ms=u / sc.pp)
+    return out

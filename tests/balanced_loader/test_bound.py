@@ -1,0 +1,78 @@
+"""The step-time lower bound (planning/solvers/bound.py): below every policy's modeled time on random
+batches, each term checked on hand-computed cases, and the passes LP tighter than the area term."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from balanced_loader.cost import CostModel
+from balanced_loader.plan import BatchItems
+from balanced_loader.planning import make_plan
+from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.registry import POLICIES
+from balanced_loader.planning.solvers.bound import cheapest, step_lower_bound
+from balanced_loader.simulate import simulate_step
+
+
+def cost_of(q: float, lin: float, beta: float, comm: float, cap: int, pp2: bool) -> CostModel:
+    strategies = [{"tp": 1, "pp": 2, "quadratic_ms": q / 2, "linear_ms": lin / 2, "microbatch_ms": beta,
+                   "max_tokens_per_lane": 2 * cap}] if pp2 else []
+    return CostModel.from_dict({"quadratic_ms": q, "linear_ms": lin, "microbatch_ms": beta,
+                                "comm_bytes_per_token": comm, "bandwidth_gbs": {2: 50.0, 4: 20.0, 8: 5.0},
+                                "max_tokens_per_lane": cap, "strategies": strategies})
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.sampled_from([4, 8, 16]), st.booleans(), st.sampled_from([0.0, 5.0, 40.0]))
+def test_bound_is_below_every_policy(seed, world, pp2, beta):
+    rng = np.random.default_rng(seed)
+    cost = cost_of(float(rng.uniform(0, 2e-4)), float(rng.uniform(0.001, 0.1)), beta, float(rng.uniform(0, 1e6)),
+                   int(rng.integers(200, 2000)), pp2)
+    cap = cost.base.max_tokens_per_lane
+    n = int(rng.integers(1, 120))
+    lengths = np.minimum(rng.pareto(1.2, n) * 60 + 1, cap * world // 2).astype(np.int64)
+    items = BatchItems.from_lengths(lengths)
+    bound = step_lower_bound(lengths, cost, world)
+    assert 0 < bound.bound_ms < np.inf
+    assert bound.bound_ms == max(bound.area_ms, bound.longest_ms, bound.passes_ms)
+    checked = 0
+    for policy in POLICIES:
+        if policy == "spindle":
+            continue
+        try:
+            plan = make_plan(items, cost, PlanConfig(policy=policy, world_size=world, time_limit_s=0.5))
+        except ValueError:  # a policy that cannot hold this batch (e.g. a fixed degree too small)
+            continue
+        t = simulate_step(plan, cost).step_ms
+        assert bound.bound_ms <= t * (1 + 1e-9), (policy, bound, t)
+        checked += 1
+    assert checked >= 3
+
+
+def test_terms_on_a_hand_computed_batch():
+    # linear cost only, no communication: lane-ms of a doc is s * 0.1 at any degree; beta 10, cap 100
+    cost = cost_of(0.0, 0.1, 10.0, 0.0, 100, False)
+    lengths = np.asarray([100] * 8)  # 800 tokens on 4 lanes: 80 ms of work, 8 lane-slots of beta
+    b = step_lower_bound(lengths, cost, 4)
+    assert b.area_ms == pytest.approx((80.0 + 10.0 * 8) / 4)
+    assert b.longest_ms == pytest.approx(10.0 + 100 * 0.1 / 4)  # the cheapest group: degree 4
+    # every lane needs two passes (200 tokens > cap): 2 * beta + 20 ms of work = 40 ms
+    assert b.passes_ms == pytest.approx(40.0, rel=2e-3)
+    assert b.passes_ms <= 40.0
+    plan = make_plan(BatchItems.from_lengths(lengths), cost, PlanConfig(policy="greedy", world_size=4))
+    assert simulate_step(plan, cost).step_ms == pytest.approx(40.0)  # the bound is tight here
+
+
+def test_cheapest_degree_tables():
+    cost = cost_of(1e-3, 0.0, 0.0, 1e6, 100, False)
+    sc = cost.shape(1, 1)
+    s = np.asarray([50.0, 150.0, 750.0])
+    lane_ms, group_ms = cheapest(sc, s, 8)
+    for i, x in enumerate(s):
+        ds = [d for d in range(1, 9) if x <= 100 * d]
+        assert lane_ms[i] == pytest.approx(min(d * sc.segment_ms(x, d) for d in ds))
+        assert group_ms[i] == pytest.approx(min(sc.segment_ms(x, d) for d in ds))
+    assert np.isinf(cheapest(sc, np.asarray([900.0]), 4)[0][0])  # 900 tokens fit no degree <= 4
