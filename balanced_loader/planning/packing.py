@@ -5,7 +5,7 @@ Public API (all arrays are numpy; ``[n]`` is one entry per item, in the caller's
 * :func:`pack` ``(lengths, capacity, algorithm="ffd"|"bfd") -> bins [n]``: bin index of every
   doc, bins numbered in opening order; every bin holds at most ``capacity`` tokens.
 * :func:`ffd`, :func:`bfd`: the same, returning ``(bins, num_bins)``, without the repair pass.
-* :func:`lower_bound`: the Martello-Toth L2 bound on the bins; :func:`repair`: the pass
+* :func:`lower_bound`: the Martello-Toth L2 bound on the bins; :func:`repair_packing`: the pass
   ``pack`` runs after FFD/BFD when they are above it (pool the loosest bins, trade their items).
 * :func:`cost_pack` ``(tokens, work, num_bins, capacity)``: items in the given order into a
   fixed number of bins under a token cap, balancing the sum of ``work`` (e.g. ``q*s^2 + l*s``).
@@ -77,8 +77,10 @@ def pack(lengths, capacity: int, algorithm: str = "ffd", *, repair: bool = True)
 
     ``ffd``: first-fit-decreasing; ``bfd``: best-fit-decreasing. Docs go longest first
     (ties: lower index first); bins are numbered in the order they open. O(n log n).
-    ``repair``: when that uses more bins than :func:`lower_bound`, run :func:`repair` (bins
-    are then numbered kept ones first, in their order, then the new ones).
+    ``repair``: when that uses more bins than :func:`lower_bound`, run :func:`repair_packing` (bins
+    are then numbered kept ones first, in their order, then the new ones). For ``bfd`` the
+    FFD packing is repaired too and the one with fewer bins kept (ties: BFD's): BFD leaves its
+    waste in bins with an item above half the capacity, which the repair cannot empty.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown packing algorithm '{algorithm}'; choose one of: {', '.join(ALGORITHMS)}")
@@ -89,7 +91,13 @@ def pack(lengths, capacity: int, algorithm: str = "ffd", *, repair: bool = True)
         if nb > -(-int(arr.sum()) // cap) and cap <= REPAIR_MAX_CAPACITY:
             bound = lower_bound(arr, cap)
             if nb > bound:
-                bins, nb = repair(arr, bins, nb, cap, target=bound)
+                fixed, fnb = repair_packing(arr, bins, nb, cap, target=bound)
+                if algorithm == "bfd" and fnb > bound:
+                    other, onb = ffd(arr, cap)
+                    other, onb = repair_packing(arr, other, onb, cap, target=bound)
+                    if onb < fnb:
+                        fixed, fnb = other, onb
+                bins = fixed
     return bins
 
 
@@ -120,7 +128,7 @@ def lower_bound(lengths, capacity: int) -> int:
     return int(max((n1 + n2 + extra).max(), -(-int(v.sum()) // cap)))
 
 
-def repair(lengths, bins, num_bins: int, capacity: int, *, target: int = 0, pool_bins: int | None = None,
+def repair_packing(lengths, bins, num_bins: int, capacity: int, *, target: int = 0, pool_bins: int | None = None,
            rounds: int = REPAIR_ROUNDS) -> tuple[np.ndarray, int]:
     """Fewer bins for a packing ``bins`` (``[n]``, numbered ``0..num_bins-1``): rounds that pool
     the loosest bins and trade their items into the others (see
@@ -467,7 +475,7 @@ def warm_up() -> None:
     """Load (or compile) every kernel once on tiny inputs, so later timings are steady-state."""
     one = np.ones(2, dtype=np.int64)
     ffd(one, 2)
-    repair(one, np.arange(2), 2, 2)
+    repair_packing(one, np.arange(2), 2, 2)
     bfd(one, 2)
     cost_pack(one, np.ones(2), 1, 2)
     lpt(np.ones(2), one, 2)

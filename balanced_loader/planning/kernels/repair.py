@@ -6,7 +6,7 @@ round of :func:`repair_round`:
 
 1. the ``pool_bins`` bins with the most room (among bins without an item over half the
    capacity, whose big item would need a bin of its own again) are emptied into a *pool*;
-2. the next loosest bins (``SWAP_BINS_PER_POOLED`` per pooled bin, most room first) trade
+2. the loosest other bins (``SWAP_BINS_PER_POOLED`` per pooled bin, most room first) trade
    with the pool, repeating while the bin gets fuller: zero for one (an empty slot takes the
    largest pool item that fits), one for one (item ``x`` for the largest pool item in
    ``(x, x + room]``), one for two (``x`` for the largest pool item that fits and then the
@@ -131,10 +131,15 @@ def repair_round(lengths, bins, nbins, capacity, pool_bins):
         if pooled[bins[i]]:
             _pool_push(tree, size, head, nxt, lengths, i)
     room = capacity - fill  # [nbins]
-    for t in range(k, min(nbins, k + SWAP_BINS_PER_POOLED * k)):  # the loosest kept bins, most room first
-        b = by_room[t]
-        if room[b] == 0:
+    swap_order = order_desc(room)  # [nbins] every bin, most room first (ties: lower bin)
+    offered = 0
+    for t in range(nbins):  # the loosest kept bins, big items or not, most room first
+        b = swap_order[t]
+        if pooled[b]:
             continue
+        if room[b] == 0 or offered == SWAP_BINS_PER_POOLED * k:
+            break
+        offered += 1
         lo, hi = start[b], start[b + 1]
         improved = True
         while improved and room[b] > 0:
@@ -326,9 +331,12 @@ def repair_round_reference(lengths, bins, num_bins: int, capacity: int, pool_bin
         pool.setdefault(size[i], []).append(i)
 
     room = [capacity - f for f in fill]
-    for b in by_room[k:k + SWAP_BINS_PER_POOLED * k]:
+    kept_by_room = [b for b in sorted(range(num_bins), key=lambda b: (-room[b], b)) if b not in pooled]
+    for b in kept_by_room[:SWAP_BINS_PER_POOLED * k]:
+        if room[b] == 0:
+            break
         sl = slots[b]
-        improved = room[b] > 0
+        improved = True
         while improved and room[b] > 0:
             improved = False
             for u, x in enumerate(sl):  # one for one
