@@ -17,6 +17,7 @@ then re-chooses each wave's counts with :func:`.refine.refine`, which can only s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,8 @@ import numpy as np
 from balanced_loader.spindle.columns import Config
 from balanced_loader.spindle.graph import MetaOp
 from balanced_loader.spindle.waves import Run
+
+ENUMERATION_LIMIT = 200_000  # assignments (allowed counts or 0 per MetaOp) walked at most
 
 
 def ilp_waves(ops: Sequence[MetaOp], frontier: Sequence[int], columns: Sequence[Config], *,
@@ -84,6 +87,8 @@ def all_configurations(ops: Sequence[MetaOp], frontier: Sequence[int], gpus: int
                 cs.append(c)
         steps.append(cs)
     k = len(frontier)
+    if math.prod(len(cs) + 1 for cs in steps) > ENUMERATION_LIMIT:
+        return None  # the walk below visits every (also non-maximal) assignment
     out: list[Config] = []
     cur = [0] * k
 

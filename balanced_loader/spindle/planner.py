@@ -28,10 +28,16 @@ from balanced_loader.spindle.wave_kernels import warm
 from balanced_loader.spindle.waves import Run, order_waves, pack, waves_ms
 
 CANDIDATES = ("packed+fill", "packed", "columns", "refined", "exact", "single-wave", "sequential")
-EXACT_MAX_CONFIGS = 400  # a frontier with at most this many maximal configurations gets the MILP over all of them
-EXACT_MAX_PAIRS = 300  # else the MILP over the column generation's configurations, up to this many layer variables
+EXACT_MAX_CONFIGS = 400  # the MILP runs over every maximal configuration when there are at most this many
+EXACT_MAX_PAIRS = 600  # ... and at most this many layer variables
+COLUMN_MAX_PAIRS = 150  # the MILP over the column generation's configurations only up to this many (planning time)
 EXACT_NODES = 5000  # HiGHS branch-and-bound nodes per frontier (its best plan so far is used past it)
 
+
+
+def _pairs(configs: Sequence[Sequence[int]]) -> int:
+    """Layer variables of the MILP over ``configs``: one per MetaOp present in a configuration."""
+    return sum(1 for col in configs for c in col if c)
 
 
 def frontier_candidates(graph: Graph, frontier: Sequence[int], gpus: int, *,
@@ -72,8 +78,10 @@ def search_frontier(graph: Graph, frontier: Sequence[int], gpus: int, *,
         out["columns"] = lp_waves(ops, frontier, cols, tau)
         refined.append(refine(ops, out["columns"], gpus))
         every = all_configurations(ops, frontier, gpus, limit=EXACT_MAX_CONFIGS) if len(frontier) > 1 else None
+        if every is not None and _pairs(every) > EXACT_MAX_PAIRS:
+            every = None
         configs = every if every is not None else cols
-        if sum(1 for col in configs for c in col if c) <= EXACT_MAX_PAIRS:
+        if len(frontier) > 1 and _pairs(configs) <= (EXACT_MAX_PAIRS if every is not None else COLUMN_MAX_PAIRS):
             exact, proven = ilp_waves(ops, frontier, configs, node_limit=EXACT_NODES)
             proven = proven and every is not None
             if exact is not None:
