@@ -355,14 +355,16 @@ def main() -> None:
     ap.add_argument("--megatron-batches", type=int, default=2)
     ap.add_argument("--code-docs", type=int, default=1_000_000, help="docs of the code-like corpus (pack section)")
     ap.add_argument("--code-seed", type=int, default=0)
+    ap.add_argument("--corpora", default="wiki,code", help="pack: comma-separated wiki, code")
     ap.add_argument("--skip-linear", action="store_true", help="pack: skip the slow reference rows")
     args = ap.parse_args()
     lengths = wiki(args.lengths)
     contexts = [int(x) for x in args.contexts.split(",")]
     only = set(args.only.split(","))
     packing.warm_up()
-    if "pack" in only:
+    if "pack" in only and "wiki" in args.corpora.split(","):
         bench_pack("Wikipedia", lengths[lengths <= 32768], 32768, args.repeats, not args.skip_linear)
+    if "pack" in only and "code" in args.corpora.split(","):
         bench_pack(f"code-like (lognormal(8.3, 0.8) tokens, truncated, seed {args.code_seed})",
                    code_corpus(args.code_docs, args.code_seed, 8192), 8192, args.repeats, False)
     if "hydra" in only:
