@@ -3,7 +3,8 @@
 Per frontier (MetaOps whose predecessors have all finished): the allocator's bisection gives
 the common finish time ``C*`` (the frontier's continuous lower bound) and at most two slices
 per MetaOp; Spindle's greedy packer turns them into waves. The frontier keeps the shortest of
-several candidates (:func:`frontier_candidates`; Spindle's greedy wins ties), its waves are
+several candidates (:func:`frontier_candidates`; Spindle's greedy wins ties; on small frontiers
+an exact MILP over every configuration, which proves the frontier optimal among whole-layer plans), its waves are
 ordered so consecutive ones share (MetaOp, count) pairs, and placement assigns ranks wave by
 wave. The baselines (``all``, ``fixed_split``) are planned too, and the best of the three
 plans is returned (ties go to the wavefront plan), so the result is never worse than a
@@ -30,7 +31,6 @@ from balanced_loader.spindle.waves import Run, order_waves, pack, waves_ms
 CANDIDATES = ("packed+fill", "packed", "columns", "refined", "exact", "single-wave", "sequential")
 EXACT_MAX_CONFIGS = 400  # the MILP runs over every maximal configuration when there are at most this many
 EXACT_MAX_PAIRS = 600  # ... and at most this many layer variables
-COLUMN_MAX_PAIRS = 150  # the MILP over the column generation's configurations only up to this many (planning time)
 EXACT_NODES = 5000  # HiGHS branch-and-bound nodes per frontier (its best plan so far is used past it)
 
 
@@ -54,10 +54,11 @@ def search_frontier(graph: Graph, frontier: Sequence[int], gpus: int, *,
 
     ``packed+fill`` and ``packed``: Spindle's greedy packer with and without the idle-device
     fill; ``columns``: the column-generation packer; ``refined``: the wave local search from
-    the best allowed-count candidate and from ``columns``; ``exact``: the MILP of
-    :mod:`.exact` over every maximal configuration (small frontiers: optimal) or over the
-    column generation's, then the local search; ``single-wave``: one allowed count per MetaOp;
-    ``sequential``: one MetaOp after another on all devices (largest allowed count).
+    the best allowed-count candidate and from ``columns``; ``exact`` (frontiers of at most
+    ``EXACT_MAX_CONFIGS`` maximal configurations): the MILP of :mod:`.exact` over all of them,
+    optimal among whole-layer plans when HiGHS finishes, then the local search;
+    ``single-wave``: one allowed count per MetaOp; ``sequential``: one MetaOp after another on
+    all devices (largest allowed count).
     """
     ops = graph.metaops
     alloc = allocate([ops[i] for i in frontier], frontier, gpus)
@@ -77,13 +78,11 @@ def search_frontier(graph: Graph, frontier: Sequence[int], gpus: int, *,
         cols, tau = generate_columns(ops, frontier, gpus, [w for ws in out.values() for w in ws])
         out["columns"] = lp_waves(ops, frontier, cols, tau)
         refined.append(refine(ops, out["columns"], gpus))
+        # why only small frontiers: the MILP over the column generation's few configurations of a
+        # large frontier cost 4-5x the planning time on the 64-MetaOp graphs for no gain
         every = all_configurations(ops, frontier, gpus, limit=EXACT_MAX_CONFIGS) if len(frontier) > 1 else None
-        if every is not None and _pairs(every) > EXACT_MAX_PAIRS:
-            every = None
-        configs = every if every is not None else cols
-        if len(frontier) > 1 and _pairs(configs) <= (EXACT_MAX_PAIRS if every is not None else COLUMN_MAX_PAIRS):
-            exact, proven = ilp_waves(ops, frontier, configs, node_limit=EXACT_NODES)
-            proven = proven and every is not None
+        if every is not None and _pairs(every) <= EXACT_MAX_PAIRS:
+            exact, proven = ilp_waves(ops, frontier, every, node_limit=EXACT_NODES)
             if exact is not None:
                 out["exact"] = refine(ops, exact, gpus)
     out["refined"] = min(refined, key=lambda ws: waves_ms(ops, ws))
