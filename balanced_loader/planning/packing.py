@@ -77,7 +77,8 @@ def pack(lengths, capacity: int, algorithm: str = "ffd", *, repair: bool = True)
 
     ``ffd``: first-fit-decreasing; ``bfd``: best-fit-decreasing. Docs go longest first
     (ties: lower index first); bins are numbered in the order they open. O(n log n).
-    ``repair``: when that uses more bins than :func:`lower_bound`, run :func:`repair_packing` (bins
+    ``repair``: when that uses more bins than :func:`lower_bound` (and ``capacity`` is at most
+    ``16 n + 65536`` tokens), run :func:`repair_packing` (bins
     are then numbered kept ones first, in their order, then the new ones). For ``bfd`` the
     FFD packing is repaired too and the one with fewer bins kept (ties: BFD's): BFD leaves its
     waste in bins with an item above half the capacity, which the repair cannot empty.
@@ -87,8 +88,9 @@ def pack(lengths, capacity: int, algorithm: str = "ffd", *, repair: bool = True)
     bins, nb = (ffd if algorithm == "ffd" else bfd)(lengths, capacity)
     if repair and nb > 1:
         arr, cap = _as_lengths(lengths), int(capacity)
-        # why L1 first: it is one sum, and where FFD reaches it (e.g. Wikipedia) nothing else runs
-        if nb > -(-int(arr.sum()) // cap) and cap <= REPAIR_MAX_CAPACITY:
+        # why L1 first: it is one sum, and where FFD reaches it (e.g. Wikipedia) nothing else runs;
+        # why the capacity test: a round is O(n + capacity), kept within a small multiple of O(n)
+        if nb > -(-int(arr.sum()) // cap) and cap <= min(REPAIR_MAX_CAPACITY, 16 * len(arr) + 65536):
             bound = lower_bound(arr, cap)
             if nb > bound:
                 fixed, fnb = repair_packing(arr, bins, nb, cap, target=bound)
