@@ -2,9 +2,13 @@
 
 Sections (each prints a markdown table; ``--only`` picks some):
 
-* ``pack``: the 1M Wikipedia lengths (docs <= 32768), capacity 32768, one core. Our
-  ``pack(ffd)`` / ``pack(bfd)`` (median of ``--repeats`` after a warm-up) beside a
-  linear-scan first-fit-decreasing (numba, same sort, bins scanned in order; one run).
+* ``pack``: the 1M Wikipedia lengths (docs <= 32768), capacity 32768, and ``--code-docs``
+  code-like lengths (seeded lognormal(8.3, 0.8) tokens truncated to 8192, half above cap/2:
+  FFD's weak case), capacity 8192, one core. ``pack(ffd)`` / ``pack(bfd)`` (with the repair
+  pass), FFD / BFD alone, and axolotl's multipack (shuffled first fit in groups of 100k docs,
+  at most 200 per bin), interleaved, medians of ``--repeats`` after a warm-up; bins against
+  L1 = ceil(sum / cap) and the Martello-Toth L2 bound; on Wikipedia also the same tree one
+  doc at a time and a linear-scan FFD (one run; ``--skip-linear`` drops them).
 * ``hydra``: ``--batches`` global batches of 512 lanes per context (32K and 256K): docs <= context
   in a seeded shuffle of the Wikipedia lengths, each batch the next docs until
   ``lanes x 8192 x --passes`` tokens (cut before the doc that would exceed it). Cost preset
@@ -21,6 +25,7 @@ Sections (each prints a markdown table; ``--only`` picks some):
   e.g. an unpacked wheel: ``pip download --no-deps megatron-core`` then unzip).
 
     python tools/bench_planner.py                        # everything but megatron
+    python tools/bench_planner.py --only pack [--lengths PATH] [--code-docs N] [--skip-linear]
     PYTHONPATH=/tmp/mcore_pkg python tools/bench_planner.py --only megatron
 """
 
@@ -132,27 +137,95 @@ def plan_time(items, cost, cfg, repeats: int) -> tuple[float, float]:
     return wall, cpu
 
 
-def bench_pack(lengths: np.ndarray, repeats: int) -> None:
-    docs = lengths[lengths <= 32768]
-    cap = 32768
-    bound = -(-int(docs.sum()) // cap)
-    print(f"\n### Packing {len(docs):,} Wikipedia docs (<= 32768 tokens), capacity {cap}, one core\n")
-    print("| packer | seconds (wall / cpu) | docs/s | bins | bins / bound |")
-    print("|---|---|---|---|---|")
-    for name, fn, reps in (("pack(ffd): segment tree", lambda: packing.ffd(docs, cap), repeats),
-                           ("pack(bfd): room-value tree", lambda: packing.bfd(docs, cap), repeats),
-                           ("FFD, same tree, one doc at a time", lambda: ffd_tree_single(docs, cap), repeats),
-                           ("FFD, linear scan (numba)", lambda: ffd_linear(docs, cap), 1)):
-        if reps == 1:
-            ffd_linear(docs[:1000], cap)  # compile outside the timing
+@njit(cache=True)
+def multipack_first_fit(lengths, capacity, group, max_per_bin, seed):
+    """axolotl's multipack (HEAD, papers/packing_peers.md): the docs in a seeded shuffle, cut into
+    groups of ``group`` docs, each packed on its own by first fit *in shuffled order* with a
+    linear scan over the group's open bins; a bin takes at most ``max_per_bin`` docs. Written
+    from the description; axolotl runs the groups in a process pool, here one core (as ``pack``)."""
+    np.random.seed(seed)
+    order = np.random.permutation(len(lengths))
+    n = len(lengths)
+    bins = np.empty(n, np.int64)
+    rooms = np.empty(min(n, group), np.int64)
+    counts = np.empty(min(n, group), np.int64)
+    nb = 0
+    for g0 in range(0, n, group):
+        first = nb  # bins of earlier groups are closed
+        for t in range(g0, min(n, g0 + group)):
+            i = order[t]
+            s = lengths[i]
+            b = first
+            while b < nb and (rooms[b - first] < s or counts[b - first] >= max_per_bin):
+                b += 1
+            if b == nb:
+                rooms[b - first] = capacity
+                counts[b - first] = 0
+                nb += 1
+            rooms[b - first] -= s
+            counts[b - first] += 1
+            bins[i] = b
+    return bins, nb
+
+
+def code_corpus(n: int, seed: int, cap: int) -> np.ndarray:
+    """Heavy-tailed code-like lengths truncated to the context: lognormal(8.3, 0.8) tokens (median
+    ~4k, p99 ~26k); at cap 8192 about half are above cap/2 (FFD's weak case). Same generator as
+    tests/balanced_loader/test_packing.py."""
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.lognormal(8.3, 0.8, n).astype(np.int64) + 1, cap)
+
+
+def side_by_side(fns: dict, repeats: int) -> dict:
+    """Median wall / CPU seconds of each function, runs interleaved (one warm-up each first), and its result."""
+    out = {k: fn() for k, fn in fns.items()}
+    wall: dict = {k: [] for k in fns}
+    cpu: dict = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
             t0, c0 = time.perf_counter(), time.process_time()
-            bins, nb = fn()
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        else:
-            wall, cpu, (bins, nb) = timed(fn, reps)
-        assert np.bincount(bins, weights=docs).max() <= cap
-        print(f"| {name} | {wall:.4f} / {cpu:.4f} | {len(docs) / cpu / 1e6:.2f} M | {nb:,} | {nb / bound:.5f} |")
-    print(f"\nbound = ceil(sum / cap) = {bound:,}; docs/s from CPU time (the machine is shared).")
+            out[k] = fn()
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), out[k]) for k in fns}
+
+
+def bench_pack(name: str, docs: np.ndarray, cap: int, repeats: int, slow_rows: bool) -> None:
+    l1 = -(-int(docs.sum()) // cap)
+    l2 = packing.lower_bound(docs, cap)
+    print(f"\n### Packing {len(docs):,} {name} docs, capacity {cap}, one core\n")
+    print(f"{np.mean(docs > cap // 2):.1%} of the docs are above cap/2; L1 = ceil(sum / cap) = {l1:,}, "
+          f"L2 (Martello-Toth) = {l2:,}.\n")
+    print("| packer | seconds (wall / cpu) | docs/s (cpu) | bins | bins / L1 | bins / L2 | multipack cpu / this cpu |")
+    print("|---|---|---|---|---|---|---|")
+
+    def counted(bins):
+        return bins, int(bins.max()) + 1
+
+    fns = {"`pack(ffd)`: segment tree, then the repair pass": lambda: counted(packing.pack(docs, cap, "ffd")),
+           "`pack(bfd)`: room-value tree, then the repair pass": lambda: counted(packing.pack(docs, cap, "bfd")),
+           "FFD alone (`pack(ffd, repair=False)`)": lambda: packing.ffd(docs, cap),
+           "BFD alone (`pack(bfd, repair=False)`)": lambda: packing.bfd(docs, cap),
+           "axolotl multipack: shuffled first fit, groups of 100k, <= 200 docs/bin":
+               lambda: multipack_first_fit(docs, cap, 100_000, 200, 0)}
+    if slow_rows:
+        fns["FFD, same tree, one doc at a time"] = lambda: ffd_tree_single(docs, cap)
+    rows = side_by_side(fns, repeats)
+    base = rows["axolotl multipack: shuffled first fit, groups of 100k, <= 200 docs/bin"][1]
+    for k, (wall, cpu, (bins, nb)) in rows.items():
+        fill = np.bincount(bins, weights=docs)
+        assert fill.max() <= cap and len(fill) == nb
+        print(f"| {k} | {wall:.4f} / {cpu:.4f} | {len(docs) / cpu / 1e6:.2f} M | {nb:,} | {nb / l1:.5f} | "
+              f"{nb / l2:.5f} | {base / cpu:.1f}x |")
+    if slow_rows:
+        ffd_linear(docs[:1000], cap)  # compile outside the timing
+        t0, c0 = time.perf_counter(), time.process_time()
+        bins, nb = ffd_linear(docs, cap)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        print(f"| FFD, linear scan (numba, one run) | {wall:.4f} / {cpu:.4f} | {len(docs) / cpu / 1e6:.2f} M | "
+              f"{nb:,} | {nb / l1:.5f} | {nb / l2:.5f} | {base / cpu:.1f}x |")
+    print(f"\nMedians of {repeats} interleaved repeats after one warm-up run each; docs/s and the speed ratio "
+          "from CPU time (the machine is shared).")
 
 
 def batches(lengths: np.ndarray, context: int, lanes: int, passes: int, count: int, seed: int = 0):
@@ -326,13 +399,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--contexts", default="32768,262144")
     ap.add_argument("--megatron-batches", type=int, default=2)
+    ap.add_argument("--code-docs", type=int, default=1_000_000, help="docs of the code-like corpus (pack section)")
+    ap.add_argument("--code-seed", type=int, default=0)
+    ap.add_argument("--corpora", default="wiki,code", help="pack: comma-separated wiki, code")
+    ap.add_argument("--skip-linear", action="store_true", help="pack: skip the slow reference rows")
     args = ap.parse_args()
     lengths = wiki(args.lengths)
     contexts = [int(x) for x in args.contexts.split(",")]
     only = set(args.only.split(","))
     packing.warm_up()
-    if "pack" in only:
-        bench_pack(lengths, args.repeats)
+    if "pack" in only and "wiki" in args.corpora.split(","):
+        bench_pack("Wikipedia", lengths[lengths <= 32768], 32768, args.repeats, not args.skip_linear)
+    if "pack" in only and "code" in args.corpora.split(","):
+        bench_pack(f"code-like (lognormal(8.3, 0.8) tokens, truncated, seed {args.code_seed})",
+                   code_corpus(args.code_docs, args.code_seed, 8192), 8192, args.repeats, False)
     if "hydra" in only:
         bench_hydra(lengths, contexts, args.lanes, args.passes, args.batches, args.repeats)
     if "scaling" in only:

@@ -4,7 +4,9 @@ Public API (all arrays are numpy; ``[n]`` is one entry per item, in the caller's
 
 * :func:`pack` ``(lengths, capacity, algorithm="ffd"|"bfd") -> bins [n]``: bin index of every
   doc, bins numbered in opening order; every bin holds at most ``capacity`` tokens.
-* :func:`ffd`, :func:`bfd`: the same, returning ``(bins, num_bins)``.
+* :func:`ffd`, :func:`bfd`: the same, returning ``(bins, num_bins)``, without the repair pass.
+* :func:`lower_bound`: the Martello-Toth L2 bound on the bins; :func:`repair_packing`: the pass
+  ``pack`` runs after FFD/BFD when they are above it (pool the loosest bins, trade their items).
 * :func:`cost_pack` ``(tokens, work, num_bins, capacity)``: items in the given order into a
   fixed number of bins under a token cap, balancing the sum of ``work`` (e.g. ``q*s^2 + l*s``).
 * :func:`block_place`: longest-processing-time placement of items that each occupy an
@@ -28,6 +30,8 @@ from balanced_loader.cost import floor_level
 
 ALGORITHMS = ("ffd", "bfd")
 BFD_MAX_CAPACITY = 1 << 23  # the room-value tree of bfd has one leaf per token of capacity
+REPAIR_MAX_CAPACITY = 1 << 23  # the repair pool is indexed by item size, one leaf per token
+REPAIR_ROUNDS = 8
 
 
 # ------------------------------------------------------------------------------------------
@@ -70,15 +74,81 @@ def _check_fit(arr: np.ndarray, capacity: int) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def pack(lengths, capacity: int, algorithm: str = "ffd") -> np.ndarray:
+def pack(lengths, capacity: int, algorithm: str = "ffd", *, repair: bool = True) -> np.ndarray:
     """Bin index of every doc (``[n]`` int64) after packing into bins of ``capacity`` tokens.
 
     ``ffd``: first-fit-decreasing; ``bfd``: best-fit-decreasing. Docs go longest first
     (ties: lower index first); bins are numbered in the order they open. O(n log n).
+    ``repair``: when that uses more bins than :func:`lower_bound` (and ``capacity`` is at most
+    ``16 n + 65536`` tokens), run :func:`repair_packing` (bins
+    are then numbered kept ones first, in their order, then the new ones). For ``bfd`` the
+    FFD packing is repaired too and the one with fewer bins kept (ties: BFD's): BFD leaves its
+    waste in bins with an item above half the capacity, which the repair cannot empty.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown packing algorithm '{algorithm}'; choose one of: {', '.join(ALGORITHMS)}")
-    return (ffd if algorithm == "ffd" else bfd)(lengths, capacity)[0]
+    bins, nb = (ffd if algorithm == "ffd" else bfd)(lengths, capacity)
+    if repair and nb > 1:
+        arr, cap = _as_lengths(lengths), int(capacity)
+        # why L1 first: it is one sum, and where FFD reaches it (e.g. Wikipedia) nothing else runs;
+        # why the capacity test: a round is O(n + capacity), kept within a small multiple of O(n)
+        if nb > -(-int(arr.sum()) // cap) and cap <= min(REPAIR_MAX_CAPACITY, 16 * len(arr) + 65536):
+            bound = lower_bound(arr, cap)
+            if nb > bound:
+                fixed, fnb = repair_packing(arr, bins, nb, cap, target=bound)
+                if algorithm == "bfd" and fnb > bound:
+                    other, onb = ffd(arr, cap)
+                    other, onb = repair_packing(arr, other, onb, cap, target=bound)
+                    if onb < fnb:
+                        fixed, fnb = other, onb
+                bins = fixed
+    return bins
+
+
+def lower_bound(lengths, capacity: int) -> int:
+    """Martello-Toth L2 lower bound on the number of bins (at least ``ceil(sum / capacity)``).
+
+    For every ``K <= capacity / 2``: the items above ``capacity - K`` and those in
+    ``(capacity / 2, capacity - K]`` each need a bin of their own, and the items in
+    ``[K, capacity / 2]`` fit only into the latter's rooms or into further bins. O(n log n).
+    """
+    arr = _as_lengths(lengths)
+    cap = _as_capacity(capacity)
+    _check_fit(arr, cap)
+    if arr.size == 0:
+        return 0
+    v = np.sort(arr)  # [n] ascending
+    csum = np.concatenate(([0], np.cumsum(v)))  # [n + 1] sum of the i smallest
+    half = cap // 2
+    ks = np.unique(np.concatenate(([0], v[v <= half])))  # [k] K values where the sets change
+    big = np.searchsorted(v, half, side="right")  # items above capacity / 2 start here
+    j1 = np.searchsorted(v, cap - ks, side="right")  # [k] items above capacity - K start here
+    j3 = np.searchsorted(v, ks, side="left")  # [k] items of at least K start here
+    n1 = len(v) - j1
+    n2 = j1 - big
+    room2 = n2 * cap - (csum[j1] - csum[big])  # [k] rooms of the (capacity / 2, capacity - K] bins
+    s3 = csum[big] - csum[j3]  # [k] size of the items in [K, capacity / 2]
+    extra = np.maximum(0, -(-(s3 - room2) // cap))
+    return int(max((n1 + n2 + extra).max(), -(-int(v.sum()) // cap)))
+
+
+def repair_packing(lengths, bins, num_bins: int, capacity: int, *, target: int = 0, pool_bins: int | None = None,
+           rounds: int = REPAIR_ROUNDS) -> tuple[np.ndarray, int]:
+    """Fewer bins for a packing ``bins`` (``[n]``, numbered ``0..num_bins-1``): rounds that pool
+    the loosest bins and trade their items into the others (see
+    :mod:`balanced_loader.planning.kernels.repair`), until ``target`` bins, ``rounds`` rounds, or
+    a round that saves nothing. ``pool_bins`` defaults to ``num_bins - target`` (at least 4)."""
+    from balanced_loader.planning.kernels import repair_kernel
+
+    arr = _as_lengths(lengths)
+    cap = _as_capacity(capacity)
+    _check_fit(arr, cap)
+    b = np.ascontiguousarray(bins, dtype=np.int64)
+    if b.shape != arr.shape or (b.size and (b.min() < 0 or b.max() >= num_bins)):
+        raise ValueError(f"bins must be [n] numbers in 0..{num_bins - 1}")
+    k = max(4, num_bins - target) if pool_bins is None else int(pool_bins)
+    out, nb = repair_kernel(arr, b, int(num_bins), cap, int(target), k, int(rounds))
+    return out, int(nb)
 
 
 def ffd(lengths, capacity: int) -> tuple[np.ndarray, int]:
@@ -409,6 +479,7 @@ def warm_up() -> None:
     """Load (or compile) every kernel once on tiny inputs, so later timings are steady-state."""
     one = np.ones(2, dtype=np.int64)
     ffd(one, 2)
+    repair_packing(one, np.arange(2), 2, 2)
     bfd(one, 2)
     cost_pack(one, np.ones(2), 1, 2)
     lpt(np.ones(2), one, 2)

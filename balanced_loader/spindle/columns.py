@@ -100,6 +100,26 @@ def column_waves(ops: Sequence[MetaOp], frontier: Sequence[int], gpus: int, seed
     ``seeds``: waves of other packers (allowed counts), used as the initial configurations;
     together they must cover every MetaOp of the frontier.
     """
+    columns, tau = generate_columns(ops, frontier, gpus, seeds, max_rounds=max_rounds)
+    return lp_waves(ops, frontier, columns, tau)
+
+
+def lp_waves(ops: Sequence[MetaOp], frontier: Sequence[int], columns: list[Config], tau: np.ndarray) -> list[list[Run]]:
+    """Whole-layer waves from the master LP's solution (``tau`` ``[columns]``) by rounding."""
+    support = [w for w in range(len(columns)) if tau[w] > 1e-9]
+    cols = [columns[w] for w in support]
+    layers = _round_layers(ops, frontier, cols, tau[support])
+    waves = []
+    for col, ls in zip(cols, layers):
+        wave = [Run(op=frontier[i], n=col[i], layers=ls[i]) for i in range(len(frontier)) if col[i] and ls[i] > 0]
+        if wave:
+            waves.append(wave)
+    return waves
+
+
+def generate_columns(ops: Sequence[MetaOp], frontier: Sequence[int], gpus: int, seeds: Sequence[Sequence[Run]], *,
+                     max_rounds: int = 8) -> tuple[list[Config], np.ndarray]:
+    """The configurations (seeds' waves, then priced ones) and the master LP's wave lengths ``[columns]``."""
     pos = {g: i for i, g in enumerate(frontier)}
     counts = [ops[g].counts for g in frontier]
     rates = [np.array([1.0 / ops[g].ms(c) for c in ops[g].counts]) for g in frontier]
@@ -118,12 +138,4 @@ def column_waves(ops: Sequence[MetaOp], frontier: Sequence[int], gpus: int, seed
             break
         columns.append(col)
         tau, y, _ = _master(columns, rate_of)
-    support = [w for w in range(len(columns)) if tau[w] > 1e-9]
-    cols = [columns[w] for w in support]
-    layers = _round_layers(ops, frontier, cols, tau[support])
-    waves = []
-    for col, ls in zip(cols, layers):
-        wave = [Run(op=frontier[i], n=col[i], layers=ls[i]) for i in range(len(frontier)) if col[i] and ls[i] > 0]
-        if wave:
-            waves.append(wave)
-    return waves
+    return columns, tau

@@ -3,7 +3,8 @@
 Per frontier (MetaOps whose predecessors have all finished): the allocator's bisection gives
 the common finish time ``C*`` (the frontier's continuous lower bound) and at most two slices
 per MetaOp; Spindle's greedy packer turns them into waves. The frontier keeps the shortest of
-several candidates (:func:`frontier_candidates`; Spindle's greedy wins ties), its waves are
+several candidates (:func:`frontier_candidates`; Spindle's greedy wins ties; on small frontiers
+an exact MILP over every configuration, which proves the frontier optimal among whole-layer plans), its waves are
 ordered so consecutive ones share (MetaOp, count) pairs, and placement assigns ranks wave by
 wave. The baselines (``all``, ``fixed_split``) are planned too, and the best of the three
 plans is returned (ties go to the wavefront plan), so the result is never worse than a
@@ -18,7 +19,8 @@ from collections.abc import Sequence
 
 from balanced_loader.spindle.allocator import allocate, integer_allocation
 from balanced_loader.spindle.baselines import PlacedWave, all_devices, fixed_split
-from balanced_loader.spindle.columns import column_waves
+from balanced_loader.spindle.columns import generate_columns, lp_waves
+from balanced_loader.spindle.exact import all_configurations, ilp_waves
 from balanced_loader.spindle.graph import Graph
 from balanced_loader.spindle.placement import movement, place
 from balanced_loader.spindle.refine import refine
@@ -26,17 +28,37 @@ from balanced_loader.spindle.schedule import Wave, WaveOp, WavePlan
 from balanced_loader.spindle.wave_kernels import warm
 from balanced_loader.spindle.waves import Run, order_waves, pack, waves_ms
 
-CANDIDATES = ("packed+fill", "packed", "columns", "refined", "single-wave", "sequential")
+CANDIDATES = ("packed+fill", "packed", "columns", "refined", "exact", "single-wave", "sequential")
+EXACT_MAX_CONFIGS = 400  # the MILP runs over every maximal configuration when there are at most this many
+EXACT_MAX_PAIRS = 600  # ... and at most this many layer variables
+EXACT_NODES = 5000  # HiGHS branch-and-bound nodes per frontier (its best plan so far is used past it)
+
+
+
+def _pairs(configs: Sequence[Sequence[int]]) -> int:
+    """Layer variables of the MILP over ``configs``: one per MetaOp present in a configuration."""
+    return sum(1 for col in configs for c in col if c)
 
 
 def frontier_candidates(graph: Graph, frontier: Sequence[int], gpus: int, *,
                         columns: bool = True) -> tuple[float, dict[str, list[list[Run]]]]:
-    """``C*`` and the unplaced waves of every candidate schedule of one frontier.
+    """``C*`` and the unplaced waves of every candidate schedule of one frontier."""
+    c_star, cands, _ = search_frontier(graph, frontier, gpus, columns=columns)
+    return c_star, cands
+
+
+def search_frontier(graph: Graph, frontier: Sequence[int], gpus: int, *,
+                    columns: bool = True) -> tuple[float, dict[str, list[list[Run]]], bool]:
+    """``C*``, the unplaced waves of every candidate schedule of one frontier, and whether the
+    ``exact`` candidate is proven optimal among whole-layer plans.
 
     ``packed+fill`` and ``packed``: Spindle's greedy packer with and without the idle-device
     fill; ``columns``: the column-generation packer; ``refined``: the wave local search from
-    the best allowed-count candidate and from ``columns``; ``single-wave``: one allowed count
-    per MetaOp; ``sequential``: one MetaOp after another on all devices (largest allowed count).
+    the best allowed-count candidate and from ``columns``; ``exact`` (frontiers of at most
+    ``EXACT_MAX_CONFIGS`` maximal configurations): the MILP of :mod:`.exact` over all of them,
+    optimal among whole-layer plans when HiGHS finishes, then the local search;
+    ``single-wave``: one allowed count per MetaOp; ``sequential``: one MetaOp after another on
+    all devices (largest allowed count).
     """
     ops = graph.metaops
     alloc = allocate([ops[i] for i in frontier], frontier, gpus)
@@ -51,11 +73,22 @@ def frontier_candidates(graph: Graph, frontier: Sequence[int], gpus: int, *,
     start = min((k for k in ("packed+fill", "packed", "single-wave") if k in out),
                 key=lambda k: waves_ms(ops, out[k]))
     refined = [refine(ops, out[start], gpus)]
+    proven = False
     if columns:
-        out["columns"] = column_waves(ops, frontier, gpus, [w for ws in out.values() for w in ws])
+        cols, tau = generate_columns(ops, frontier, gpus, [w for ws in out.values() for w in ws])
+        out["columns"] = lp_waves(ops, frontier, cols, tau)
         refined.append(refine(ops, out["columns"], gpus))
+        # why only small frontiers: the MILP over the column generation's few configurations of a
+        # large frontier cost 4-5x the planning time on the 64-MetaOp graphs for no gain
+        every = all_configurations(ops, frontier, gpus, limit=EXACT_MAX_CONFIGS) if len(frontier) > 1 else None
+        if every is not None and _pairs(every) <= EXACT_MAX_PAIRS:
+            exact, proven = ilp_waves(ops, frontier, every, node_limit=EXACT_NODES)
+            if exact is not None:
+                out["exact"] = refine(ops, exact, gpus)
     out["refined"] = min(refined, key=lambda ws: waves_ms(ops, ws))
-    return alloc.finish_ms, out
+    if len(frontier) == 1:
+        proven = True  # one MetaOp: every layer on its fastest count (``sequential``) is optimal
+    return alloc.finish_ms, out, proven
 
 
 def _to_waves(graph: Graph, placed: Sequence[tuple[int, PlacedWave]]) -> tuple[Wave, ...]:

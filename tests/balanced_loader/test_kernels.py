@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from balanced_loader.planning import kernels as K
 from balanced_loader.planning import packing as P
+from balanced_loader.planning.kernels.repair import repair_round_reference
 
 
 @st.composite
@@ -111,3 +112,35 @@ def test_order_desc_is_a_stable_descending_sort(values, huge):
         arr = arr * 10**9  # above the counting-sort range: the merge sort path
     assert K.order_desc(arr).tolist() == sorted(range(len(arr)), key=lambda i: (-arr[i], i))
     assert np.array_equal(K.argsort_stable(arr.astype(np.float64)), np.argsort(arr, kind="stable"))
+
+
+@st.composite
+def packing_to_repair(draw):
+    """A valid packing (FFD, or next fit in a random order: loose bins) and a pool size."""
+    lengths, cap = draw(packing_case())
+    rnd = draw(st.randoms(use_true_random=False))
+    if draw(st.booleans()):
+        bins, nb = P.ffd(lengths, cap)
+    else:
+        order = list(range(len(lengths)))
+        rnd.shuffle(order)
+        bins = np.zeros(len(lengths), dtype=np.int64)
+        nb, room = 0, 0
+        for i in order:
+            if lengths[i] > room:
+                nb, room = nb + 1, cap
+            bins[i] = nb - 1
+            room -= int(lengths[i])
+    return lengths, cap, bins, nb, draw(st.integers(1, 6))
+
+
+@given(packing_to_repair())
+def test_repair_round_equals_reference(case):
+    lengths, cap, bins, nb, pool = case
+    got, gnb = K.repair_round(lengths, bins, nb, cap, pool)
+    ref, rnb = repair_round_reference(lengths, bins, nb, cap, pool)
+    assert gnb == rnb and np.array_equal(got, ref)
+    assert gnb <= nb
+    if len(lengths):  # a packing again: bins 0..gnb-1, none empty, none over the capacity
+        fill = np.bincount(got, weights=lengths)
+        assert len(fill) == gnb and (fill > 0).all() and fill.max() <= cap

@@ -91,3 +91,72 @@ def test_wikipedia_packing_regression(wiki_lengths):
         fill = np.bincount(bins, weights=lengths)
         assert fill.max() <= 32768
         assert len(fill) <= 1.0005 * bound, (algorithm, len(fill), bound)
+
+
+def _optimum(lengths, cap) -> int:
+    """Fewest bins, by trying every assignment into at most len(lengths) bins (tiny inputs)."""
+    best = len(lengths)
+
+    def go(i, rooms):
+        nonlocal best
+        if len(rooms) >= best:
+            return
+        if i == len(lengths):
+            best = len(rooms)
+            return
+        for j in range(len(rooms)):
+            if rooms[j] >= lengths[i]:
+                rooms[j] -= lengths[i]
+                go(i + 1, rooms)
+                rooms[j] += lengths[i]
+        go(i + 1, [*rooms, cap - lengths[i]])
+
+    go(0, [])
+    return best
+
+
+def test_lower_bound_is_martello_toth_l2():
+    assert P.lower_bound([6, 6, 6], 10) == 3  # L1 is 2: three items over half the capacity
+    assert P.lower_bound([7, 7, 4, 4], 10) == 3  # K = 4: two rooms of 3 cannot take the 4s (8 tokens: one bin)
+    assert P.lower_bound([], 10) == 0
+    rng = np.random.default_rng(5)
+    tighter = 0
+    for _ in range(150):
+        cap = int(rng.integers(4, 30))
+        lengths = rng.integers(1, cap + 1, int(rng.integers(1, 8)))
+        l1 = -(-int(lengths.sum()) // cap)
+        bound, opt = P.lower_bound(lengths, cap), _optimum(lengths.tolist(), cap)
+        assert l1 <= bound <= opt <= P.ffd(lengths, cap)[1]
+        tighter += bound > l1
+    assert tighter > 10
+
+
+def code_corpus(n: int, seed: int, cap: int = 8192) -> np.ndarray:
+    """Heavy-tailed code-like lengths, truncated to the context: lognormal(8.3, 0.8) tokens
+    (median ~4k, p99 ~26k), so about half the docs are above cap/2 and a fifth fill a bin alone."""
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.lognormal(8.3, 0.8, n).astype(np.int64) + 1, cap)
+
+
+@pytest.mark.parametrize("algorithm", ["ffd", "bfd"])
+def test_pack_repairs_ffds_weak_case_to_the_bound(algorithm):
+    """FFD/BFD alone are ~1.0012x the L2 bound here; pack's repair pass brings them within 1.001x."""
+    lengths = code_corpus(60_000, seed=7)
+    bound = P.lower_bound(lengths, 8192)
+    plain = (P.ffd if algorithm == "ffd" else P.bfd)(lengths, 8192)[1]
+    assert plain > 1.001 * bound  # the weak case is real
+    bins = P.pack(lengths, 8192, algorithm)
+    fill = np.bincount(bins, weights=lengths)
+    assert fill.max() <= 8192 and (fill > 0).all()
+    assert len(fill) <= 1.001 * bound, (len(fill), bound)
+    assert np.array_equal(P.pack(lengths, 8192, algorithm, repair=False), (P.ffd if algorithm == "ffd" else P.bfd)(
+        lengths, 8192)[0])
+
+
+def test_repair_packing_checks_input_and_never_adds_bins():
+    lengths = code_corpus(3_000, seed=1)
+    bins, nb = P.ffd(lengths, 8192)
+    out, onb = P.repair_packing(lengths, bins, nb, 8192, rounds=3)
+    assert onb <= nb and np.bincount(out, weights=lengths).max() <= 8192
+    with pytest.raises(ValueError, match="bins must be"):
+        P.repair_packing(lengths, bins, nb - 1, 8192)

@@ -1,16 +1,5 @@
-"""Numba kernels of the planning core: small functions, arrays in and arrays out.
+"""Placement kernels into a fixed set of bins or lanes (cost-aware packing, LPT on blocks, passes).
 
-Each kernel has a pure-Python reference in :mod:`balanced_loader.planning.packing` with the same
-tie-breaking; the tests compare them. Callers should use the wrappers in ``packing.py``,
-which check their input; the kernels trust theirs (int64 / float64, 1-D, C order).
-
-Kernels:
-
-* :func:`order_desc`: stable order by length, longest first (counting sort when the
-  lengths are small integers, else a merge sort).
-* :func:`ffd_kernel`: first-fit-decreasing over a max segment tree of bin rooms.
-* :func:`bfd_kernel`: best-fit-decreasing over a segment tree of *room values* (one leaf
-  per possible room, set while some open bin has that room) plus a stack of bins per value.
 * :func:`cost_pack_kernel`: items in the given order into a fixed number of bins under a
   token cap, each to the bin with the smallest cost load that still has room.
 * :func:`block_place_kernel`: longest-processing-time placement of items that each take an
@@ -18,228 +7,15 @@ Kernels:
   block size; optionally load-driven larger blocks when a target would be exceeded.
 * :func:`fill_passes_kernel`: single-lane items onto the least-loaded lane, packed into
   per-lane passes under a token cap; opening a pass costs ``beta``.
-* :func:`kk_kernel`: k-way Karmarkar-Karp largest differencing on workloads.
 
-Both packers place a run of equal lengths into the chosen bin at once (as many copies as
-fit). That is exactly what placing them one by one would do: the bins before the chosen
-one still do not fit, and the chosen one stays the first (or best) fit while it has room.
+Why trees and lazy heaps: a linear scan over bins or lanes per item is O(n * lanes), which
+at 2,048 lanes and ~100k docs per step is seconds; these keep each item at O(log lanes).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
-
-# ------------------------------------------------------------------------------------------
-# sorting
-# ------------------------------------------------------------------------------------------
-
-
-@njit(cache=True)
-def argsort_stable(keys):
-    """Stable ascending argsort (bottom-up merge sort): ``[n]`` indices."""
-    n = keys.shape[0]
-    a = np.arange(n)
-    b = np.empty(n, np.int64)
-    width = 1
-    while width < n:
-        for lo in range(0, n, 2 * width):
-            mid = min(lo + width, n)
-            hi = min(lo + 2 * width, n)
-            i, j, k = lo, mid, lo
-            while i < mid and j < hi:
-                if keys[a[j]] < keys[a[i]]:
-                    b[k] = a[j]
-                    j += 1
-                else:
-                    b[k] = a[i]
-                    i += 1
-                k += 1
-            while i < mid:
-                b[k] = a[i]
-                i += 1
-                k += 1
-            while j < hi:
-                b[k] = a[j]
-                j += 1
-                k += 1
-        a, b = b, a
-        width *= 2
-    return a
-
-
-@njit(cache=True)
-def order_desc(lengths):
-    """Stable order of ``lengths`` (int64, >= 0), longest first: ``[n]`` indices.
-
-    A counting sort when the largest length is small next to n, else a merge sort."""
-    n = lengths.shape[0]
-    if n == 0:
-        return np.empty(0, np.int64)
-    maxval = lengths.max()
-    if maxval > 4 * n + 65536:
-        return argsort_stable(-lengths)
-    start = np.zeros(maxval + 1, np.int64)  # [maxval + 1] counts, then write positions
-    for i in range(n):
-        start[lengths[i]] += 1
-    acc = 0
-    for v in range(maxval, -1, -1):
-        c = start[v]
-        start[v] = acc
-        acc += c
-    order = np.empty(n, np.int64)
-    for i in range(n):
-        v = lengths[i]
-        order[start[v]] = i
-        start[v] += 1
-    return order
-
-
-# ------------------------------------------------------------------------------------------
-# first-fit / best-fit decreasing
-# ------------------------------------------------------------------------------------------
-
-
-@njit(cache=True)
-def ffd_kernel(lengths, capacity):
-    """First-fit-decreasing. Returns (bin of every item ``[n]``, number of bins).
-
-    Bins are numbered in opening order. Items go longest first (ties: lower index first)
-    into the lowest-numbered bin with room. A max segment tree over the bins' rooms finds
-    that bin in O(log B); unopened bins are leaves with the full capacity.
-    """
-    n = lengths.shape[0]
-    bins = np.empty(n, np.int64)
-    if n == 0:
-        return bins, 0
-    order = order_desc(lengths)
-    total = lengths.sum()
-    bound = min(n, 2 * total // capacity + 2)  # any-fit: at most one bin is half full or less
-    size = 1
-    while size < bound:
-        size *= 2
-    tree = np.full(2 * size, capacity, np.int64)  # [2 * size] max room below each node
-    nbins = 0
-    i = 0
-    while i < n:
-        s = lengths[order[i]]
-        j = i + 1
-        while j < n and lengths[order[j]] == s:
-            j += 1
-        while i < j:
-            node = 1
-            while node < size:
-                node *= 2
-                if tree[node] < s:
-                    node += 1
-            b = node - size
-            room = tree[node]
-            k = min(j - i, room // s)
-            for t in range(i, i + k):
-                bins[order[t]] = b
-            i += k
-            tree[node] = room - k * s
-            node //= 2
-            while node >= 1:
-                m = max(tree[2 * node], tree[2 * node + 1])
-                if tree[node] == m:
-                    break
-                tree[node] = m
-                node //= 2
-            if b >= nbins:
-                nbins = b + 1
-    return bins, nbins
-
-
-@njit(cache=True)
-def _first_set_from(tree, size, v):
-    """Smallest leaf index >= v whose flag is set in an OR-tree of ``size`` leaves, or -1."""
-    if v >= size:
-        return -1
-    node = size + v
-    if tree[node]:
-        return v
-    while node > 1:
-        if node % 2 == 0 and tree[node + 1]:
-            node += 1
-            while node < size:
-                node *= 2
-                if not tree[node]:
-                    node += 1
-            return node - size
-        node //= 2
-    return -1
-
-
-@njit(cache=True)
-def _set_flag(tree, size, v, flag):
-    node = size + v
-    tree[node] = flag
-    node //= 2
-    while node >= 1:
-        m = tree[2 * node] | tree[2 * node + 1]
-        if tree[node] == m:
-            break
-        tree[node] = m
-        node //= 2
-
-
-@njit(cache=True)
-def bfd_kernel(lengths, capacity):
-    """Best-fit-decreasing. Returns (bin of every item ``[n]``, number of bins).
-
-    Items go longest first (ties: lower index first) into the open bin with the smallest
-    room that still fits; among bins with equal room, the one whose room changed last. A
-    new bin opens only when no open bin fits. The search is over room *values*: an OR
-    segment tree over ``0..capacity-1`` flags the values some open bin has, and each value
-    keeps a stack of its bins (top = changed last), so one placement is O(log capacity).
-    """
-    n = lengths.shape[0]
-    bins = np.empty(n, np.int64)
-    if n == 0:
-        return bins, 0
-    order = order_desc(lengths)
-    size = 1
-    while size < capacity:
-        size *= 2
-    tree = np.zeros(2 * size, np.uint8)  # [2 * size] OR of "some open bin has this room"
-    head = np.full(capacity, -1, np.int32)  # [capacity] room value -> bin on top of its stack
-    nxt = np.empty(n, np.int32)  # [n] bin -> next bin in the same stack
-    nbins = 0
-    i = 0
-    while i < n:
-        s = lengths[order[i]]
-        j = i + 1
-        while j < n and lengths[order[j]] == s:
-            j += 1
-        while i < j:
-            v = _first_set_from(tree, size, s) if s < capacity else -1
-            if v < 0 or v >= capacity:
-                b = nbins
-                nbins += 1
-                room = capacity
-            else:
-                b = head[v]
-                head[v] = nxt[b]
-                if head[v] < 0:
-                    _set_flag(tree, size, v, 0)
-                room = v
-            k = min(j - i, room // s)
-            for t in range(i, i + k):
-                bins[order[t]] = b
-            i += k
-            room -= k * s
-            if room > 0:
-                nxt[b] = head[room]
-                if head[room] < 0:
-                    _set_flag(tree, size, room, 1)
-                head[room] = b
-    return bins, nbins
-
-
-# ------------------------------------------------------------------------------------------
-# cost-aware packing into a fixed number of bins
-# ------------------------------------------------------------------------------------------
 
 
 @njit(cache=True)
@@ -330,6 +106,7 @@ def cost_pack_kernel(tokens, work, load0, room0):
         mload[node] = min(mload[2 * node], mload[2 * node + 1])
     stack = np.empty(64, np.int64)
     for i in range(n):
+        # why two keys per node: room prunes bins that cannot take the item, load orders the rest
         s = tokens[i]
         best = _min_load_with_room(mroom, mload, size, s, stack, np.inf, -1)
         if best < 0:
@@ -466,6 +243,8 @@ def block_place_kernel(times, pref, load0, next_k0, target):
                 continue
             first = size >> lv
             off = base[lv]
+            # lazy heap: entries are never updated in place; an entry whose version is older than
+            # its node's was superseded by a later push, so it is dropped when it reaches the top
             while sizes[lv] > 0 and vers[off] != version[first + blks[off]]:  # drop stale tops
                 _heap_pop(keys, blks, vers, base, sizes, lv)
             if sizes[lv] == 0 or not keys[off] < np.inf:
@@ -575,6 +354,9 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
     wsize = 0
     for i in range(n):
         s = tokens[i]
+        # why retire/wake: a lane without room for s costs load + beta; rather than rescanning
+        # every lane per item, it is parked in a max-heap by its largest pass room and only
+        # woken (back to cost = load) when an item small enough for that room arrives
         while wsize > 0 and wk[0] >= s:  # wake the retired lanes that now have room
             lane, ver = wl[0], wv[0]
             wsize -= 1
@@ -645,165 +427,3 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
             rver[best] += 1
         _set_min(tree, size, best, load[best])
     return out_lane, out_pass, npass, load
-
-
-# ------------------------------------------------------------------------------------------
-# Karmarkar-Karp
-# ------------------------------------------------------------------------------------------
-
-
-@njit(cache=True)
-def _kk_less(spread, sid, a, b):
-    """Heap order: larger spread first, then the lower state id."""
-    return spread[a] > spread[b] or (spread[a] == spread[b] and sid[a] < sid[b])
-
-
-@njit(cache=True)
-def _kk_push(heap, hsize, st, spread, sid):
-    """Sift state ``st`` up from position ``hsize`` (the caller grows the heap by one)."""
-    pos = hsize
-    while pos > 0:
-        parent = (pos - 1) // 2
-        if _kk_less(spread, sid, st, heap[parent]):
-            heap[pos] = heap[parent]
-            pos = parent
-        else:
-            break
-    heap[pos] = st
-
-
-@njit(cache=True)
-def kk_kernel(work, k):
-    """k-way Karmarkar-Karp (largest differencing). Returns the part of every item ``[n]``.
-
-    Every item starts as a state of k sets (the item alone in set 0). The two states with
-    the largest spread (max - min set sum; ties: lower state id, items before merged
-    states in creation order) are merged: the first's sets sorted by sum descending are
-    paired with the second's sorted ascending (stable sorts), and the result is pushed as
-    a new state. Sets are linked lists of items; only merged states store k sums.
-    """
-    n = work.shape[0]
-    part = np.zeros(n, np.int64)
-    if n == 0 or k <= 1:
-        return part
-    nxt = np.full(n, -1, np.int64)  # [n] item -> next item of its set
-    total = 2 * n
-    spread = np.zeros(total, np.float64)  # state -> max - min of its set sums
-    sid = np.arange(total)  # state -> id (creation order)
-    slot = np.full(total, -1, np.int64)  # state -> row of sums/heads/tails (-1: singleton)
-    cap = 16
-    sums = np.zeros((cap, k), np.float64)
-    heads = np.full((cap, k), -1, np.int64)
-    tails = np.full((cap, k), -1, np.int64)
-    free = np.empty(cap, np.int64)
-    nfree = 0
-    nrows = 0
-    heap = np.empty(total, np.int64)
-    hsize = 0
-    for i in range(n):
-        spread[i] = work[i]
-        _kk_push(heap, hsize, i, spread, sid)
-        hsize += 1
-    nstates = n
-    a_sum = np.empty(k, np.float64)
-    b_sum = np.empty(k, np.float64)
-    a_head = np.empty(k, np.int64)
-    a_tail = np.empty(k, np.int64)
-    b_head = np.empty(k, np.int64)
-    b_tail = np.empty(k, np.int64)
-    popped = np.empty(2, np.int64)
-    while hsize > 1:
-        for t in range(2):
-            popped[t] = heap[0]
-            hsize -= 1
-            last = heap[hsize]
-            pos = 0
-            while True:
-                c = 2 * pos + 1
-                if c >= hsize:
-                    break
-                if c + 1 < hsize and _kk_less(spread, sid, heap[c + 1], heap[c]):
-                    c += 1
-                if _kk_less(spread, sid, heap[c], last):
-                    heap[pos] = heap[c]
-                    pos = c
-                else:
-                    break
-            if hsize > 0:
-                heap[pos] = last
-        for t in range(2):
-            st = popped[t]
-            dst_sum = a_sum if t == 0 else b_sum
-            dst_head = a_head if t == 0 else b_head
-            dst_tail = a_tail if t == 0 else b_tail
-            if slot[st] < 0:
-                dst_sum[:] = 0.0
-                dst_head[:] = -1
-                dst_tail[:] = -1
-                dst_sum[0] = work[st]
-                dst_head[0] = st
-                dst_tail[0] = st
-            else:
-                r = slot[st]
-                dst_sum[:] = sums[r]
-                dst_head[:] = heads[r]
-                dst_tail[:] = tails[r]
-                free[nfree] = r
-                nfree += 1
-        oa = argsort_stable(-a_sum)
-        ob = argsort_stable(b_sum)
-        if nfree > 0:
-            nfree -= 1
-            r = free[nfree]
-        else:
-            if nrows == sums.shape[0]:
-                cap2 = sums.shape[0] * 2
-                ns = np.zeros((cap2, k), np.float64)
-                nh = np.full((cap2, k), -1, np.int64)
-                nt = np.full((cap2, k), -1, np.int64)
-                ns[: sums.shape[0]] = sums
-                nh[: sums.shape[0]] = heads
-                nt[: sums.shape[0]] = tails
-                sums, heads, tails = ns, nh, nt
-                nf = np.empty(cap2, np.int64)
-                nf[:nfree] = free[:nfree]
-                free = nf
-            r = nrows
-            nrows += 1
-        lo = np.inf
-        hi = -np.inf
-        for j in range(k):
-            x = oa[j]
-            y = ob[j]
-            sm = a_sum[x] + b_sum[y]
-            sums[r, j] = sm
-            lo = min(lo, sm)
-            hi = max(hi, sm)
-            ha, ta, hb, tb = a_head[x], a_tail[x], b_head[y], b_tail[y]
-            if ha < 0:
-                heads[r, j] = hb
-                tails[r, j] = tb
-            elif hb < 0:
-                heads[r, j] = ha
-                tails[r, j] = ta
-            else:
-                nxt[ta] = hb
-                heads[r, j] = ha
-                tails[r, j] = tb
-        st = nstates
-        nstates += 1
-        slot[st] = r
-        spread[st] = hi - lo
-        _kk_push(heap, hsize, st, spread, sid)
-        hsize += 1
-    st = heap[0]
-    if slot[st] < 0:
-        part[st] = 0
-        return part
-    r = slot[st]
-    for j in range(k):
-        it = heads[r, j]
-        while it >= 0:
-            part[it] = j
-            it = nxt[it]
-    return part

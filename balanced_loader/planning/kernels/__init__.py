@@ -1,0 +1,30 @@
+"""Numba kernels of the planning core: small functions, arrays in and arrays out.
+
+Each kernel has a pure-Python reference in :mod:`balanced_loader.planning.packing` with the same
+tie-breaking; the tests compare them. Callers should use the wrappers in ``packing.py``,
+which check their input; the kernels trust theirs (int64 / float64, 1-D, C order).
+
+Modules, by family:
+
+* :mod:`.order`: :func:`order_desc` (stable longest-first order; counting sort when the
+  lengths are small integers, else a merge sort) and :func:`argsort_stable`.
+* :mod:`.fit`: :func:`ffd_kernel` (first-fit-decreasing over a max segment tree of bin
+  rooms) and :func:`bfd_kernel` (best-fit-decreasing over a tree of room values).
+* :mod:`.repair`: :func:`repair_round` / :func:`repair_kernel`, a pass after FFD/BFD that pools
+  the loosest bins and trades their items into the others, for inputs where FFD is above the
+  lower bound (many items over half the capacity).
+* :mod:`.place`: :func:`cost_pack_kernel`, :func:`block_place_kernel` (lazy versioned heaps),
+  :func:`fill_passes_kernel`.
+* :mod:`.karmarkar_karp`: :func:`kk_kernel`, k-way largest differencing.
+"""
+
+from __future__ import annotations
+
+from balanced_loader.planning.kernels.fit import bfd_kernel, ffd_kernel
+from balanced_loader.planning.kernels.karmarkar_karp import kk_kernel
+from balanced_loader.planning.kernels.order import argsort_stable, order_desc
+from balanced_loader.planning.kernels.place import block_place_kernel, cost_pack_kernel, fill_passes_kernel
+from balanced_loader.planning.kernels.repair import repair_kernel, repair_round
+
+__all__ = ["argsort_stable", "bfd_kernel", "block_place_kernel", "cost_pack_kernel", "ffd_kernel", "fill_passes_kernel",
+           "kk_kernel", "order_desc", "repair_kernel", "repair_round"]
