@@ -388,12 +388,6 @@ class Plan:
     def load(path: str) -> Plan:
         return Plan.from_json(read_plan_json(path))
 
-    def save(self, path: str) -> None:
-        """Write the plan JSON; the file is complete or absent (an existing one stays on failure)."""
-        from balanced_loader.data.files import write_text  # a stdlib-only leaf; plan.py keeps no module-level deps
-
-        write_text(path, self.dumps() + "\n")
-
 
 def read_plan_json(path: str) -> Any:
     """The parsed JSON of a plan file (not yet checked); one ``ValueError`` line when unreadable."""

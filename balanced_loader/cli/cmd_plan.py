@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from balanced_loader.data.batching import EmptyDocError, global_batches, release_pages, validation_lengths
+    from balanced_loader.data.files import write_text
     from balanced_loader.data.lengths import doc_line
     from balanced_loader.plan import BatchItems, Plan
     from balanced_loader.planning import make_plan, warm_up
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{s.step:>5} {len(items):>10,} {int(items.lengths.sum()):>12,} {mbs:>12} {s.num_groups:>7} "
               f"{s.plan_seconds * 1e3:>9.2f} {s.predicted_ms:>13.1f}", file=report)
     if args.out:
-        out.save(args.out)
+        write_text(args.out, out.dumps() + "\n")  # complete or absent: an existing plan stays on failure
         print(f"wrote {args.out}", file=report)
     else:
         sys.stdout.write(out.dumps() + "\n")

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from balanced_loader import cli
+from balanced_loader.data.files import write_text
 from balanced_loader.plan import Group, Plan, Pool, StepPlan
 
 GOOD_COST = """quadratic_ms: 0.0
@@ -37,7 +38,8 @@ def files(tmp_path):
     plans = {}
     for name, pool in (("ok", ok), ("bad", bad)):
         p = tmp_path / f"{name}.json"
-        Plan(policy="hand", world_size=2, steps=(StepPlan(step=0, world_size=2, pools=(pool,)),)).save(str(p))
+        plan = Plan(policy="hand", world_size=2, steps=(StepPlan(step=0, world_size=2, pools=(pool,)),))
+        write_text(str(p), plan.dumps())
         plans[name] = str(p)
     notplan = tmp_path / "notplan.json"
     notplan.write_text('{"hello": 1}')

@@ -18,7 +18,7 @@ import pytest
 
 from balanced_loader import cli
 from balanced_loader.data import files as files_mod
-from balanced_loader.data.files import atomic_write
+from balanced_loader.data.files import atomic_write, write_text
 from balanced_loader.data.index import CRC_FILE, INDEX_FILE, META_FILE
 from balanced_loader.data.integrity import CHECK_BLOCK_BYTES, lengths_fingerprint
 from balanced_loader.data.shards import ShardSource, write_shards
@@ -202,15 +202,15 @@ def test_atomic_write_discards_on_an_exception_mid_write(tmp_path):
     assert (target.stat().st_mode & 0o777) == 0o666 & ~files_mod._umask()  # not mkstemp's 0600
 
 
-def test_plan_save_failure_keeps_the_previous_plan(tmp_path, monkeypatch):
+def test_plan_write_failure_keeps_the_previous_plan(tmp_path, monkeypatch):
     pool = Pool(tp=1, pp=1, ranks=((0,),), microbatches=((Group(lanes=(0,), segments=((0, 0, 10),)),),))
     plan = Plan(policy="hand", world_size=1, steps=(StepPlan(step=0, world_size=1, pools=(pool,)),))
     path = tmp_path / "plan.json"
-    plan.save(str(path))
+    write_text(str(path), plan.dumps())
     before = path.read_text()
     monkeypatch.setattr(files_mod.os, "fsync", _no_space)
     with pytest.raises(OSError, match="No space left on device"):
-        Plan(policy="other", world_size=1, steps=plan.steps).save(str(path))
+        write_text(str(path), Plan(policy="other", world_size=1, steps=plan.steps).dumps())
     assert path.read_text() == before and _leftovers(tmp_path) == []
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from balanced_loader import cli
 from balanced_loader.cost import CostModel
+from balanced_loader.data.files import write_text
 from balanced_loader.plan import Group, Plan, Pool, StepPlan
 from balanced_loader.presets import HARDWARE, MODELS
 from balanced_loader.simulate import (
@@ -286,7 +287,7 @@ def test_plan_lengths_are_the_furthest_segment_ends():
 
 def _write_plan(tmp_path, steps):
     p = tmp_path / "plan.json"
-    Plan(policy="hand", world_size=steps[0].world_size, steps=tuple(steps)).save(str(p))
+    write_text(str(p), Plan(policy="hand", world_size=steps[0].world_size, steps=tuple(steps)).dumps())
     c = tmp_path / "cost.yaml"
     LINEAR.save(str(c))
     return str(p), str(c)
