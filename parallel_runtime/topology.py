@@ -203,7 +203,7 @@ def _validate_and_locate(world_size: int, pools: tuple[PoolShape, ...]) -> tuple
 class GroupSpec:
     """One process group to create: its purpose and its ranks (sorted, as torch orders them)."""
 
-    kind: str  # "tp" | "pp" | "cp" | "cp_outer" | "extra"
+    kind: str  # "tp" | "pp" | "cp" | "cp_outer" | "pool" | "extra"
     ranks: tuple[int, ...]
 
 
@@ -240,6 +240,7 @@ def required_groups(
       ``inner_sizes``, default ``cp_sizes``) with ``1 < u < d``, ``u | d``: the inner (Ulysses)
       and outer (ring) groups of :func:`nested_split`. With ``gpus_per_node``, an inner size
       is used only if all its inner groups stay inside one node.
+    * ``pool``: all ranks of a planned pool that has ``barriers`` (the runtime's barrier group).
     * ``extra``: any other rank lists the caller needs.
 
     Groups of one rank are not listed. Duplicates (same rank set) keep their first entry.
@@ -286,6 +287,8 @@ def required_groups(
     for plan in plans:
         for pool in plan.pools:
             shape = PoolShape.of(pool)
+            if pool.barriers:  # contract 1: every lane of the pool waits at a barrier (one group over the pool)
+                add("pool", [r for stage in pool.ranks for r in stage])
             sizes = [d for d in cp_sizes(shape.num_lanes) if d > 1]
             for mb in pool.microbatches:
                 for g in mb:

@@ -19,7 +19,7 @@ the loss.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -178,16 +178,28 @@ class PipelineStage:
         if not self.first:
             self.link.send_backward(x.grad)
 
-    def run(self, num_microbatches: int, stage: int, pp: int, inputs: dict[int, Callable[[], StageInput]]) -> int:
+    def run(self, num_microbatches: int, stage: int, pp: int, inputs: dict[int, Callable[[], StageInput]],
+            barriers: Sequence[int] = (), barrier: Callable[[], None] | None = None) -> int:
         """1F1B over the pool's microbatches; ``inputs[k]`` builds microbatch k's input (absent: skip).
+
+        ``barriers`` (contract 1, sorted): before microbatch ``k`` every rank of the pool waits
+        (``barrier()``), members of a group in ``k`` or not. A 1F1B pipeline cannot stop in its
+        steady state, so each stretch between barriers runs as its own 1F1B schedule and drains
+        before the barrier (gradients only accumulate, so the result is the same).
         Returns the number of microbatches this rank ran."""
-        for kind, k in schedule_1f1b(num_microbatches, pp, stage):
-            if k not in inputs:
-                continue
-            if kind == FORWARD:
-                self.forward(k, inputs[k]())
-            else:
-                self.backward(k)
-        self.link.finish()
+        edges = [0, *barriers, num_microbatches]
+        for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
+            if i:
+                assert barrier is not None, "a plan with barriers needs the pool's barrier"
+                barrier()
+            for kind, j in schedule_1f1b(hi - lo, pp, stage):
+                k = lo + j
+                if k not in inputs:
+                    continue
+                if kind == FORWARD:
+                    self.forward(k, inputs[k]())
+                else:
+                    self.backward(k)
+            self.link.finish()
         assert not self._saved
         return len(inputs)

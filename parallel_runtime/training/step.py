@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from balanced_loader.materialize import Microbatch
 from balanced_loader.plan import StepPlan
@@ -65,7 +66,13 @@ def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: 
         w = work[mb.k]
         assert w is not None and w.group.lanes == mb.lanes, "microbatches do not match the plan"
         inputs[mb.k] = _input_builder(rt, mb, w.cp_ranks, stage.first, stage.last)
-    n = stage.run(len(pool.microbatches), c.stage, pool.pp, inputs)
+    barrier = None
+    if pool.barriers:  # every rank of the pool waits there (Megatron-Core's hybrid CP puts one after each round)
+        group = rt.groups.get([r for s in pool.ranks for r in s])
+
+        def barrier() -> None:
+            dist.barrier(group=group)
+    n = stage.run(len(pool.microbatches), c.stage, pool.pp, inputs, pool.barriers, barrier)
     loss = stage.loss_sum if c.tp_index == 0 else 0.0  # TP ranks of a lane share one loss: count it once
     return FBResult(loss_sum=loss, compute_ms=clock.total_s * 1e3, wall_ms=(time.perf_counter() - t0) * 1e3,
                     microbatches=n, pipeline_bytes=link.bytes_sent), sm
