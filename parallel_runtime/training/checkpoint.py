@@ -32,10 +32,12 @@ model and pool layout, paths) are free; learning rate and clipping changes need
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +126,8 @@ def save(root: str, step: int, opt: ShardedOptimizer, meta: Mapping[str, Any], *
         os.makedirs(tmp)
     if distributed:
         dist.barrier()
-    dcp.save(_state(opt, distributed), checkpoint_id=tmp, no_dist=not distributed)
+    with _quiet():
+        dcp.save(_state(opt, distributed), checkpoint_id=tmp, no_dist=not distributed)
     if distributed:
         dist.barrier()  # every rank's files are written before rank 0 lists them
     if rank == 0:
@@ -188,7 +191,8 @@ def load_optimizer(saved: Saved, opt: ShardedOptimizer, *, distributed: bool) ->
                          f"{opt.layout.numel}; it is of another model: start a new --out")
     state = _state(opt, distributed)
     try:
-        dcp.load(state, checkpoint_id=saved.folder, no_dist=not distributed)
+        with _quiet():
+            dcp.load(state, checkpoint_id=saved.folder, no_dist=not distributed)
     except Exception as e:  # DCP gathers every rank's read errors: all ranks fail alike
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"checkpoint {saved.folder} cannot be read ({first[:200]}); restore it or start a "
@@ -241,6 +245,14 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = json.loads(json.dumps(v, default=list))
     return out
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence DCP's notice that a one-process (``--reference``) save runs without a process group."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _latest_name(root: str) -> str | None:
