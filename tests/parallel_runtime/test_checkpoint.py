@@ -127,6 +127,51 @@ def test_bad_resumes_are_refused_in_one_line_and_a_killed_save_is_ignored(tmp_pa
     assert [m["step"] for m in read_metrics(str(out / "metrics.jsonl"))] == [0, 1, 2]
 
 
+# ---- the shards alone: uneven cuts, padding, an empty shard ----------------------------------------------------
+
+
+def _optimizer(rank: int, world: int, numel: int):
+    import torch
+
+    from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, ParamSpec, ShardedOptimizer
+
+    specs = [ParamSpec(name="w", shape=(numel - 1,)), ParamSpec(name="b", shape=(1,), decay=False)]
+    full = torch.arange(numel, dtype=torch.float32) + 1  # [numel] 1..numel: every element tells its place
+    return ShardedOptimizer(FlatLayout(specs, world), {"w": full[:-1], "b": full[-1:]}, AdamWConfig(), rank=rank)
+
+
+def _save_shards(rank: int, world: int, root: str, numel: int) -> None:
+    from parallel_runtime.training import checkpoint as ck
+
+    opt = _optimizer(rank, world, numel)
+    opt.exp_avg.copy_(-opt.master)
+    opt.exp_avg_sq.copy_(opt.master * 2)
+    opt.steps = 7
+    ck.save(root, 7, opt, {"reference": False}, rank=rank, distributed=world > 1)
+
+
+def _load_shards(rank: int, world: int, root: str, numel: int) -> list:
+    from parallel_runtime.training import checkpoint as ck
+
+    opt = _optimizer(rank, world, numel)
+    opt.master.zero_()
+    ck.load_optimizer(ck.find(root), opt, distributed=world > 1)
+    return [opt.steps, opt.master.tolist(), opt.exp_avg.tolist(), opt.exp_avg_sq.tolist()]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("numel", "saved_on", "loaded_on"), [(5, 4, 3), (5, 3, 4)])  # an empty shard on each side
+def test_shards_are_recut_for_another_world(tmp_path, numel: int, saved_on: int, loaded_on: int) -> None:
+    """``ceil(numel / world)`` shards, the last short or empty, re-cut for another world and for one process."""
+    run_distributed(_save_shards, saved_on, str(tmp_path), numel)
+    for world, got in ((loaded_on, run_distributed(_load_shards, loaded_on, str(tmp_path), numel)),
+                       (1, [_load_shards(0, 1, str(tmp_path), numel)])):
+        ss = -(-numel // world)
+        for rank, (steps, master, avg, sq) in enumerate(got):
+            want = [float(i + 1) if i < numel else 0.0 for i in range(rank * ss, (rank + 1) * ss)]  # padding 0
+            assert steps == 7 and master == want and avg == [-x for x in want] and sq == [2 * x for x in want]
+
+
 # ---- pure pieces ----------------------------------------------------------------------------------------------
 
 
