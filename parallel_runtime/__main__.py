@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="override a recipe field by dotted path, value as YAML (repeatable): --set seed=3")
     ap.add_argument("--reference", action="store_true",
                     help="one process, whole model, no parallelism: the same plans' docs (the exactness check)")
+    ap.add_argument("--allow-changed", action="store_true",
+                    help="a resume may change optimizer.lr, max_grad_norm, warmup_steps, weight_decay (reported)")
     return ap.parse_args(argv)
 
 
@@ -103,7 +105,7 @@ def train(argv: list[str]) -> int:
 
     if args.reference:
         try:
-            Trainer(recipe, out, reference=True).train(args.steps)
+            Trainer(recipe, out, reference=True, allow_changed=args.allow_changed).train(args.steps)
         except ValueError as e:
             return user_error(str(e))
         return 0
@@ -116,7 +118,7 @@ def train(argv: list[str]) -> int:
     backend = w.backend if w.backend != "auto" else default_backend(w.device)
     try:
         init_from_env(backend, w.timeout_s)
-        trainer = Trainer(recipe, out)
+        trainer = Trainer(recipe, out, allow_changed=args.allow_changed)
         trainer.train(args.steps)
         dist.barrier()
         dist.destroy_process_group()

@@ -73,10 +73,15 @@ class MetricsLog:
         self.path = path
 
     def truncate_from(self, step: int) -> None:
-        """Drop lines of steps ``>= step`` (written after the checkpoint a run resumes from)."""
+        """Drop lines of steps ``>= step`` (written after the checkpoint a run resumes from), and a
+        partial last line (a run stopped while writing it), with a note naming the file."""
         if not os.path.exists(self.path):
             return
-        keep = [line for line in read_metrics(self.path) if line["step"] < step]
+        records, partial = _read(self.path)
+        if partial:
+            print(f"metrics: dropped a partial last line of {self.path} (a run stopped while writing it)",
+                  flush=True)
+        keep = [line for line in records if line["step"] < step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             for line in keep:
@@ -89,8 +94,23 @@ class MetricsLog:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The complete records of ``path``; a partial last line (a run stopped while writing it) is left out."""
+    return _read(path)[0]
+
+
+def _read(path: str) -> tuple[list[dict[str, Any]], bool]:
+    """``(records, whether a partial last line was left out)``; a bad line elsewhere is a ValueError."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    out = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k == len(lines) - 1 and not line.endswith("\n"):  # only the last write can be cut short
+                return out, True
+            raise ValueError(f"{path}: line {i} is not a JSON record; repair or remove the file") from None
+    return out, False
 
 
 def format_step(m: dict[str, Any]) -> str:

@@ -17,18 +17,17 @@ One step on every rank:
    coordinates); global-norm clipping and AdamW on the owned shard;
 6. rank 0 appends the step's metrics to ``OUT/metrics.jsonl``.
 
-Checkpoints (``OUT/checkpoint/step-N/``: one optimizer shard and RNG state per rank, loader
-state and step in ``meta.json``; ``latest`` names the newest and is replaced atomically) are
-written every ``train.checkpoint_every`` steps and at the end; a run whose OUT holds one
-resumes from it exactly. ``reference=True`` runs the same plans' docs in one process on the
-whole model (the check that a parallel setup is exact).
+Checkpoints (:mod:`parallel_runtime.training.checkpoint`: ``OUT/checkpoint/step-N/``, the optimizer
+shards saved with ``torch.distributed.checkpoint`` as global tensors, loader state, step and recipe
+in ``meta.json``; complete or absent, ``latest`` names the newest) are written every
+``train.checkpoint_every`` steps and at the end; a run whose OUT holds one resumes from it exactly,
+on any number of processes, given a recipe that computes the same thing. ``reference=True`` runs
+the same plans' docs in one process on the whole model (the check that a parallel setup is exact).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, fields
 from typing import Any
@@ -46,14 +45,13 @@ from parallel_runtime.groups import GroupCache, declared_groups
 from parallel_runtime.hf.model import HFModel, HFRuntime
 from parallel_runtime.model import Transformer
 from parallel_runtime.topology import PoolShape, Topology
+from parallel_runtime.training import checkpoint as CK
 from parallel_runtime.training import metrics as M
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
 from parallel_runtime.training.params import init_params, local_params, param_specs
 from parallel_runtime.training.plan_check import check_plan_runs_here
 from parallel_runtime.training.runtime import DTYPES, Runtime
 from parallel_runtime.training.step import FBResult, forward_backward, reference_forward_backward
-
-CHECKPOINT_VERSION = 1
 
 
 def open_data(recipe: Recipe, *, build: bool):
@@ -125,7 +123,9 @@ class RunInfo:
 class Trainer:
     """Trains ``recipe`` on this rank (call on every rank of an initialised world, or alone with reference)."""
 
-    def __init__(self, recipe: Recipe, out_dir: str, *, reference: bool = False) -> None:
+    def __init__(self, recipe: Recipe, out_dir: str, *, reference: bool = False,
+                 allow_changed: bool = False) -> None:
+        """``allow_changed``: a resume may change the learning rate and clipping (``--allow-changed``)."""
         self.recipe = recipe
         self.out_dir = out_dir
         distributed = not reference
@@ -183,7 +183,7 @@ class Trainer:
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
         self.step = 0
         self.resumed_from: int | None = None
-        self._load_checkpoint()
+        self._load_checkpoint(allow_changed)
 
     def _loader(self, policy: str) -> BalancedLoader:
         r, d = self.recipe, self.recipe.data
@@ -312,65 +312,46 @@ class Trainer:
         return os.path.join(self.out_dir, "checkpoint")
 
     def _has_checkpoint(self) -> bool:
-        return os.path.exists(os.path.join(self.checkpoint_dir, "latest"))
+        return os.path.exists(os.path.join(self.checkpoint_dir, CK.LATEST))
 
     def save_checkpoint(self) -> str:
-        """Write this rank's shard, then (rank 0) the meta file and the ``latest`` pointer, atomically."""
-        name = f"step-{self.step:08d}"
-        folder = os.path.join(self.checkpoint_dir, name)
-        os.makedirs(folder, exist_ok=True)
-        rank_file = os.path.join(folder, f"rank{self.info.rank:05d}.pt")
-        _atomic_torch_save({"version": CHECKPOINT_VERSION, "step": self.step, "rank": self.info.rank,
-                            "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}, rank_file)
-        if not self.info.reference:
-            dist.barrier()
-        if self.info.rank == 0:
-            meta = {"version": CHECKPOINT_VERSION, "step": self.step, "world_size": self.recipe.world.size,
-                    "processes": self.info.world_size, "reference": self.info.reference,
-                    "loader": self.loader.state_dict(),
-                    "compare": {n: ld.state_dict() for n, ld in self.compare.items()},
-                    "recipe": dump_recipe(self.recipe)}
-            _atomic_write(os.path.join(folder, "meta.json"), json.dumps(meta, indent=1, default=list))
-            _atomic_write(os.path.join(self.checkpoint_dir, "latest"), name + "\n")
-            for old in os.listdir(self.checkpoint_dir):
-                if old.startswith("step-") and old != name:
-                    shutil.rmtree(os.path.join(self.checkpoint_dir, old), ignore_errors=True)
-        if not self.info.reference:
-            dist.barrier()
-        return folder
+        """Write ``OUT/checkpoint/step-N`` (collective; complete or absent, see :mod:`.checkpoint`)."""
+        meta = {"world_size": self.recipe.world.size, "processes": self.info.world_size,
+                "reference": self.info.reference, "loader": self.loader.state_dict(),
+                "compare": {n: ld.state_dict() for n, ld in self.compare.items()},
+                "recipe": dump_recipe(self.recipe)}
+        return CK.save(self.checkpoint_dir, self.step, self.optimizer, meta, rank=self.info.rank,
+                       distributed=not self.info.reference)
 
-    def _load_checkpoint(self) -> None:
-        latest = os.path.join(self.checkpoint_dir, "latest")
-        if not os.path.exists(latest):
+    def _load_checkpoint(self, allow_changed: bool) -> None:
+        """Resume from ``OUT/checkpoint/latest`` if there is one: every check comes before any state
+        changes or any file is written (a refused resume leaves OUT as it was)."""
+        saved = CK.find(self.checkpoint_dir)
+        if saved is None:
             return
-        with open(latest) as f:
-            folder = os.path.join(self.checkpoint_dir, f.read().strip())
-        with open(os.path.join(folder, "meta.json")) as f:
-            meta = json.load(f)
-        if meta.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"checkpoint {folder}: version {meta.get('version')} is not supported")
-        if bool(meta["reference"]) != self.info.reference or meta["processes"] != self.info.world_size:
-            what = "a --reference run" if meta["reference"] else f"a run on {meta['processes']} processes"
+        meta, folder = saved.meta, saved.folder
+        if bool(meta["reference"]) != self.info.reference:
+            what = "a --reference run" if meta["reference"] else "a distributed run"
             raise ValueError(f"--out {self.out_dir} holds a checkpoint of {what}; this run is "
-                             f"{'a --reference run' if self.info.reference else f'on {self.info.world_size} processes'}"
-                             f"; use another --out")
-        state = torch.load(os.path.join(folder, f"rank{self.info.rank:05d}.pt"), weights_only=False)
-        if state["step"] != meta["step"]:
-            raise ValueError(f"checkpoint {folder}: rank {self.info.rank}'s shard is of step {state['step']}, "
-                             f"the meta file of step {meta['step']}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+                             f"{'a --reference run' if self.info.reference else 'distributed'}; use another --out")
+        notes = CK.compare_recipes(meta["recipe"], dump_recipe(self.recipe), allow_changed=allow_changed,
+                                   where=folder)
+        missing = [n for n in self.compare if n not in meta["compare"]]
+        if missing:
+            raise ValueError(f"checkpoint {folder} has no loader state for policy.compare '{missing[0]}'; "
+                             f"resume with the same policy.compare")
         self.loader.load_state_dict(meta["loader"])
         for n, ld in self.compare.items():
-            if n not in meta["compare"]:
-                raise ValueError(f"checkpoint {folder} has no loader state for policy.compare '{n}'; "
-                                 f"resume with the same policy.compare")
             ld.load_state_dict(meta["compare"][n])
-        self.step = int(meta["step"])
+        CK.load_optimizer(saved, self.optimizer, distributed=not self.info.reference)
+        self.step = saved.step
         self.resumed_from = self.step
         if self.info.rank == 0:
+            for line in notes:
+                print(line, flush=True)
             self.metrics.truncate_from(self.step)
-            print(f"resumed from {folder} at step {self.step}", flush=True)
+            print(f"resumed from {folder} at step {self.step} (saved on {meta['processes']} processes, "
+                  f"now {self.info.world_size})", flush=True)
 
     def close(self) -> None:
         self.loader.close()
@@ -388,17 +369,3 @@ def _zero(params) -> None:
     for lp in params:
         lp.tensor.grad = None
 
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)

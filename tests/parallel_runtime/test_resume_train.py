@@ -44,4 +44,7 @@ def test_resume_is_exact_and_equals_the_reference(tmp_path) -> None:
     assert sorted(os.listdir(ckpt)) == ["latest", "step-00000006"]  # older checkpoints are removed
     meta = json.loads((ckpt / "step-00000006" / "meta.json").read_text())
     assert meta["step"] == 6 and meta["loader"]["step"] == 6
-    assert sorted(os.listdir(ckpt / "step-00000006")) == ["meta.json"] + [f"rank{r:05d}.pt" for r in range(4)]
+    # DCP's index, one file per rank, and the meta file (written last) listing every file's size
+    files = sorted(os.listdir(ckpt / "step-00000006"))
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)] + ["meta.json"]
+    assert sorted(meta["files"]) == [f for f in files if f != "meta.json"] and meta["format"] == 2
