@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from balanced_loader.data.files import write_text
 from parallel_runtime.training.optimizer import ShardedOptimizer
 
 FORMAT = 2
@@ -134,10 +135,10 @@ def save(root: str, step: int, opt: ShardedOptimizer, meta: Mapping[str, Any], *
         files = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
         full = {"format": FORMAT, "step": step, "numel": opt.layout.numel, "optimizer_steps": opt.steps,
                 **meta, "files": files}
-        _atomic_write(os.path.join(tmp, META), json.dumps(full, indent=1, default=list))
+        write_text(os.path.join(tmp, META), json.dumps(full, indent=1, default=list))
         os.replace(tmp, final)
         _fsync_dir(root)
-        _atomic_write(os.path.join(root, LATEST), name + "\n")
+        write_text(os.path.join(root, LATEST), name + "\n")
         for entry in os.listdir(root):
             if entry.startswith("step-") and entry != name:
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
@@ -264,15 +265,6 @@ def _latest_name(root: str) -> str | None:
     if not name.startswith("step-") or os.sep in name:
         raise ValueError(f"{path} does not name a checkpoint ({name[:40]!r}); restore it or start a new --out")
     return name
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: str) -> None:
