@@ -17,6 +17,12 @@ WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK on every process::
 same data and model in one process without parallelism and writes the same metrics. A run
 whose ``--out`` holds a checkpoint resumes from it and appends to its ``metrics.jsonl``.
 Exit codes: 0 done, 2 bad input (one line naming the field), 1 a failure on some rank.
+
+Every rank that stops says why in one line on stderr, prefixed with its rank in a world of
+several: its own error (bad input on that rank, e.g. a checkpoint shard of another step, or a
+crash), or ``rank R: stopped in <what> (group ranks [...]): rank F failed (...)`` when a peer's
+failure broke its collective, or ``rank R: timed out after T s in <what> (group ranks [...])``
+when a peer stopped answering (``world.timeout_s`` holds for every process group).
 """
 
 from __future__ import annotations
@@ -75,8 +81,8 @@ def train(argv: list[str]) -> int:
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
 
     def user_error(msg: str) -> int:
-        if rank == 0:
-            print(f"parallel_runtime: error: {msg}", file=sys.stderr, flush=True)
+        who = f"rank {rank}: " if env_world > 1 else ""
+        print(f"parallel_runtime: {who}error: {msg}", file=sys.stderr, flush=True)
         return 2
 
     from parallel_runtime.config import load_recipe
@@ -110,7 +116,7 @@ def train(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from parallel_runtime.launch import default_backend, init_from_env
+    from parallel_runtime.launch import default_backend, failure_line, init_from_env, post_failure
 
     w = recipe.world
     backend = w.backend if w.backend != "auto" else default_backend(w.device)
@@ -121,11 +127,12 @@ def train(argv: list[str]) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    except ValueError as e:
+    except ValueError as e:  # bad input on this rank: its peers name it when their collectives break
+        post_failure(rank, f"error: {str(e).splitlines()[0] if str(e) else ''}")
         code = user_error(str(e))
-    except Exception as e:  # a failure on this rank: say which, then leave so peers' collectives fail fast
-        print(f"parallel_runtime: rank {rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr, flush=True)
+    except Exception as e:  # a failure here, or a peer's seen through a broken / timed-out collective
+        line = failure_line(e, rank)
+        print(f"parallel_runtime: {line}", file=sys.stderr, flush=True)
         if os.environ.get("PARALLEL_RUNTIME_TRACEBACK"):
             traceback.print_exc()
         code = 1
