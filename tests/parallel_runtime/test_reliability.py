@@ -1,0 +1,140 @@
+"""The entry point under real launchers, when things go wrong and across "nodes".
+
+* a rank stopped with SIGSTOP ends every other rank within the collective timeout (subgroups
+  included), each saying what it waited in;
+* bad input on a rank other than 0 is printed by that rank, and its peers name it;
+* a fresh (nonexistent) ``data.shards_dir``: rank 0 builds the stdlib corpus while the others wait;
+* ``torchrun --nnodes 2 --nproc-per-node 2`` (two "nodes" on this machine) equals ``--reference``.
+
+Ranks are started the way ``srun`` does it (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR set per
+process: rank 0 hosts the store) or by ``torchrun`` (its agent hosts the store).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import HETERO, REPO, _free_port, reference_losses, small_run
+
+from parallel_runtime.training.metrics import read_metrics
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def _cmd(out: Path, sets: list[str], *extra: str) -> list[str]:
+    return ["-m", "parallel_runtime", "--recipe", HETERO, "--out", str(out), *extra,
+            *(x for s in sets for x in ("--set", s))]
+
+
+def _start_ranks(world: int, args: list[str], tmp: Path) -> list[subprocess.Popen]:
+    """``world`` processes with the launcher variables set directly (as ``srun`` would); stderr to files."""
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = {**ENV, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        err = open(tmp / f"rank{r}.err", "w")  # noqa: SIM115 (closed with the process by the test)
+        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                                      stderr=err))
+    return procs
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def _err(tmp: Path, r: int) -> str:
+    return (tmp / f"rank{r}.err").read_text()
+
+
+@pytest.mark.multirank
+def test_a_stopped_rank_ends_every_other_rank_within_the_timeout(tmp_path) -> None:
+    timeout_s = 15  # the world's collective timeout: pool 0's pipeline group and pool 1's CP group too
+    sets = [*small_run(tmp_path), f"world.timeout_s={timeout_s}"]
+    procs = _start_ranks(4, _cmd(tmp_path / "run", sets, "--steps", "100000"), tmp_path)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+                _err(tmp_path, r) for r in range(4)]
+            time.sleep(0.2)
+        os.kill(procs[1].pid, signal.SIGSTOP)  # rank 1: stage 1 of pool 0's pipeline, peer of rank 0
+        t0 = time.monotonic()
+        for r in (0, 2, 3):
+            procs[r].wait(timeout=90)
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+        _stop_all(procs)
+    assert elapsed < 90
+    for r in (0, 2, 3):
+        assert procs[r].returncode == 1
+        lines = [x for x in _err(tmp_path, r).splitlines() if x.startswith(f"parallel_runtime: rank {r}: ")]
+        assert len(lines) == 1, _err(tmp_path, r)
+        # its own timeout, or the first rank's (naming where it waited and with whom)
+        assert f"timed out after {timeout_s} s in " in lines[0] and "(group ranks [" in lines[0], lines[0]
+    firsts = [_err(tmp_path, r) for r in (0, 2, 3) if "failed first" not in _err(tmp_path, r)]
+    assert firsts and all("timed out after" in e for e in firsts)
+
+
+@pytest.mark.multirank
+def test_bad_input_on_rank_1_is_printed_by_rank_1_and_named_by_rank_0(tmp_path) -> None:
+    sets = [*small_run(tmp_path), "world.size=2", "policy.extra.pools=[{tp: 1, pp: 2, lanes: 1}]",
+            "world.timeout_s=60"]
+    out = tmp_path / "run"
+    procs = _start_ranks(2, _cmd(out, sets, "--steps", "1"), tmp_path)
+    for p in procs:
+        p.wait(timeout=240)
+    assert [p.returncode for p in procs] == [0, 0], [_err(tmp_path, r) for r in range(2)]
+    shard = next(out.glob("checkpoint/step-*/rank00001.pt"))  # rank 1's shard claims another step
+    state = torch.load(shard, weights_only=False)
+    state["step"] += 5
+    torch.save(state, shard)
+    procs = _start_ranks(2, _cmd(out, sets, "--steps", "2"), tmp_path)
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        _stop_all(procs)
+    assert [p.returncode for p in procs] == [1, 2]
+    e1 = [x for x in _err(tmp_path, 1).splitlines() if x.startswith("parallel_runtime:")]
+    assert len(e1) == 1 and e1[0].startswith("parallel_runtime: rank 1: error: checkpoint ") and "step 6" in e1[0], e1
+    e0 = [x for x in _err(tmp_path, 0).splitlines() if x.startswith("parallel_runtime:")]
+    assert len(e0) == 1 and "rank 1 failed first (error: checkpoint " in e0[0], e0  # not a socket error
+
+
+@pytest.mark.multirank
+def test_torchrun_two_nodes_build_the_corpus_and_equal_the_reference(tmp_path) -> None:
+    steps = 3
+    shards = tmp_path / "fresh" / "stdlib-shards"  # does not exist: rank 0 builds it, the others wait
+    sets = [*small_run(tmp_path), "data.source=stdlib", f"data.shards_dir={shards}", "data.stdlib_limit=300"]
+    port = _free_port()
+    nodes = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               *_cmd(tmp_path / "run", sets, "--steps", str(steps))]
+        nodes.append(subprocess.Popen(cmd, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        outs = [p.communicate(timeout=400) for p in nodes]
+    finally:
+        _stop_all(nodes)
+    assert [p.returncode for p in nodes] == [0, 0], [o[1][-3000:] for o in outs]
+    assert not list(shards.glob("*.tmp"))
+    got = [m["loss"] for m in read_metrics(str(tmp_path / "run" / "metrics.jsonl"))]
+    ref = reference_losses(HETERO, sets, str(tmp_path / "ref"), steps)
+    assert len(got) == len(ref) == steps
+    for g, r in zip(got, ref):
+        assert abs(g - r) <= 1e-5 * abs(r), (got, ref)
