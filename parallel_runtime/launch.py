@@ -46,6 +46,7 @@ JOIN_TIMEOUT_S = 1800.0  # how long ranks may take to reach the store (imports, 
 # (rank 0 when the variables come from srun or a script; torchrun's agent hosts it otherwise)
 _world: dict[str, Any] = {"store": None, "timeout_s": None, "store_host": None}
 _phase: list[tuple[str, tuple[int, ...]]] = []  # what this rank is doing now (innermost last)
+_raised_in: list[tuple[str, tuple[int, ...]]] = []  # the phase the first error of this process left
 
 
 def init_from_env(backend: str, timeout_s: float) -> None:
@@ -100,12 +101,17 @@ def phase(what: str, ranks: Sequence[int]) -> Iterator[None]:
     _phase.append((what, tuple(int(r) for r in ranks)))
     try:
         yield
+    except BaseException:
+        if not _raised_in:  # the innermost phase an error left (outer ones see it pass through)
+            _raised_in.append(_phase[-1])
+        raise
     finally:
         _phase.pop()
 
 
 def current_phase() -> tuple[str, tuple[int, ...]] | None:
-    return _phase[-1] if _phase else None
+    """The phase an error left (once one has), else the innermost phase this rank is in."""
+    return _raised_in[0] if _raised_in else (_phase[-1] if _phase else None)
 
 
 _FAILED = "parallel_runtime/failed"
