@@ -21,8 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from distributed import run_distributed
 from test_trainer import HETERO, REPO, _free_port, reference_losses, small_run
 
+from parallel_runtime.groups import GroupCache, ProcessGroups
+from parallel_runtime.launch import world_timeout_s
+from parallel_runtime.topology import GroupSpec, Topology
 from parallel_runtime.training.metrics import read_metrics
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -55,6 +60,28 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
 
 def _err(tmp: Path, r: int) -> str:
     return (tmp / f"rank{r}.err").read_text()
+
+
+def _recv_from_a_sleeper(rank: int, world: int) -> tuple[float | None, float, str]:
+    cache = GroupCache(rank=rank)
+    cache.ensure([GroupSpec(kind="pp", ranks=(2, 3))])  # no timeout given: the world's
+    groups = ProcessGroups.build([Topology.uniform(world, pp=2)], timeout_s=3.0)
+    t0, msg = time.monotonic(), ""
+    if rank == 2:  # a pipeline receive from a peer that never sends
+        try:
+            dist.irecv(torch.zeros(2), 3, group=groups.get([2, 3])).wait()
+        except RuntimeError as e:
+            msg = str(e)
+    elif rank == 3:
+        time.sleep(8)
+    return world_timeout_s(), time.monotonic() - t0, msg
+
+
+@pytest.mark.multirank
+def test_subgroups_time_out_like_the_world() -> None:
+    res = run_distributed(_recv_from_a_sleeper, 4, timeout=120)
+    assert all(r[0] == 120.0 for r in res)  # what GroupCache and ProcessGroups give a group by default
+    assert 2.5 < res[2][1] < 7 and "Timed out" in res[2][2], res[2]  # not gloo's 30 minutes
 
 
 @pytest.mark.multirank
