@@ -25,10 +25,12 @@ import torch.distributed as dist
 from distributed import run_distributed
 from test_trainer import HETERO, REPO, _free_port, reference_losses, small_run
 
-from parallel_runtime.groups import GroupCache, ProcessGroups
+from parallel_runtime.config import load_recipe
+from parallel_runtime.groups import GroupCache, ProcessGroups, declared_groups
 from parallel_runtime.launch import world_timeout_s
 from parallel_runtime.topology import GroupSpec, Topology
 from parallel_runtime.training.metrics import read_metrics
+from parallel_runtime.training.trainer import declared_topologies
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
@@ -60,6 +62,19 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
 
 def _err(tmp: Path, r: int) -> str:
     return (tmp / f"rank{r}.err").read_text()
+
+
+def test_declared_tp_and_cp_groups_stay_inside_a_node() -> None:
+    # 8 nodes x 8 GPUs; torchrun numbers ranks node by node (rank // LOCAL_WORLD_SIZE = node)
+    recipe = load_recipe(str(REPO / "recipes" / "gpu-h100x64-hetero.yaml"))
+    gpn = recipe.cost_model().gpus_per_node
+    specs = declared_groups(declared_topologies(recipe), recipe.world.cp_engine, recipe.world.cp_inner)
+    inside = {kind: all(len({r // gpn for r in s.ranks}) == 1 for s in specs if s.kind == kind and len(s.ranks) <= gpn)
+              for kind in ("tp", "cp", "pp")}
+    # TP groups and CP blocks of up to a node (nested CP's Ulysses parts) stay inside a node; pipelines
+    # are stage-major (each stage on its own nodes), so PP groups cross nodes by design
+    assert inside == {"tp": True, "cp": True, "pp": False}
+    assert sum(s.kind == "tp" for s in specs) > 0 and sum(s.kind == "cp" and len(s.ranks) == gpn for s in specs) > 0
 
 
 def _recv_from_a_sleeper(rank: int, world: int) -> tuple[float | None, float, str]:
