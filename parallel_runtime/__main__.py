@@ -122,6 +122,7 @@ def train(argv: list[str]) -> int:
     backend = w.backend if w.backend != "auto" else default_backend(w.device)
     try:
         init_from_env(backend, w.timeout_s)
+        _note_node_size(recipe, rank)
         trainer = Trainer(recipe, out)
         trainer.train(args.steps)
         dist.barrier()
@@ -139,6 +140,18 @@ def train(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no destroy_process_group: peers may be gone; background planner threads are not joined
+
+
+def _note_node_size(recipe, rank: int) -> None:
+    """On GPUs, say when the launcher's processes per node differ from the cost file's ``gpus_per_node``
+    (the planner keeps TP groups and CP blocks inside a node of that size)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if rank != 0 or recipe.world.device != "cuda" or not local:
+        return
+    gpn = recipe.cost_model().gpus_per_node
+    if int(local) != gpn:
+        print(f"parallel_runtime: note: {local} processes per node but the cost file says gpus_per_node: {gpn}; "
+              f"groups the planner keeps inside a node may cross nodes", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
