@@ -23,7 +23,7 @@ _EXPORTS = {
     "PlanConfig": "balanced_loader.planning",
     "BatchItems": "balanced_loader.planning",
     "make_plan": "balanced_loader.planning",
-    "open_source": "balanced_loader.data.sources",
+    "open_source": "balanced_loader.data.open",
     "BalancedLoader": "balanced_loader.loader",
     "StepBatch": "balanced_loader.loader",
     "Microbatch": "balanced_loader.materialize",

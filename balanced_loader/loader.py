@@ -41,7 +41,8 @@ import numpy as np
 
 from balanced_loader.cost import CostModel
 from balanced_loader.data.batching import LONG_DOC_MODES, Cut, DocStats, EpochBatches
-from balanced_loader.data.sources import Source, open_source
+from balanced_loader.data.open import open_source
+from balanced_loader.data.sources import Source
 from balanced_loader.materialize import (
     Microbatch,
     materialize_rank,
@@ -227,7 +228,7 @@ def _iterable_view(loader: BalancedLoader) -> Any:
 class BalancedLoader:
     """Length-aware loader: global batches by token budget, planned by a policy, materialized per rank.
 
-    ``source``: anything :func:`~balanced_loader.data.sources.open_source` takes. ``cost``: a
+    ``source``: anything :func:`~balanced_loader.data.open.open_source` takes. ``cost``: a
     :class:`CostModel`, a cost file or a preset name. ``plan_config``: extra
     :class:`PlanConfig` fields (``tp``, ``pp``, ``cp``, ``time_limit_s``, ``candidates``,
     ``extra``). ``max_seq_len`` (the context limit) defaults to the largest segment the cost
@@ -473,7 +474,10 @@ class BalancedLoader:
                 "global_batch_tokens": self.global_batch_tokens, "max_seq_len": self.max_seq_len,
                 "long_docs": self.long_docs, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
                 "tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp,
-                "num_docs": self.source.num_docs, "num_tokens": self._source_num_tokens()}
+                "num_docs": self.source.num_docs, "num_tokens": self._source_num_tokens(),
+                # a hash of the lengths in doc order (computed once; a shard folder's comes from index.json):
+                # a permuted or edited dataset with the same totals is a different source
+                "lengths_fingerprint": self.source.fingerprint()}
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor and everything the remaining batches depend on (plain JSON-able values).
@@ -494,6 +498,10 @@ class BalancedLoader:
             raise ValueError(f"loader state version {state.get('version')} is not supported "
                              f"(this loader knows {STATE_VERSION})")
         mine = self._identity()
+        if "lengths_fingerprint" not in state:  # a state saved before fingerprints: counts are all it has
+            log.warning("the loader state has no lengths fingerprint (saved by an older version); the source "
+                        "is checked by its doc and token counts only")
+            mine.pop("lengths_fingerprint")
         for key in ("policy",):
             if state.get(key) != mine[key]:
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
@@ -501,13 +509,25 @@ class BalancedLoader:
                                  f"fresh loader from an epoch boundary to change it)")
         for key, value in mine.items():
             if state.get(key) != value:
-                what = "the source changed" if key.startswith("num_") else "the loader config changed"
+                what = ("the source changed" if key.startswith(("num_", "lengths_"))
+                        else "the loader config changed")
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
                                  f"has {key}={value!r} ({what}); exact resume needs the same setup")
-        epoch, s, step = int(state["epoch"]), int(state["step_in_epoch"]), int(state["step"])
-        pos = int(state["position"])
+        cursor = []
+        for key in ("epoch", "step_in_epoch", "step", "position"):
+            v = state.get(key)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"malformed loader state: the cursor's {key!r} must be an integer >= 0, got "
+                                 f"{v!r}; pass a dict from BalancedLoader.state_dict()")
+            cursor.append(int(v))
+        epoch, s, step, pos = cursor
+        if self.epochs is not None and (epoch > self.epochs or (epoch == self.epochs and s)):
+            raise ValueError(f"loader state cursor (epoch {epoch}, step {s}) is past the last of this "
+                             f"loader's {self.epochs} epoch(s)")
+        if step < s or (epoch == 0 and step != s):
+            raise ValueError(f"malformed loader state: global step {step} cannot be step {s} of epoch {epoch}")
         # a step starts at position 0 only as the first of its epoch, and before the last doc
-        if s < 0 or step < 0 or epoch < 0 or (s == 0) != (pos == 0) or pos >= max(1, self.source.num_docs):
+        if (s == 0) != (pos == 0) or pos >= max(1, self.source.num_docs):
             raise ValueError(f"loader state cursor (epoch {epoch}, step {s}, position {pos}) is outside the epoch")
         self._cancel()
         self._epochs.clear()  # cut afresh from the saved position

@@ -331,21 +331,48 @@ class Plan:
             raise ValueError(f"not a plan file: expected \"format\": \"{PLAN_FORMAT}\"")
         if d.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {d.get('version')} is not supported (this reader knows {PLAN_VERSION})")
+        ws = d.get("world_size")
+        max_world = 1 << 20  # 1,048,576 ranks: a larger world is a corrupt file, not a cluster
+        if isinstance(ws, bool) or not isinstance(ws, int) or not 1 <= ws <= max_world:
+            raise ValueError(f"malformed plan file: world_size must be an integer in 1..{max_world:,}, "
+                             f"got {str(ws)[:40]}")
         try:
-            ws = int(d["world_size"])
-            return Plan(policy=str(d["policy"]), world_size=ws,
+            plan = Plan(policy=str(d["policy"]), world_size=ws,
                         steps=tuple(StepPlan.from_json(s, ws) for s in d["steps"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed plan file: {type(e).__name__}: {e}") from None
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
+            raise ValueError(f"malformed plan file: {type(e).__name__}: {str(e)[:200]}") from None
+        # every number in range before numpy sees it (an int64 overflow would be a traceback later)
+        big = 1 << 40  # tokens of a doc or a segment
+        for sp in plan.steps:
+            where = f"malformed plan file: step {sp.step}"
+            if not 0 <= sp.step < 1 << 62:
+                raise ValueError(f"malformed plan file: step number {sp.step} is out of range")
+            if not (0 <= sp.plan_seconds < float("inf") and 0 <= sp.predicted_ms < float("inf")):  # nan fails too
+                raise ValueError(f"{where}: plan_seconds and predicted_ms must be finite and >= 0")
+            for pool in sp.pools:
+                if not (1 <= pool.tp <= ws and 1 <= pool.pp <= ws):
+                    raise ValueError(f"{where}: pool tp={pool.tp} pp={pool.pp} is outside 1..{ws}")
+                if any(not 0 <= r < ws for row in pool.ranks for r in row):
+                    raise ValueError(f"{where}: a pool rank is outside 0..{ws - 1}")
+                for mb in pool.microbatches:
+                    for g in mb:
+                        if any(not 0 <= lane < ws for lane in g.lanes):
+                            raise ValueError(f"{where}: a group lane is outside 0..{ws - 1}")
+                        for doc, start, length in g.segments:
+                            if not (-1 <= doc < 1 << 62 and 0 <= start <= big and 0 <= length <= big):
+                                raise ValueError(f"{where}: segment ({doc}, {start}, {length}) is out of range "
+                                                 f"(doc_id -1..2**62, start and length 0..2**40)")
+        return plan
 
     @staticmethod
     def load(path: str) -> Plan:
         return Plan.from_json(read_plan_json(path))
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            f.write(self.dumps())
-            f.write("\n")
+        """Write the plan JSON; the file is complete or absent (an existing one stays on failure)."""
+        from balanced_loader.data.files import write_text  # a stdlib-only leaf; plan.py keeps no module-level deps
+
+        write_text(path, self.dumps() + "\n")
 
 
 def read_plan_json(path: str) -> Any:

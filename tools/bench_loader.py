@@ -16,6 +16,12 @@ Bytes read per rank (counted by the source) are reported against the bytes of th
 own tokens: a rank reads only its segments (one ``pread`` per run, plus one token of look-ahead
 for the last label of a run cut by context parallelism), never the whole dataset.
 
+The whole-cluster path runs once per integrity mode of the source, side by side (``verify=``
+``full``, the default: member headers once per doc plus the block checksums of every read;
+``header``: headers only; ``off``: no checks), so the cost of the checks is a ratio from one run.
+With checksums a read is widened to whole checksum blocks, and the first read of a doc also reads
+its headers (about 640 bytes); the bytes-read ratios show both.
+
     python tools/bench_loader.py                  # stdlib corpus shards in .demo/ (built once)
     python tools/bench_loader.py --shards DIR --world 16 --global-batch-tokens 524288
 """
@@ -31,7 +37,8 @@ import sys
 import time
 
 from balanced_loader.data.corpus import stdlib_shards
-from balanced_loader.data.shards import ShardSource
+from balanced_loader.data.files import atomic_write
+from balanced_loader.data.shards import VERIFY_MODES, ShardSource
 from balanced_loader.loader import BalancedLoader, resolve_cost
 from balanced_loader.materialize import needed_token_count
 
@@ -94,6 +101,27 @@ def loader_cluster(src: ShardSource, args: argparse.Namespace) -> dict:
             "max_seq_len": loader.max_seq_len}
 
 
+READ_CHUNK = 2048
+
+
+def read_path(folder: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds to read every doc whole and then in ``READ_CHUNK``-token pieces, per integrity mode,
+    each repeat with fresh sources (headers checked again), modes interleaved."""
+    out: dict[str, list[float]] = {m: [] for m in VERIFY_MODES}
+    for i in range(repeats):
+        for m in VERIFY_MODES[i % 3:] + VERIFY_MODES[:i % 3]:
+            src = ShardSource(folder, verify=m)
+            t0 = time.perf_counter()
+            for d in range(src.num_docs):
+                n = int(src.lengths[d])
+                src.read(d, 0, n)
+                for a in range(0, n, READ_CHUNK):
+                    src.read(d, a, min(READ_CHUNK, n - a))
+            out[m].append(time.perf_counter() - t0)
+            src.close()
+    return out
+
+
 def loader_one_rank(src: ShardSource, args: argparse.Namespace, rank: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     tokens = sum(needed_token_count(list(b.microbatches)) for b in make_loader(src, args, rank))
@@ -130,34 +158,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"epoch 0 doc stats: {stats.to_json()}")
     logging.getLogger("balanced_loader").setLevel(logging.ERROR)  # the same line for every loader below
     plain_read(urls)  # warm the page cache for both
-    plain_t, cluster_t, rank_t = [], [], []
-    cluster = rank_tokens = plain_tokens = None
-    for i in range(args.repeats):  # alternate which path goes first, so drifting load hits both alike
-        if i % 2:
-            cluster = loader_cluster(src, args)
-            cluster_t.append(cluster["seconds"])
-        plain_tokens, t = plain_read(urls)
-        plain_t.append(t)
-        if i % 2 == 0:
-            cluster = loader_cluster(src, args)
-            cluster_t.append(cluster["seconds"])
+    plain_t, rank_t = [], []
+    mode_t: dict[str, list[float]] = {m: [] for m in VERIFY_MODES}
+    runs: dict[str, dict] = {}
+    rank_tokens = plain_tokens = None
+    for i in range(args.repeats):  # rotate which path goes first, so drifting load hits all alike
+        order = [*VERIFY_MODES, "plain"]
+        for what in order[i % len(order):] + order[:i % len(order)]:
+            if what == "plain":
+                plain_tokens, t = plain_read(urls)
+                plain_t.append(t)
+            else:
+                # a fresh source per run, so every run pays the once-per-doc header checks (a real first epoch)
+                runs[what] = loader_cluster(ShardSource(src.folder, verify=what), args)
+                mode_t[what].append(runs[what]["seconds"])
         rank_tokens, t = loader_one_rank(src, args, 0)
         rank_t.append(t)
-    assert cluster is not None and plain_tokens is not None and rank_tokens is not None
+    assert plain_tokens is not None and rank_tokens is not None
+    cluster, cluster_t = runs["full"], mode_t["full"]
     plain_s, cluster_s, rank_s = (statistics.median(x) for x in (plain_t, cluster_t, rank_t))
     plain_rate = plain_tokens / plain_s
     cluster_rate = cluster["tokens"] / cluster_s
     rank_rate = rank_tokens / rank_s
     share_rate = plain_rate  # a rank reading 1/world of the shards reads at the same rate
     ratios = [r / max(n, 1) for r, n in zip(cluster["bytes_read"], cluster["bytes_needed"])]
-    assert cluster["tokens"] == plain_tokens == src.num_tokens, "every token must be delivered exactly once"
+    for m in VERIFY_MODES:
+        assert runs[m]["tokens"] == plain_tokens == src.num_tokens, "every token must be delivered exactly once"
 
     print()
     print("| path | tokens | seconds (median) | tokens/s | vs plain |")
     print("|---|---:|---:|---:|---:|")
     print(f"| plain webdataset read, all shards | {plain_tokens:,} | {plain_s:.3f} | {plain_rate / 1e6:.1f}M | 1.00 |")
-    print(f"| loader, whole cluster ({args.world} ranks materialized) | {cluster['tokens']:,} | {cluster_s:.3f} "
-          f"| {cluster_rate / 1e6:.1f}M | {cluster_rate / plain_rate:.2f} |")
+    for m in VERIFY_MODES:
+        s = statistics.median(mode_t[m])
+        rate = runs[m]["tokens"] / s
+        print(f"| loader, whole cluster ({args.world} ranks materialized), verify={m} | {runs[m]['tokens']:,} "
+              f"| {s:.3f} | {rate / 1e6:.1f}M | {rate / plain_rate:.2f} |")
     print(f"| loader, one rank (plans every step, reads its share) | {rank_tokens:,} | {rank_s:.3f} "
           f"| {rank_rate / 1e6:.1f}M | {rank_rate / share_rate:.2f} |")
     print()
@@ -165,12 +201,27 @@ def main(argv: list[str] | None = None) -> int:
           f"max_seq_len {cluster['max_seq_len']}, planning {cluster['plan_seconds']:.3f} s in total "
           f"(every rank plans every step; rank 0 waited {cluster['planner_wait_s']:.3f} s for plans), "
           f"positions incl. CP padding {cluster['positions']:,}")
-    print("bytes read / bytes needed per rank: " + ", ".join(f"{x:.4f}" for x in ratios)
-          + f" (max {max(ratios):.4f}; each rank reads {sum(cluster['bytes_read']) / args.world / 2**20:.1f} MiB "
-            f"of the {sum(os.path.getsize(u) for u in urls) / 2**20:.1f} MiB of shards)")
+    def paired(m: str) -> float:  # median over repeats of this mode's time / verify=off's in the same repeat
+        return statistics.median(a / b for a, b in zip(mode_t[m], mode_t["off"]))
+
+    print(f"integrity checks, whole cluster: verify=full {paired('full'):.3f}x, verify=header "
+          f"{paired('header'):.3f}x the time of verify=off (median of per-repeat ratios)")
+    reads = read_path(src.folder, args.repeats)
+    medians = ", ".join(f"verify={m} {statistics.median(t):.3f} s" for m, t in reads.items())
+    print(f"integrity checks, source reads only (every doc whole, then in {READ_CHUNK}-token pieces; "
+          f"median s of {args.repeats}): {medians}"
+          + f"; full/off {statistics.median(a / b for a, b in zip(reads['full'], reads['off'])):.3f}x, "
+            f"header/off {statistics.median(a / b for a, b in zip(reads['header'], reads['off'])):.3f}x")
+    for m in VERIFY_MODES:
+        r = [a / max(n, 1) for a, n in zip(runs[m]["bytes_read"], runs[m]["bytes_needed"])]
+        print(f"verify={m}: bytes read / bytes needed per rank: " + ", ".join(f"{x:.4f}" for x in r)
+              + f" (max {max(r):.4f}; each rank reads {sum(runs[m]['bytes_read']) / args.world / 2**20:.1f} MiB "
+                f"of the {sum(os.path.getsize(u) for u in urls) / 2**20:.1f} MiB of shards)")
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json, "w") as f:
             json.dump({"args": vars(args), "plain_s": plain_t, "cluster_s": cluster_t, "rank_s": rank_t,
+                       "verify_s": mode_t, "verify_bytes_read": {m: runs[m]["bytes_read"] for m in VERIFY_MODES},
+                       "read_path_s": reads,
                        "plain_tokens": plain_tokens, "rank_tokens": rank_tokens, "cluster": cluster,
                        "ratio_cluster": cluster_rate / plain_rate, "ratio_rank": rank_rate / share_rate,
                        "bytes_ratio_max": max(ratios)}, f, indent=1)

@@ -22,11 +22,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "candidates": ("cmd_candidates", "Hydraulis candidate strategies from a length histogram"),
     "waves": ("cmd_waves", "Spindle wavefront schedule of a multi-task graph"),
     "presets": ("cmd_presets", "list cost, model and hardware presets"),
+    "verify": ("cmd_verify", "check a shard folder fully: index, shard and per-doc checksums, tar headers"),
 }
 
 
+class UsageError(Exception):
+    """A command-line mistake argparse found (bad option, bad number): one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block) raised to :func:`main`, not ``sys.exit``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
 def _parser(with_commands: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="balanced-loader", description=__doc__.splitlines()[0])
+    p = _Parser(prog="balanced-loader", description=__doc__.splitlines()[0])
     from balanced_loader import __version__
 
     p.add_argument("--version", action="version", version=f"balanced-loader {__version__}")
@@ -54,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             raise
     parser = _parser(cmd)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 0
@@ -64,8 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except (ValueError, OSError) as e:  # OSError: a file the user named (missing, a folder, exists, no access)
-        msg = str(e) if isinstance(e, ValueError) or not e.strerror else f"{e.strerror}: {e.filename}"
+        if isinstance(e, ValueError) or not e.strerror:
+            msg = str(e)
+        else:  # a write error of data.files names the path in strerror already; filename is then None
+            msg = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
         print(f"balanced-loader {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except RecursionError:  # a deeply nested JSON/YAML input
+        print(f"balanced-loader {args.command}: error: an input file is nested too deeply to be read",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("balanced-loader: interrupted", file=sys.stderr)

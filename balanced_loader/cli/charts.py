@@ -23,7 +23,14 @@ def _figure(width: float, height: float, rows: int = 1, cols: int = 1, **kw):
 
 
 def _save(fig, path: str) -> str:
-    fig.savefig(path, dpi=_DPI)
+    """Render into a temporary file and rename it over ``path`` (never a half-written chart)."""
+    import os
+
+    from balanced_loader.data.files import atomic_write
+
+    fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, dpi=_DPI, format=fmt)
     return path
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from balanced_loader.cli.options import DEGREE, INDEX, RANKS, TOKENS
+
 DEFAULT_COST = "hydra-gpt7b-a100"
 
 
@@ -18,12 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cost model (one of; default: --cost " + DEFAULT_COST + ")")
     g.add_argument("--cost-file", metavar="COST.yaml", help="contract-2 cost file (its lane cap drives the advice)")
     g.add_argument("--cost", metavar="PRESET", help="cost preset name (see 'balanced-loader presets')")
-    p.add_argument("--world-size", type=int, metavar="R", help="ranks you plan to train on (checks CP fits)")
-    p.add_argument("--tp", type=int, help="tensor-parallel size whose lane cap to use (default 1)")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size whose lane cap to use (default 1)")
-    p.add_argument("--max-seq-len", "--max-len", dest="max_len", type=int, metavar="N",
+    p.add_argument("--world-size", type=RANKS, metavar="R", help="ranks you plan to train on (checks CP fits)")
+    p.add_argument("--tp", type=DEGREE, help="tensor-parallel size whose lane cap to use (default 1)")
+    p.add_argument("--pp", type=DEGREE, help="pipeline-parallel size whose lane cap to use (default 1)")
+    p.add_argument("--max-seq-len", "--max-len", dest="max_len", type=TOKENS, metavar="N",
                    help="context limit: analyze docs as training sees them, split into N-token segments")
-    p.add_argument("--top", type=int, default=10, help="how many of the longest docs to list (default 10)")
+    p.add_argument("--top", type=INDEX, default=10, help="how many of the longest docs to list (default 10)")
     p.add_argument("--out", default="analysis", metavar="DIR",
                    help="folder for histogram.png and analyze.json (default ./analysis)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the text report")
@@ -34,7 +36,7 @@ def read_source_lengths(path: str) -> tuple[Any, str]:
     import os
 
     if os.path.isdir(path) or path.endswith(".jsonl"):
-        from balanced_loader.data.sources import open_source
+        from balanced_loader.data.open import open_source
 
         src = open_source(path)
         try:
@@ -56,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     from balanced_loader.cli import analysis as analyze
     from balanced_loader.cli import charts
+    from balanced_loader.data.files import write_json
     from balanced_loader.presets import load_cost
 
     if args.top < 0:
@@ -92,9 +95,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"source": args.source, "description": what, "cost": cost_name, "stats": stats,
               "degrees": degrees, "advice": adv.to_json(), "histogram": png}
     jpath = os.path.join(args.out, "analyze.json")
-    with open(jpath, "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
+    write_json(jpath, report, indent=1)
     if args.json:
         print(json.dumps(report))
         return 0

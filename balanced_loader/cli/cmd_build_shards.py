@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from balanced_loader.cli.options import COUNT, MEGABYTES
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="FILES_OR_GLOBS",
@@ -15,13 +17,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'bytes' (default, token = byte) or a local tokenizer.json / folder "
                         "(needs the tokenizers or transformers package)")
     p.add_argument("--text-field", default="text", help="the text key of .jsonl lines (default: text)")
-    p.add_argument("--shard-mb", type=float, default=256.0, help="largest shard size in MB (default 256)")
-    p.add_argument("--docs-per-shard", type=int, default=100_000, help="most docs per shard (default 100000)")
+    p.add_argument("--shard-mb", type=MEGABYTES, default=256.0, help="largest shard size in MB (default 256)")
+    p.add_argument("--docs-per-shard", type=COUNT, default=100_000, help="most docs per shard (default 100000)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    from balanced_loader.data.shards import build_from_files, expand_inputs
+    from balanced_loader.data.build import build_from_files, expand_inputs
 
     if args.shard_mb <= 0 or args.docs_per_shard < 1:
         raise ValueError("--shard-mb must be > 0 and --docs-per-shard >= 1")

@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import argparse
 
+from balanced_loader.cli.options import DEGREE, RANKS, TOKENS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", required=True, metavar="FILE", help="length file (.txt, .txt.gz or .npy)")
-    p.add_argument("--world-size", type=int, required=True, metavar="R", help="number of GPUs")
+    p.add_argument("--world-size", type=RANKS, required=True, metavar="R", help="number of GPUs")
     g = p.add_argument_group("cost model (one of)")
     g.add_argument("--cost-file", metavar="COST.yaml", help="contract-2 cost file with 'strategies'")
     g.add_argument("--cost", metavar="PRESET", help="cost preset name (see 'balanced-loader presets')")
     p.add_argument("--out", required=True, metavar="CANDIDATES.yaml", help="where to write the candidates")
-    p.add_argument("--max-seq-len", "--max-len", dest="max_len", type=int, metavar="S",
+    p.add_argument("--max-seq-len", "--max-len", dest="max_len", type=TOKENS, metavar="S",
                    help="longest length covered; longer docs count as pieces of S (default: the largest "
                         "max_tokens_per_lane of the usable shapes)")
-    p.add_argument("--global-batch-tokens", type=int, metavar="N",
+    p.add_argument("--global-batch-tokens", type=TOKENS, metavar="N",
                    help="scale the histogram to N tokens, one global batch (default: the file as is)")
-    p.add_argument("--delta-s", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--delta-s", type=TOKENS, default=None, metavar="TOKENS",
                    help="length grid step (default 128, raised so the grid has at most 256 bins)")
-    p.add_argument("--delta-n", type=int, default=1, metavar="GPUS", help="GPU grid step (default 1)")
+    p.add_argument("--delta-n", type=DEGREE, default=1, metavar="GPUS", help="GPU grid step (default 1)")
     p.add_argument("--fixed-cost", choices=("packed", "doc"), default="packed",
                    help="microbatch_ms per packed microbatch share (default) or per doc (the paper's code)")
 
@@ -50,6 +52,7 @@ def histogram(lengths, max_len: int, batch_tokens: int | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    from balanced_loader.data.files import write_text
     from balanced_loader.data.lengths import read_lengths
     from balanced_loader.planning.solvers import candidates as cands
     from balanced_loader.presets import load_cost
@@ -68,11 +71,7 @@ def run(args: argparse.Namespace) -> int:
                          fixed_cost=args.fixed_cost)
     text = cands.dumps(out, world_size=args.world_size, max_len=max_len, delta_s=delta_s, delta_n=args.delta_n,
                        fixed_cost=args.fixed_cost, cost_name=cost.name)
-    try:
-        with open(args.out, "w") as f:
-            f.write(text)
-    except OSError as e:
-        raise ValueError(f"cannot write {args.out}: {e.strerror}") from None
+    write_text(args.out, text)
     print(f"{len(out)} candidates for {args.world_size} GPUs (lengths <= {max_len}, delta_s {delta_s}) -> {args.out}")
     for i, c in enumerate(out):
         print(f"  {i:2d}  {c.label():48s} covers {c.covers:>7d}  dp {c.dp_ms:10.1f} ms")

@@ -11,37 +11,36 @@ import argparse
 
 from balanced_loader.cli.cmd_plan import native_stdout_to_stderr
 from balanced_loader.cli.cmd_simulate import add_cost_arguments, model_and_hardware
-from balanced_loader.cli.options import add_batch_arguments
+from balanced_loader.cli.options import COUNT, DEGREE, INDEX, RANKS, SECONDS, add_batch_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_batch_arguments(p, max_seq_len_default="the largest segment every compared policy can hold, as the loader")
     p.add_argument("--policies", required=True, metavar="A,B,C",
                    help="comma-separated policy names; the first is the baseline of the speedup column")
-    p.add_argument("--world-size", type=int, required=True, metavar="R", help="number of ranks")
+    p.add_argument("--world-size", type=RANKS, required=True, metavar="R", help="number of ranks")
     add_cost_arguments(p)
-    p.add_argument("--steps", type=int, default=10, metavar="K", help="compare the first K steps (default 10)")
-    p.add_argument("--tp", type=int, help="static tensor-parallel size for maxlen / static-sp")
-    p.add_argument("--pp", type=int, help="static pipeline-parallel size for maxlen / static-sp")
-    p.add_argument("--cp", type=int, help="static context-parallel degree for maxlen / static-sp")
-    p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
+    p.add_argument("--steps", type=COUNT, default=10, metavar="K", help="compare the first K steps (default 10)")
+    p.add_argument("--tp", type=DEGREE, help="static tensor-parallel size for maxlen / static-sp")
+    p.add_argument("--pp", type=DEGREE, help="static pipeline-parallel size for maxlen / static-sp")
+    p.add_argument("--cp", type=DEGREE, help="static context-parallel degree for maxlen / static-sp")
+    p.add_argument("--time-limit", type=SECONDS, default=1.0, metavar="S",
                    help="solver time limit per call for flexsp / hydraulis (default 1 s)")
     p.add_argument("--model", metavar="NAME", help="model shape for MFU (see 'balanced-loader presets')")
     p.add_argument("--hardware", metavar="NAME", help="hardware for MFU (see 'balanced-loader presets')")
-    p.add_argument("--chart-step", type=int, default=0, metavar="K",
+    p.add_argument("--chart-step", type=INDEX, default=0, metavar="K",
                    help="step whose per-rank load is drawn (default 0)")
     p.add_argument("--out", default="compare", metavar="DIR",
                    help="folder for compare.json and the PNG charts (default ./compare)")
 
 
 def _read(args: argparse.Namespace):
-    from balanced_loader.data.lengths import read_batch_source
+    from balanced_loader.data.open import read_batch_source
 
     return read_batch_source(args.lengths, args.source, positive=False)
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     import os
     import sys
 
@@ -50,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.cli import charts
     from balanced_loader.cli import comparison as cmp
     from balanced_loader.data.batching import global_batches, validation_lengths
+    from balanced_loader.data.files import write_json
     from balanced_loader.loader import default_max_seq_len
     from balanced_loader.planning.config import PlanConfig
     from balanced_loader.presets import load_cost
@@ -111,9 +111,7 @@ def run(args: argparse.Namespace) -> int:
         "policies": [r.to_json(per_rank_step=k) for r in runs],
     }
     jpath = os.path.join(args.out, "compare.json")
-    with open(jpath, "w") as f:
-        json.dump(report, f)
-        f.write("\n")
+    write_json(jpath, report)
     load_png = charts.rank_load({r.policy: r.metrics[k].rank_busy_ms for r in runs},
                                 {r.policy: r.metrics[k].step_ms for r in runs},
                                 os.path.join(args.out, "rank_load.png"),

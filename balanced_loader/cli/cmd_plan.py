@@ -16,22 +16,22 @@ import contextlib
 from collections.abc import Iterator
 
 from balanced_loader.cli.cmd_simulate import add_cost_arguments
-from balanced_loader.cli.options import add_batch_arguments
+from balanced_loader.cli.options import COUNT, DEGREE, RANKS, SECONDS, add_batch_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_batch_arguments(p, max_seq_len_default="none, a doc no degree can hold is an error")
-    p.add_argument("--world-size", type=int, required=True, metavar="R", help="number of ranks")
+    p.add_argument("--world-size", type=RANKS, required=True, metavar="R", help="number of ranks")
     add_cost_arguments(p)
     p.add_argument("--policy", required=True, metavar="P",
                    help="maxlen, static-sp, token-kk, mcore-dcp, hydra, batch-ada, flexsp, hydraulis, greedy")
-    p.add_argument("--tp", type=int, help="tensor-parallel size (static shape; a shape of the cost file)")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size (static shape; a shape of the cost file)")
-    p.add_argument("--cp", type=int,
+    p.add_argument("--tp", type=DEGREE, help="tensor-parallel size (static shape; a shape of the cost file)")
+    p.add_argument("--pp", type=DEGREE, help="pipeline-parallel size (static shape; a shape of the cost file)")
+    p.add_argument("--cp", type=DEGREE,
                    help="CP/SP degree: fixed for maxlen, static-sp, token-kk; the largest (a power of two) for the "
                         "dynamic policies; --cp 1: plain data parallelism, every group on one lane (any policy)")
-    p.add_argument("--steps", type=int, metavar="K", help="plan only the first K steps")
-    p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
+    p.add_argument("--steps", type=COUNT, metavar="K", help="plan only the first K steps")
+    p.add_argument("--time-limit", type=SECONDS, default=1.0, metavar="S",
                    help="solver time limit per call for flexsp / hydraulis (default 1 s)")
     p.add_argument("--candidates", metavar="CANDIDATES.yaml",
                    help="hydraulis: candidate strategies from 'balanced-loader candidates' (default: per batch)")
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _lengths(args: argparse.Namespace):
-    from balanced_loader.data.lengths import read_batch_source
+    from balanced_loader.data.open import read_batch_source
 
     return read_batch_source(args.lengths, args.source)  # zero lengths: rejected as batches read them
 
@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from balanced_loader.data.batching import global_batches, release_pages, validation_lengths
+    from balanced_loader.data.batching import EmptyDocError, global_batches, release_pages, validation_lengths
+    from balanced_loader.data.lengths import doc_line
     from balanced_loader.plan import BatchItems, Plan
     from balanced_loader.planning import make_plan, warm_up
     from balanced_loader.planning.config import PlanConfig
@@ -89,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
                                         seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps,
                                         window=args.shuffle_window,
                                         empty_docs="error" if args.lengths else "skip")
+    except EmptyDocError as e:  # found only when its batch is cut: name the file's line
+        line = doc_line(args.lengths, e.doc)
+        where = f"doc {e.doc}" + (f" (line {line})" if line is not None else "")
+        raise ValueError(f"--lengths {what}: lengths must be positive; {where} has length 0") from None
     except ValueError as e:  # name the input: a bad length is found only when its batch is cut
         raise ValueError(f"{'--lengths ' if args.lengths else ''}{what}: {e}") from None
     if not batches:  # nothing to plan: one empty step

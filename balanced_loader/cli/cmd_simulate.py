@@ -47,13 +47,15 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from balanced_loader import simulate as sim
-    from balanced_loader.plan import PLAN_FORMAT, PLAN_VERSION, Plan, read_plan_json
+    from balanced_loader.plan import Plan, read_plan_json
     from balanced_loader.presets import load_cost
 
     model, hw = model_and_hardware(args.model, args.hardware)
-    data = read_plan_json(args.plan)
-    if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
-        Plan.from_json(data)  # raises the one-line ValueError naming what is wrong
+    try:
+        data = read_plan_json(args.plan)
+    except RecursionError:
+        raise ValueError(f"plan file {args.plan} is nested too deeply to be a plan") from None
+    checked = Plan.from_json(data)  # types and ranges of every number (one ValueError line), even with --no-validate
     try:
         world = int(data["world_size"])
         policy = str(data.get("policy", "?"))
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = [sim.simulate_step_json(s, world, cost, model=model, hardware=hw) for s in raw_steps]
         predicted = [float(s.get("predicted_ms", 0.0)) for s in raw_steps]
     else:
-        plan = Plan.from_json(data)
+        plan = checked
         if args.lengths:
             from balanced_loader.data.lengths import read_lengths
 

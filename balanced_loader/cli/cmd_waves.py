@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 
+from balanced_loader.cli.options import RANKS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", required=True, metavar="G.yaml", help="multi-task graph file (MetaOps, YAML)")
-    p.add_argument("--gpus", type=int, metavar="N", help="plan for N devices instead of the graph's gpus")
+    p.add_argument("--gpus", type=RANKS, metavar="N", help="plan for N devices instead of the graph's gpus")
     p.add_argument("--out", metavar="W.json", help="write the wave plan here")
     p.add_argument("--handover", action="store_true",
                    help="placement also keeps predecessors' data in place at frontier boundaries")
@@ -57,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
           f"fixed split {plan.fixed_split_ms:.3f} ms ({fixed or 'more tasks than devices'})")
     print(f"docs moved between waves {plan.moved_samples:.0f}; planned in {plan.plan_seconds:.3f} s")
     if args.out:
-        plan.save(args.out)
+        from balanced_loader.data.files import write_text
+
+        write_text(args.out, plan.dumps() + "\n")  # complete or absent (WavePlan.save writes in place)
         print(f"wrote {args.out}")
     return 0

@@ -1,8 +1,68 @@
-"""Options shared by the commands that cut a lengths file or a source into global batches."""
+"""Options shared by the commands: checked number types, and the options that cut a lengths file or a
+source into global batches.
+
+Every number on the command line goes through :func:`int_in` or :func:`float_in`: the type, finiteness
+and a sane range are checked while parsing, so a value like ``--gpus 10000000000`` or
+``--time-limit nan`` is one error line (exit 2) before any work starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
+
+MAX_RANKS = 1 << 20  # ranks, GPUs, and tp/pp/cp degrees: 1,048,576
+MAX_TOKENS = 1 << 40  # tokens of a doc, a sequence or a global batch
+MAX_COUNT = 1 << 30  # steps, docs per shard, list lengths
+MAX_SECONDS = 1e6  # solver time limits
+MAX_SEED = (1 << 63) - 1
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in ``[lo, hi]``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text, 10) if len(text) <= 40 else None  # 40 digits: no slow parse of huge numbers
+        except ValueError:
+            v = None
+        if v is None:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}")
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v:,} is outside {lo:,}..{hi:,}")
+        return v
+
+    parse.__name__ = "integer"  # argparse names the type in some messages
+    return parse
+
+
+def float_in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text[:40]!r}")
+        if v < lo or v > hi or (lo_open and v == lo):
+            raise argparse.ArgumentTypeError(f"{v:g} is outside {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+        return v
+
+    parse.__name__ = "number"
+    return parse
+
+
+RANKS = int_in(1, MAX_RANKS)
+DEGREE = int_in(1, MAX_RANKS)
+TOKENS = int_in(1, MAX_TOKENS)
+COUNT = int_in(1, MAX_COUNT)
+INDEX = int_in(0, MAX_COUNT)
+SEED = int_in(0, MAX_SEED)
+SECONDS = float_in(0.0, MAX_SECONDS, lo_open=True)
+MEGABYTES = float_in(0.0, float(1 << 20), lo_open=True)
 
 
 def add_batch_arguments(p: argparse.ArgumentParser, *, max_seq_len_default: str) -> None:
@@ -12,13 +72,13 @@ def add_batch_arguments(p: argparse.ArgumentParser, *, max_seq_len_default: str)
     src.add_argument("--lengths", metavar="FILE",
                      help="length file: .txt (one length a line, also .txt.gz) or .npy; doc_id = line")
     src.add_argument("--source", metavar="DIR", help="a shard folder (balanced-loader build-shards) or .jsonl")
-    p.add_argument("--global-batch-tokens", type=int, metavar="N",
+    p.add_argument("--global-batch-tokens", type=TOKENS, metavar="N",
                    help="tokens per global batch, cut between docs (default: the whole input is one batch)")
     p.add_argument("--shuffle", action="store_true", help="shuffle docs by --seed before batching")
-    p.add_argument("--seed", type=int, default=0, help="shuffle and planner seed (default 0)")
-    p.add_argument("--shuffle-window", type=int, default=1 << 16, metavar="N",
+    p.add_argument("--seed", type=SEED, default=0, help="shuffle and planner seed (default 0)")
+    p.add_argument("--shuffle-window", type=COUNT, default=1 << 16, metavar="N",
                    help="docs shuffled together, as the loader's shuffle_window (default 65536)")
-    p.add_argument("--max-seq-len", type=int, metavar="N",
+    p.add_argument("--max-seq-len", type=TOKENS, metavar="N",
                    help=f"context limit; longer docs are handled by --long-docs (default: {max_seq_len_default})")
     p.add_argument("--long-docs", default="split", choices=("split", "truncate", "drop", "error"),
                    help="docs over --max-seq-len: split into segments (default), truncate, drop or error")

@@ -18,6 +18,16 @@ import numpy as np
 
 from balanced_loader.plan import BatchItems
 
+
+class EmptyDocError(ValueError):
+    """A doc of length 0 where empty docs are errors (``plan --lengths``); ``doc`` names it so the
+    caller can add where it is (a length file's line)."""
+
+    def __init__(self, doc: int) -> None:
+        super().__init__(f"lengths must be positive; doc {doc} has length 0")
+        self.doc = doc
+
+
 LONG_DOC_MODES = ("split", "truncate", "drop", "error")
 
 
@@ -357,7 +367,7 @@ class EpochBatches:
             raise ValueError(f"doc {int(ids[i])} has a negative length {int(ln[i])}")
         if self.empty_docs == "error" and ln.size and int(ln.min()) == 0:
             d = int(ids[int(np.flatnonzero(ln == 0)[0])])
-            raise ValueError(f"lengths must be positive; doc {d} (line {d + 1}) has length 0")
+            raise EmptyDocError(d)
         if self.max_seq_len is None or self.long_docs in ("split", "error"):
             return ln
         if self.long_docs == "truncate":

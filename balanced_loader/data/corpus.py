@@ -40,13 +40,15 @@ def stdlib_shards(out_dir: str, *, limit: int | None = None, max_shard_bytes: in
     A folder whose index holds the same number of docs from the byte-level tokenizer is
     reused; an incomplete or different folder is rebuilt (only shard and index files are removed).
     """
-    from balanced_loader.data.shards import INDEX_FILE, META_FILE, ShardSource, build_from_files
+    from balanced_loader.data.build import build_from_files
+    from balanced_loader.data.index import INDEX_FILE, META_FILE
+    from balanced_loader.data.shards import ShardSource
 
     files = stdlib_py_files(limit)
     if os.path.exists(os.path.join(out_dir, INDEX_FILE)):
         try:
             src = ShardSource(out_dir)
-            if src.num_docs == len(files) and (src.tokenizer or {}).get("name") == "bytes":
+            if src.num_docs == len(files) and (src.tokenizer or {}).get("name") == "bytes" and src.has_checksums:
                 return src
         except ValueError:
             pass

@@ -9,10 +9,14 @@ import gzip
 import io
 import os
 import warnings
+import zlib
 
 import numpy as np
 
 LENGTH_SUFFIXES = (".txt", ".txt.gz", ".gz", ".npy")
+MAX_DOC_TOKENS = 1 << 40  # longest doc a length file may give (~1.1e12 tokens): sums stay far inside int64
+_BLOCK = 1 << 22  # bytes of text parsed at a time
+_MAX_LINE = 1 << 20  # a longer line is not a length
 
 
 def read_lengths(path: str | os.PathLike[str], *, check: bool = True) -> np.ndarray:
@@ -40,6 +44,10 @@ def read_lengths(path: str | os.PathLike[str], *, check: bool = True) -> np.ndar
     if arr.size and int(arr.min()) < 0:
         i = int(np.flatnonzero(arr < 0)[0])
         raise ValueError(f"length file {p}: doc {i} has a negative length {int(arr[i])}")
+    if arr.size and int(arr.max()) > MAX_DOC_TOKENS:
+        i = int(np.flatnonzero(arr > MAX_DOC_TOKENS)[0])
+        raise ValueError(f"length file {p}: doc {i} has length {int(arr[i])}, over the limit of "
+                         f"{MAX_DOC_TOKENS:,} tokens a doc")
     return arr
 
 
@@ -54,71 +62,109 @@ def _read_npy(p: str) -> np.ndarray:
     if raw.dtype == np.dtype(np.int64):
         return raw  # [num_docs] memory-mapped: planning reads only the docs it batches
     if raw.dtype.kind in "iu":
-        return raw.astype(np.int64)
+        if raw.dtype.kind == "u" and raw.size and int(raw.max()) > MAX_DOC_TOKENS:  # before a wrapping cast
+            i = int(np.argmax(raw))
+            raise ValueError(f"length file {p}: doc {i} has length {int(raw[i])}, over the limit of "
+                             f"{MAX_DOC_TOKENS:,} tokens a doc")
+        return raw.astype(np.int64, copy=False)
     if raw.dtype.kind == "f":
-        if raw.size and not np.all(np.isfinite(raw) & (raw == np.round(raw))):
-            i = int(np.flatnonzero(~(np.isfinite(raw) & (raw == np.round(raw))))[0])
-            raise ValueError(f"length file {p}: doc {i} has a non-integer length {raw[i]!r}")
+        ok = np.isfinite(raw) & (raw == np.round(raw)) & (np.abs(raw) <= MAX_DOC_TOKENS)
+        if raw.size and not np.all(ok):
+            i = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"length file {p}: doc {i} has a non-integer or out-of-range length {raw[i]!r}")
         return raw.astype(np.int64)
     raise ValueError(f"length file {p}: expected integer lengths, got dtype {raw.dtype}")
 
 
 def _read_text(p: str) -> np.ndarray:
+    """Stream the file in blocks of whole lines, parsing each into an array: peak memory is about
+    twice the result plus one block, never the whole file as a string."""
+    parts: list[np.ndarray] = []
+    lines = 0  # lines before the current block
     try:
-        if p.endswith(".gz"):
-            with gzip.open(p, "rb") as f:
-                data = f.read()
-        else:
-            with open(p, "rb") as f:
-                data = f.read()
-    except (OSError, EOFError) as e:
+        with (gzip.open(p, "rb") if p.endswith(".gz") else open(p, "rb")) as f:
+            rest = b""
+            while True:
+                chunk = f.read(_BLOCK)
+                data = rest + chunk if rest else chunk
+                cut = data.rfind(b"\n") + 1 if chunk else len(data)
+                if chunk and cut == 0:  # no line end yet in this block
+                    if len(data) > _MAX_LINE:
+                        raise ValueError(f"length file {p}, line {lines + 1} is over {_MAX_LINE >> 20} MiB long; "
+                                         f"expected one integer a line (or a .npy file)")
+                    rest = data
+                    continue
+                block, rest = data[:cut], data[cut:]
+                if block:
+                    parts.append(_parse_block(p, block, lines))
+                    lines += block.count(b"\n")
+                if not chunk:
+                    break
+    except (OSError, EOFError, zlib.error) as e:
         msg = getattr(e, "strerror", None) or str(e)
         raise ValueError(f"cannot read length file {p}: {msg}") from None
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _parse_block(p: str, block: bytes, first_line: int) -> np.ndarray:
+    """``[docs]`` int64 of one block of whole lines; errors name the file's line number."""
     try:
-        text = data.decode("utf-8")
+        text = block.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"length file {p} is not text (expected one integer a line, or a .npy file)") from None
-    if not text.strip():
-        return np.zeros(0, dtype=np.int64)
-    try:  # fast path: plain integers, one a line
+    lines = block.count(b"\n") + (not block.endswith(b"\n"))
+    if not any(c in block for c in (b"#", b" ", b"\t", b"\r", b"\n\n")) and not block.startswith(b"\n"):
+        # fastest path: one bare integer on every line, so the count below proves nothing was merged or skipped
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # numpy warns (or raises) on text it could not parse
+                arr = np.fromstring(text, dtype=np.int64, sep="\n")  # saturates on overflow: the range check sees it
+            if len(arr) == lines and (arr.size == 0 or (int(arr.min()) >= 0 and int(arr.max()) <= MAX_DOC_TOKENS)):
+                return arr
+        except (ValueError, DeprecationWarning):
+            pass
+    try:  # fast path: numpy's C parser (skips blank lines and # comments)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "input contained no data" for comment-only files
-            arr = np.loadtxt(io.StringIO(text), dtype=np.int64, comments="#", ndmin=1)
-        if arr.ndim == 1:
-            return arr
+            warnings.simplefilter("ignore")  # "input contained no data" for comment-only blocks
+            arr = np.loadtxt(io.StringIO(text), dtype=np.int64, comments="#", ndmin=2)
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if arr.shape[1] == 1 and int(arr.min()) >= 0 and int(arr.max()) <= MAX_DOC_TOKENS:
+            return arr.reshape(-1)
     except ValueError:
         pass
+    # slow path, only for a block with a problem: find its line (numpy's row numbers skip comments)
     out: list[int] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for k, line in enumerate(text.split("\n"), start=first_line + 1):
         s = line.split("#", 1)[0].strip()
         if not s:
             continue
         try:
-            out.append(int(s))
+            v = int(s)
         except ValueError:
-            raise ValueError(f"length file {p}, line {lineno}: {s[:40]!r} is not an integer length") from None
+            raise ValueError(f"length file {p}, line {k}: {s[:40]!r} is not an integer length") from None
+        if v < 0:
+            raise ValueError(f"length file {p}, line {k}: negative length {v}")
+        if v > MAX_DOC_TOKENS:
+            raise ValueError(f"length file {p}, line {k}: length {v} is over the limit of {MAX_DOC_TOKENS:,} "
+                             f"tokens a doc")
+        out.append(v)
     return np.asarray(out, dtype=np.int64)
 
 
-def read_batch_source(lengths_path: str | None, source_path: str | None, *,
-                      positive: bool = False) -> tuple[np.ndarray, np.ndarray | None, str]:
-    """Lengths from ``--lengths FILE`` or ``--source DIR``: ``([num_docs], shard bounds or None, label)``.
-
-    ``positive``: a length of 0 or less in a lengths file is an error naming the doc and line
-    (a source's empty docs are skipped later by the loader's rules instead).
-    """
-    if lengths_path:
-        lengths = read_lengths(lengths_path, check=False)  # batching checks the docs it reads
-        if positive and lengths.size and int(lengths.min()) <= 0:
-            i = int(np.flatnonzero(lengths <= 0)[0])
-            raise ValueError(f"--lengths {lengths_path}: lengths must be positive; doc {i} (line {i + 1}) "
-                             f"has length {int(lengths[i])}")
-        return lengths, None, lengths_path
-    from balanced_loader.data.sources import open_source
-
-    src = open_source(source_path)
-    try:
-        bounds = None if src.shard_bounds is None else np.asarray(src.shard_bounds, dtype=np.int64)
-        return np.asarray(src.lengths, dtype=np.int64), bounds, str(source_path)
-    finally:
-        src.close()
+def doc_line(path: str | os.PathLike[str], doc: int) -> int | None:
+    """The 1-based line of doc ``doc`` in a text length file (blank and comment lines skipped);
+    ``None`` for ``.npy`` or when the file has fewer docs. For error messages only (re-reads the file)."""
+    p = os.fspath(path)
+    if p.endswith(".npy"):
+        return None
+    n = -1
+    with (gzip.open(p, "rb") if p.endswith(".gz") else open(p, "rb")) as f:
+        for k, line in enumerate(f, start=1):
+            if line.split(b"#", 1)[0].strip():
+                n += 1
+                if n == doc:
+                    return k
+    return None

@@ -19,6 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.data.integrity import lengths_fingerprint
+from balanced_loader.data.lengths import MAX_DOC_TOKENS
+
 
 class Source(ABC):
     """Base of every source: ``lengths`` ([num_docs] int64) and token reads by doc_id."""
@@ -48,6 +51,13 @@ class Source(ABC):
 
     def close(self) -> None:  # noqa: B027 (sources without files have nothing to release)
         """Release file handles (reads reopen them)."""
+
+    def fingerprint(self) -> str:
+        """A hash of the length index (doc order included), computed once; loader states carry it."""
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            fp = self._fingerprint = lengths_fingerprint(np.asarray(self.lengths))
+        return fp
 
     def _check_doc(self, doc_id: int) -> int:
         d = int(doc_id)
@@ -82,6 +92,9 @@ def as_lengths(values: Any, where: str = "lengths") -> np.ndarray:
     if arr.size and not np.issubdtype(arr.dtype, np.integer) and (
             not np.issubdtype(arr.dtype, np.floating) or not np.all(np.floor(arr) == arr)):
         raise ValueError(f"{where}: token counts must be integers (dtype {arr.dtype})")
+    if arr.size and float(arr.max()) > MAX_DOC_TOKENS:  # before the cast, which would wrap 2**63 to negative
+        i = int(np.argmax(arr))
+        raise ValueError(f"{where}: doc {i} has length {arr[i]}, over the limit of {MAX_DOC_TOKENS:,} tokens")
     arr = arr.astype(np.int64)
     if arr.size and arr.min() < 0:
         i = int(np.flatnonzero(arr < 0)[0])
@@ -204,31 +217,3 @@ class JsonlSource(Source):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-
-
-def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -> Source:
-    """Open a source: a shard folder, a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``;
-    planning only), or a list/array of lengths."""
-    if isinstance(spec, Source):
-        return spec
-    if isinstance(spec, (str, os.PathLike)):
-        path = os.fspath(spec)
-        if os.path.isdir(path):
-            from balanced_loader.data.shards import ShardSource
-
-            return ShardSource(path)
-        if not os.path.exists(path):
-            raise ValueError(f"source {path} does not exist (expected a shard folder, a .jsonl file "
-                             f"or a length file)")
-        if path.endswith(".jsonl"):
-            return JsonlSource(path, text_field=text_field, tokenizer=tokenizer)
-        from balanced_loader.data.lengths import LENGTH_SUFFIXES, read_lengths
-
-        if path.endswith(LENGTH_SUFFIXES):
-            return LengthSource(read_lengths(path), name=f"lengths file {path}")
-        raise ValueError(f"source {path}: unsupported file type; use a shard folder (balanced-loader "
-                         f"build-shards), a .jsonl file or a length file (.npy, .txt, .txt.gz)")
-    if isinstance(spec, (list, tuple, np.ndarray)):
-        return LengthSource(spec)
-    raise ValueError(f"cannot open a source from {type(spec).__name__}; pass a shard folder, a .jsonl "
-                     f"path, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")

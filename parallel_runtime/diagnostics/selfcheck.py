@@ -5,7 +5,9 @@ Spawns ``--world-size`` gloo processes, builds a one-pool plan (``tp`` ranks per
 forward and backward of the model on a packed batch (1-token docs and docs not divisible
 by ``2 * cp`` included) with the chosen CP engine, and compares the loss and every parameter
 gradient with the single-process model on the same docs. Prints JSON; exits 1 when a
-difference exceeds the tolerance, 2 on a bad layout.
+difference exceeds the tolerance, 2 on a bad layout. ``--doc-tokens N`` fills each group's
+microbatch with docs of N tokens instead (one long doc spans the whole CP group) and the JSON
+adds the peak resident memory of the worst rank (``peak_rss_mb``).
 
 Gradients are compared in full-model coordinates: each rank writes its local gradients at
 their place in a full-size buffer (replicated parameters from tp index 0 only) and the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +38,12 @@ from parallel_runtime.topology import Topology
 
 TOLERANCE = 1e-5  # fp32, relative
 CUDA_TOLERANCE = 1e-4  # fp32 CUDA kernels reduce in other orders
+DENSE_REFERENCE_TOKENS = 4096  # the reference uses the dense masked formula up to this many tokens
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set of this process so far, MiB (Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,10 +64,13 @@ class LayoutSpec:
     microbatches: int = 2
     overlap: bool = True
     device: str = "cpu"
+    doc_tokens: int | None = None  # every doc this long (long docs spanning the CP group)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"--cp-engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        if self.doc_tokens is not None and self.doc_tokens < 1:
+            raise ValueError(f"--doc-tokens must be >= 1, got {self.doc_tokens}")
         for name in ("world_size", "tp", "cp", "microbatches", "docs_per_group", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -112,9 +124,12 @@ def make_case(spec: LayoutSpec) -> tuple[StepPlan, list[np.ndarray]]:
     for k in range(spec.microbatches):
         groups = []
         for g in range(num_groups):
-            lengths = [1, two_c + 1, 3 * two_c - 1][: spec.docs_per_group]
-            lengths += [int(x) for x in rng.integers(2, 4 * two_c + 9, size=spec.docs_per_group - len(lengths))]
-            rng.shuffle(lengths)
+            if spec.doc_tokens is not None:
+                lengths = [spec.doc_tokens] * spec.docs_per_group
+            else:
+                lengths = [1, two_c + 1, 3 * two_c - 1][: spec.docs_per_group]
+                lengths += [int(x) for x in rng.integers(2, 4 * two_c + 9, size=spec.docs_per_group - len(lengths))]
+                rng.shuffle(lengths)
             segs = []
             for n in lengths:
                 segs.append((len(docs), 0, n))
@@ -134,8 +149,10 @@ def reference(spec: LayoutSpec, docs: list[np.ndarray]) -> tuple[float, dict[str
     model = Transformer(cfg, seed=spec.seed)
     mb = shard_microbatch(docs, 1, 0)
     valid = int((mb["labels"] != -100).sum())
+    # the textbook dense mask for small batches; per-doc fused SDPA (memory linear in tokens) for long ones
+    impl = "masked" if len(mb["input_ids"]) <= DENSE_REFERENCE_TOKENS else "loop"
     loss = model(torch.from_numpy(mb["input_ids"]), torch.from_numpy(mb["position_ids"]),
-                 torch.from_numpy(mb["labels"]), attn=local_attention(torch.from_numpy(mb["cu_seqlens"]), "masked"),
+                 torch.from_numpy(mb["labels"]), attn=local_attention(torch.from_numpy(mb["cu_seqlens"]), impl),
                  num_valid_tokens=valid)
     loss.backward()
     return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -190,6 +207,8 @@ def run_rank(rank: int, world_size: int, spec: LayoutSpec) -> dict | None:
     dist.all_reduce(local_loss)
     bytes_sent = torch.tensor([stats.total()], dtype=torch.float64)
     dist.all_reduce(bytes_sent)
+    peak = torch.tensor([peak_rss_mb()], dtype=torch.float64)  # before rank 0 runs the reference
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
     ref_loss, ref_grads = reference(spec, docs)
@@ -225,6 +244,8 @@ def run_rank(rank: int, world_size: int, spec: LayoutSpec) -> dict | None:
         "max_abs_diff_grad": worst_abs,
         "worst_param": worst_name,
         "cp_bytes_sent": int(bytes_sent.item()),
+        "peak_rss_mb": round(float(peak.item()), 1),  # worst rank, CP run only
+        "reference_peak_rss_mb": round(peak_rss_mb(), 1),  # rank 0 after the one-process reference too
         "tolerance": tol,
         "ok": bool(rel_loss <= tol and worst <= tol),
         "rank0_seconds": round(time.perf_counter() - t0, 3),
@@ -252,17 +273,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--docs-per-group", type=int, default=5)
-    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--docs-per-group", type=int, default=None, help="default 5 (1 with --doc-tokens)")
+    ap.add_argument("--microbatches", type=int, default=None, help="default 2 (1 with --doc-tokens)")
+    ap.add_argument("--doc-tokens", type=int, default=None,
+                    help="every doc this many tokens (one long doc spans the CP group); reports peak memory")
     ap.add_argument("--no-overlap", action="store_true", help="wait for each ring transfer before computing")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (all ranks share cuda:0 through gloo)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before the world is ended")
     args = ap.parse_args(argv)
+
+    def long_default(n: int) -> int:  # long docs: one doc in one microbatch unless asked otherwise
+        return 1 if args.doc_tokens is not None else n
+
     try:
         spec = LayoutSpec(world_size=args.world_size, tp=args.tp, cp=args.cp, engine=args.cp_engine,
                           ulysses=args.ulysses, seed=args.seed, heads=args.heads, kv_heads=args.kv_heads,
-                          num_layers=args.layers, docs_per_group=args.docs_per_group,
-                          microbatches=args.microbatches, overlap=not args.no_overlap, device=args.device)
+                          num_layers=args.layers, overlap=not args.no_overlap, device=args.device,
+                          doc_tokens=args.doc_tokens,
+                          docs_per_group=args.docs_per_group if args.docs_per_group is not None else long_default(5),
+                          microbatches=args.microbatches if args.microbatches is not None else long_default(2))
         if spec.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda asked for, but torch sees no CUDA device")
         result = check(spec, timeout_s=args.timeout)

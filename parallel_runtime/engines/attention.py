@@ -1,17 +1,21 @@
 """Local attention kernels on packed (varlen) batches: causal inside each doc, never across docs.
 
-Two families:
+Three families:
 
 * :func:`varlen_attention` -- the model's attention when a lane holds whole docs
   (``cu_seqlens`` marks them). Differentiable through torch autograd. Implementations:
   ``masked`` (one dense block-diagonal causal mask: the textbook formula, used as the
-  reference), ``loop`` (per-doc causal SDPA, CPU default), ``sdpa`` (SDPA with a dense mask,
-  CUDA fallback), ``flash`` (flash-attention varlen, CUDA default when installed and the
-  dtype is fp16/bf16).
-* :func:`block_forward` / :func:`block_backward` -- one (queries x keys) block with an
-  explicit mask, returning / consuming the log-sum-exp. Ring attention merges these blocks
-  with online softmax and runs the matching backward (the flash-attention identities), so
-  they are plain tensor functions, not autograd ops.
+  reference), ``loop`` (per-doc causal fused SDPA, CPU default), ``tiled`` (the tiled kernels
+  below), ``sdpa`` (SDPA with a dense mask, CUDA fallback), ``flash`` (flash-attention varlen,
+  CUDA default when installed and the dtype is fp16/bf16).
+* :func:`tiled_forward` / :func:`tiled_backward` -- one (queries x keys) block whose mask is
+  given by doc ids and positions, by online softmax over score tiles of at most
+  ``TILE_SIZE x TILE_SIZE`` (FlashAttention-2 on the CPU): the forward returns the
+  log-sum-exp, the backward recomputes each tile's probabilities from it. Tiles that see
+  nothing are skipped (causal costs about half). Memory: the inputs plus one tile. Ring
+  attention runs every block through these (or flash-attention on CUDA).
+* :func:`block_forward` / :func:`block_backward` -- the same with an explicit dense mask:
+  the reference the tiled kernels are tested against.
 
 Shapes: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]`` with ``H % Hkv == 0`` (grouped-query
 attention: query head ``h`` reads KV head ``h // (H // Hkv)``).
@@ -20,11 +24,15 @@ attention: query head ``h`` reads KV head ``h // (H // Hkv)``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-IMPLS = ("auto", "masked", "loop", "sdpa", "flash")
+from parallel_runtime.engines.flash import flash_available
+
+IMPLS = ("auto", "masked", "loop", "sdpa", "flash", "tiled")
 
 
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -53,21 +61,13 @@ def causal_doc_mask(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tenso
             & (k_pos[None, :] >= 0) & (q_pos[:, None] >= 0))
 
 
-def _flash_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def resolve_impl(impl: str, q: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl '{impl}'; choose one of {', '.join(IMPLS)}")
     if impl != "auto":
         return impl
     if q.is_cuda:
-        return "flash" if q.dtype in (torch.float16, torch.bfloat16) and _flash_available() else "sdpa"
+        return "flash" if q.dtype in (torch.float16, torch.bfloat16) and flash_available() else "sdpa"
     return "loop"  # per-doc work (sum of L^2), not one dense T x T mask
 
 
@@ -85,6 +85,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         ms = max_seqlen if max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
         return flash_attn_varlen_func(q, k, v, cu, cu, ms, ms, softmax_scale=scale, causal=True)
+    if impl == "tiled":
+        return tiled_varlen(q, k, v, cu_seqlens)
     kx, vx = _expand_kv(k, h), _expand_kv(v, h)
     if impl == "loop":
         outs = []
@@ -164,3 +166,204 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
     w_a = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(new))
     w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(new))
     return out * w_a[..., None] + out_b * w_b[..., None], new
+
+
+# ---- tiled blocks (online softmax; no score tensor beyond one tile) ---------------------------
+
+TILE_SIZE = 512  # query and key rows per tile: one [H, 512, 512] fp32 score tile is 1 MiB per head
+
+
+@dataclass(frozen=True)
+class _Spans:
+    """Tiles of one side of a block: ``[a, b)`` row ranges and the doc ids they touch."""
+
+    bounds: tuple[tuple[int, int], ...]
+    doc_lo: np.ndarray  # [tiles] smallest doc id in the tile
+    doc_hi: np.ndarray  # [tiles] largest doc id in the tile
+
+
+def _spans(doc: torch.Tensor, tile: int) -> _Spans:
+    d = doc.cpu().numpy()  # [T] int64
+    starts = np.arange(0, len(d), tile)
+    bounds = tuple((int(a), int(min(a + tile, len(d)))) for a in starts)
+    if not len(d):
+        return _Spans(bounds=(), doc_lo=np.zeros(0, np.int64), doc_hi=np.zeros(0, np.int64))
+    return _Spans(bounds=bounds, doc_lo=np.minimum.reduceat(d, starts), doc_hi=np.maximum.reduceat(d, starts))
+
+
+def visible_tiles(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor, k_pos: torch.Tensor,
+                   tile: int):
+    """Per query tile ``(a, b, [(c, e, mask or None), ...])``: the key tiles it can see. Tiles whose doc
+    ranges are disjoint or whose mask is all False are skipped (half the work of a causal block);
+    ``mask`` is None where the whole tile is visible."""
+    qs, ks = _spans(q_doc, tile), _spans(k_doc, tile)
+    for qi, (a, b) in enumerate(qs.bounds):
+        row = []
+        for ki, (c, e) in enumerate(ks.bounds):
+            if ks.doc_hi[ki] < qs.doc_lo[qi] or ks.doc_lo[ki] > qs.doc_hi[qi]:
+                continue
+            mask = causal_doc_mask(q_doc[a:b], q_pos[a:b], k_doc[c:e], k_pos[c:e])  # [tq, tk]
+            if not bool(mask.any()):
+                continue
+            row.append((c, e, None if bool(mask.all()) else mask))
+        yield a, b, row
+
+
+def _heads_major(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[t, H, D] -> [Hkv, rep * t, D]: the query heads of one KV head side by side (GQA without copies of K/V)."""
+    t, h, d = x.shape
+    return x.permute(1, 0, 2).reshape(hkv, h // hkv * t, d)
+
+
+def _rows_major(x: torch.Tensor, h: int) -> torch.Tensor:
+    """Inverse of :func:`_heads_major`: ``[Hkv, rep * t, D] -> [t, H, D]``."""
+    hkv, n, d = x.shape
+    return x.reshape(h, n // (h // hkv), d).permute(1, 0, 2)
+
+
+def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc: torch.Tensor, q_pos: torch.Tensor,
+                  k_doc: torch.Tensor, k_pos: torch.Tensor, scale: float, *,
+                  tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_forward` with the mask given by doc ids and positions (``causal_doc_mask``), by
+    online softmax over ``tile x tile`` score tiles. ``q_doc``/``q_pos`` ``[Tq]``, ``k_doc``/``k_pos``
+    ``[Tk]``; doc ids must be non-decreasing for the tile skipping to pay off (correct either way).
+    Returns ``out [Tq, H, D]`` and ``lse [Tq, H]`` (``-inf`` and 0 on rows that see no key)."""
+    tile = tile or TILE_SIZE
+    tq, h, d = q.shape
+    hkv = k.shape[1]
+    rep = h // hkv
+    kh, vh = k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
+    out = torch.zeros_like(q)
+    lse = torch.full((tq, h), float("-inf"), dtype=q.dtype, device=q.device)
+    for a, b, row in visible_tiles(q_doc, q_pos, k_doc, k_pos, tile):
+        if not row:
+            continue
+        n = b - a
+        qt = _heads_major(q[a:b], hkv) * scale  # [Hkv, rep*n, D]
+        m = torch.full(qt.shape[:2], float("-inf"), dtype=q.dtype, device=q.device)  # running max
+        den = torch.zeros_like(m)  # running sum of exp(s - m)
+        acc = torch.zeros_like(qt)  # running sum of exp(s - m) v
+        for c, e, mask in row:
+            s = torch.bmm(qt, kh[:, c:e].transpose(1, 2))  # [Hkv, rep*n, tk]
+            if mask is not None:
+                s.view(hkv, rep, n, e - c).masked_fill_(~mask, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+            p = s.sub_(m_safe[..., None]).exp_()  # in place: one tile alive
+            alpha = torch.exp(m - m_safe)  # rescales what was summed under the old max (0 when it was -inf)
+            den = den * alpha + p.sum(-1)
+            acc = torch.baddbmm(acc * alpha[..., None], p, vh[:, c:e])
+            m = m_new
+        seen = den > 0
+        safe_den = torch.where(seen, den, torch.ones_like(den))
+        out[a:b] = _rows_major(acc / safe_den[..., None], h)
+        m_safe = torch.where(seen, m, torch.zeros_like(m))
+        lse[a:b] = torch.where(seen, m_safe + torch.log(safe_den), torch.full_like(m, float("-inf"))).reshape(
+            h, n).T
+    return out, lse
+
+
+def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
+                   lse: torch.Tensor, q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor,
+                   k_pos: torch.Tensor, scale: float, *,
+                   tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_backward` by tiles: P is recomputed per tile from Q, K and the final ``lse``
+    (FlashAttention-2): ``dV += P^T dO``, ``dS = P * (dO V^T - delta)``, ``dQ += dS K``, ``dK += dS^T Q``."""
+    tile = tile or TILE_SIZE
+    h, hkv = q.shape[1], k.shape[1]
+    rep = h // hkv
+    kh, vh = k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)  # [Hkv, Tk, D]
+    for a, b, row in visible_tiles(q_doc, q_pos, k_doc, k_pos, tile):
+        if not row:
+            continue
+        n = b - a
+        qt = _heads_major(q[a:b], hkv)  # [Hkv, rep*n, D]
+        dot = _heads_major(dout[a:b], hkv)
+        lse_t = lse[a:b].T.reshape(hkv, rep * n)
+        # rows that see no key anywhere: exp(s - inf) = 0, so they get no gradient
+        lse_t = torch.where(torch.isfinite(lse_t), lse_t, torch.full_like(lse_t, float("inf")))
+        delta_t = delta[a:b].T.reshape(hkv, rep * n)
+        dq_t = torch.zeros_like(qt)
+        for c, e, mask in row:
+            kt, vt = kh[:, c:e], vh[:, c:e]
+            s = torch.bmm(qt, kt.transpose(1, 2)).mul_(scale)  # [Hkv, rep*n, tk]
+            if mask is not None:
+                s.view(hkv, rep, n, e - c).masked_fill_(~mask, float("-inf"))
+            p = s.sub_(lse_t[..., None]).exp_()
+            dv[:, c:e].baddbmm_(p.transpose(1, 2), dot)
+            ds = torch.bmm(dot, vt.transpose(1, 2)).sub_(delta_t[..., None]).mul_(p)  # dS = P (dP - D)
+            dq_t.baddbmm_(ds, kt, alpha=scale)
+            dk[:, c:e].baddbmm_(ds.transpose(1, 2), qt, alpha=scale)
+        dq[a:b] = _rows_major(dq_t, h)
+    return dq, dk.permute(1, 0, 2).contiguous(), dv.permute(1, 0, 2).contiguous()
+
+
+class _TiledVarlen(torch.autograd.Function):
+    """Local varlen causal attention by tiles (``impl="tiled"``)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor,
+                pos: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 / math.sqrt(q.shape[2])
+        out, lse = tiled_forward(q, k, v, doc, pos, doc, pos, scale)
+        ctx.save_for_backward(q, k, v, out, lse, doc, pos)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse, doc, pos = ctx.saved_tensors
+        delta = (dout * out).sum(-1)  # [T, H]
+        dq, dk, dv = tiled_backward(dout.contiguous(), q, k, v, delta, lse, doc, pos, doc, pos,
+                                    1.0 / math.sqrt(q.shape[2]))
+        return dq, dk, dv, None, None
+
+
+def tiled_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal attention inside each doc by tiles; differentiable (memory linear in tokens)."""
+    t = q.shape[0]
+    cu = cu_seqlens.to(q.device).long()
+    doc = doc_ids_from_cu_seqlens(cu, t)  # [T]
+    pos = torch.arange(t, device=q.device) - cu[doc]  # [T] position inside its doc
+    return _TiledVarlen.apply(q, k, v, doc, pos)
+
+
+# ---- fused CPU blocks (torch's flash SDPA kernels, which return and take the LSE) ------------
+
+# one piece of a block: query rows [qa, qb) x key rows [ka, kb), fully visible (causal False) or
+# causal with top-left alignment (the first query and the first key share a position)
+Piece = tuple[int, int, int, int, bool]
+
+
+def fused_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tuple[Piece, ...],
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tiled_forward` for a block given as pieces, through ``aten._scaled_dot_product_flash_attention_for_cpu``
+    (about 2x faster than the tiled kernel on CPU); rows in no piece get ``out = 0``, ``lse = -inf``."""
+    h = q.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=q.dtype, device=q.device)  # [Tq, H]
+    for qa, qb, ka, kb, causal in pieces:
+        o, l_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[qa:qb].transpose(0, 1)[None], _expand_kv(k[ka:kb], h).transpose(0, 1)[None],
+            _expand_kv(v[ka:kb], h).transpose(0, 1)[None], 0.0, causal, scale=scale)
+        out[qa:qb], lse[qa:qb] = merge_block(out[qa:qb], lse[qa:qb], o[0].transpose(0, 1), l_p[0].T)
+    return out, lse
+
+
+def fused_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, pieces: tuple[Piece, ...],
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of a block given as pieces, from the *final* ``out`` and ``lse`` of its query rows
+    (the fused kernel forms ``delta = rowsum(dout * out)`` itself)."""
+    h, hkv = q.shape[1], k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qa, qb, ka, kb, causal in pieces:
+        dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout[qa:qb].transpose(0, 1)[None], q[qa:qb].transpose(0, 1)[None],
+            _expand_kv(k[ka:kb], h).transpose(0, 1)[None], _expand_kv(v[ka:kb], h).transpose(0, 1)[None],
+            out[qa:qb].transpose(0, 1)[None], lse[qa:qb].T[None].contiguous(), 0.0, causal, scale=scale)
+        dq[qa:qb] += dq_p[0].transpose(0, 1)
+        dk[ka:kb] += _reduce_kv(dk_p[0].transpose(0, 1).contiguous(), hkv)
+        dv[ka:kb] += _reduce_kv(dv_p[0].transpose(0, 1).contiguous(), hkv)
+    return dq, dk, dv

@@ -8,14 +8,15 @@ then of chunk ``2*outer-1-j``, segment after segment (``cu_seqlens`` over ``P / 
 An engine is bound to one microbatch (its segment lengths) with :meth:`ContextParallel.bind`
 and the result is the ``attn(q, k, v) -> o`` callable the model calls in every layer.
 
-* **ring** (``inner = 1``): K and V travel around the group with asynchronous point-to-point
-  ops (``batch_isend_irecv``) posted before the compute of each step, so the next block
-  arrives while the current one is processed. Partial results merge by log-sum-exp (online
-  softmax). The backward re-runs the blocks with the final log-sum-exp and sends dK/dV
-  around the ring behind K/V, so they end on their owner (r-1 hops each: the backward sends
-  exactly twice the forward's bytes). Zigzag lets half of every off-diagonal block be
-  skipped (a source lane ``< j`` only shows its first halves; for a source lane ``> j`` only
-  the local second halves see anything).
+* **ring** (``inner = 1``, :mod:`parallel_runtime.engines.ring`): K and V travel around the
+  group with asynchronous point-to-point ops (``batch_isend_irecv``) posted before the compute
+  of each step, so the next block arrives while the current one is processed. Every block runs
+  through a tiled kernel that returns the log-sum-exp (flash-attention varlen on CUDA), partial
+  results merge by log-sum-exp, and no score tensor larger than one tile exists. The backward
+  re-runs the blocks with the final log-sum-exp and sends dK/dV around the ring behind K/V, so
+  they end on their owner (r-1 hops each: the backward sends exactly twice the forward's
+  bytes). Zigzag lets half of every off-diagonal block be skipped (a source lane ``< j`` only
+  shows its first halves; for a source lane ``> j`` only the local second halves see anything).
 * **Ulysses** (``outer = 1``): one all-to-all turns sequence-sharded q/k/v into head-sharded
   full padded docs (the degree must divide the KV heads per TP rank), local varlen
   attention runs, and a second all-to-all returns the output. Padding sits at the end of
@@ -30,50 +31,22 @@ are counted per kind in a :class:`CommStats` (instrumentation for the benchmarks
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from balanced_loader.materialize import cp_positions, padded_length
-from parallel_runtime.engines.attention import (
-    block_backward,
-    block_forward,
-    causal_doc_mask,
-    merge_block,
-    varlen_attention,
-)
+from parallel_runtime.engines.attention import varlen_attention
+from parallel_runtime.engines.ring import CommStats, RingPass, ring_attention
 from parallel_runtime.engines.tensor import via_host
 
+__all__ = ["ENGINES", "CommStats", "ContextParallel", "LocalAttention", "NestedAttention", "PackedLayout",
+           "RingAttention", "UlyssesAttention", "make_engine", "shard_microbatch"]
 ENGINES = ("ring", "ulysses", "nested")
-_TAG_KV, _TAG_DKV = 1, 2
 Attn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class CommStats:
-    """Bytes and messages this rank sent, by kind (``ring_kv``, ``ring_dkv``, ``a2a_fwd``, ``a2a_bwd``),
-    and the seconds it spent blocked waiting for ring transfers (exposed communication)."""
-
-    bytes: dict[str, int] = field(default_factory=dict)
-    messages: dict[str, int] = field(default_factory=dict)
-    wait_s: float = 0.0
-
-    def add(self, kind: str, nbytes: int) -> None:
-        self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
-        self.messages[kind] = self.messages.get(kind, 0) + 1
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.messages.clear()
-        self.wait_s = 0.0
-
-    def total(self, *kinds: str) -> int:
-        return sum(v for k, v in self.bytes.items() if not kinds or k in kinds)
 
 
 # ---- the layout, per microbatch ---------------------------------------------------------
@@ -170,40 +143,6 @@ def shard_microbatch(segment_tokens: Sequence[np.ndarray], degree: int, lane: in
 # ---- communication ------------------------------------------------------------------------
 
 
-def _p2p(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup | None,
-         stats: CommStats, kinds: dict[int, str]) -> Callable[[], None]:
-    """Post ``(send|recv, tensor, global peer, tag)`` ops at once; returns the wait function."""
-    p2p, copies = [], []
-    for op, t, peer, tag in ops:
-        buf = t
-        if via_host(t, group):
-            buf = t.cpu() if op == "send" else torch.empty(t.shape, dtype=t.dtype)
-            if op == "recv":
-                copies.append((t, buf))
-        if op == "send":
-            stats.add(kinds[tag], t.numel() * t.element_size())
-            p2p.append(dist.P2POp(dist.isend, buf, peer, group=group, tag=tag))
-        else:
-            p2p.append(dist.P2POp(dist.irecv, buf, peer, group=group, tag=tag))
-    reqs = dist.batch_isend_irecv(p2p) if p2p else []
-
-    done = False
-
-    def wait() -> None:  # idempotent: a second call returns at once
-        nonlocal done
-        if done:
-            return
-        t0 = time.perf_counter()
-        for r in reqs:
-            r.wait()
-        for t, buf in copies:
-            t.copy_(buf)
-        stats.wait_s += time.perf_counter() - t0
-        done = True
-
-    return wait
-
-
 @dataclass(frozen=True)
 class _A2A:
     """All-to-all over dim 0 (``[u, ...]``, chunk ``g`` goes to the lane with index ``g``)."""
@@ -244,196 +183,6 @@ class _AllToAllFn(torch.autograd.Function):
         return ctx.a2a.run(g, "a2a_bwd"), None
 
 
-# ---- ring attention ------------------------------------------------------------------------
-
-
-TILE_TOKENS = 256  # ring blocks are computed per run of whole segments of about this many query tokens
-
-
-@dataclass(frozen=True)
-class _Block:
-    """One (queries x keys) block of a ring step, as tiles of whole segments (block-diagonal by doc)."""
-
-    tiles: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # (q rows, k rows, mask [nq, nk])
-    q_rows: torch.Tensor | None  # all tiles' q rows, concatenated (None: no tile)
-    k_rows: torch.Tensor | None
-
-    @property
-    def empty(self) -> bool:
-        return not self.tiles
-
-
-class _Ring:
-    """One rank's ring over ``r`` outer ranks for one microbatch (forward and backward).
-
-    Step ``i`` sees the K/V of outer rank ``src = j - i``. Zigzag (every segment holds
-    ``[chunk j | chunk 2r-1-j]``) makes half of each block invisible: for ``src < j`` only the
-    source's first halves are visible, for ``src > j`` only the local second halves see
-    anything, and on the diagonal the local first halves see only first halves. The diagonal
-    is therefore two blocks: ``diag_second`` (second-half queries x all keys) and
-    ``diag_first`` (first halves x first halves); the backward runs the latter last, so the
-    final dK/dV hop overlaps it. Every segment sits at the same offsets on every lane, so a
-    block is computed per tile of consecutive segments (no work across docs).
-    """
-
-    def __init__(self, layout: PackedLayout, j: int, group: dist.ProcessGroup | None, ranks: tuple[int, ...],
-                 overlap: bool, stats: CommStats, device: torch.device) -> None:
-        r = len(ranks)
-        assert r > 1
-        self.r, self.j, self.group, self.ranks = r, j, group, ranks
-        self.overlap, self.stats = overlap, stats
-        q_pos, q_seg = layout.ring_positions(j)
-        halves = layout.padded // (2 * r)  # [num_segments]
-        starts = np.concatenate([[0], np.cumsum(2 * halves)[:-1]])
-        rows = {"all": [np.arange(a, a + 2 * h) for a, h in zip(starts, halves)],
-                "first": [np.arange(a, a + h) for a, h in zip(starts, halves)],
-                "second": [np.arange(a + h, a + 2 * h) for a, h in zip(starts, halves)]}
-        cuts = [0]  # tiles: runs of whole segments with about TILE_TOKENS tokens
-        acc = 0
-        for si, h in enumerate(halves):
-            acc += 2 * int(h)
-            if acc >= TILE_TOKENS or si == len(halves) - 1:
-                cuts.append(si + 1)
-                acc = 0
-
-        def block(src: int, qsel: str, ksel: str) -> _Block:
-            k_pos, k_seg = layout.ring_positions(src)
-            tiles = []
-            for a, b in zip(cuts[:-1], cuts[1:]):
-                qi, ki = np.concatenate(rows[qsel][a:b]), np.concatenate(rows[ksel][a:b])
-                mask = causal_doc_mask(*(torch.from_numpy(x) for x in (q_seg[qi], q_pos[qi], k_seg[ki], k_pos[ki])))
-                if bool(mask.any()):
-                    tiles.append((torch.from_numpy(qi).to(device), torch.from_numpy(ki).to(device), mask.to(device)))
-            return _Block(tiles=tuple(tiles), q_rows=torch.cat([t[0] for t in tiles]) if tiles else None,
-                          k_rows=torch.cat([t[1] for t in tiles]) if tiles else None)
-
-        self.diag_second = block(j, "second", "all")
-        self.diag_first = block(j, "first", "first")
-        self.off: list[_Block] = [block((j - i) % r, "all", "first") if (j - i) % r < j else
-                                  block((j - i) % r, "second", "all") for i in range(1, r)]  # [r-1] steps 1..r-1
-
-    def _peers(self) -> tuple[int, int]:
-        return self.ranks[(self.j + 1) % self.r], self.ranks[(self.j - 1) % self.r]
-
-    @staticmethod
-    def _fwd(b: _Block, q: torch.Tensor, kv: torch.Tensor, hkv: int, out: torch.Tensor, lse: torch.Tensor,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if b.empty:
-            return out, lse
-        outs, lses = [], []
-        for qi, ki, mask in b.tiles:
-            kk = kv.index_select(0, ki)
-            o_t, l_t = block_forward(q.index_select(0, qi), kk[:, :hkv], kk[:, hkv:], mask, scale)
-            outs.append(o_t)
-            lses.append(l_t)
-        o_m, l_m = merge_block(out[b.q_rows], lse[b.q_rows], torch.cat(outs), torch.cat(lses))
-        return out.index_copy(0, b.q_rows, o_m), lse.index_copy(0, b.q_rows, l_m)
-
-    @staticmethod
-    def _bwd(b: _Block, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, hkv: int, delta: torch.Tensor,
-             lse: torch.Tensor, scale: float, dq: torch.Tensor, dkv: torch.Tensor) -> None:
-        """Adds this block's gradients into ``dq`` and ``dkv`` (the source's dK/dV)."""
-        if b.empty:
-            return
-        dqs, dkvs = [], []
-        for qi, ki, mask in b.tiles:
-            kk = kv.index_select(0, ki)
-            dq_t, dk_t, dv_t = block_backward(dout[qi], q[qi], kk[:, :hkv], kk[:, hkv:], delta[qi], lse[qi],
-                                              mask, scale)
-            dqs.append(dq_t)
-            dkvs.append(torch.cat([dk_t, dv_t], dim=1))
-        dq.index_add_(0, b.q_rows, torch.cat(dqs))
-        dkv.index_add_(0, b.k_rows, torch.cat(dkvs))
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t, h, d = q.shape
-        hkv = k.shape[1]
-        scale = 1.0 / math.sqrt(d)
-        out = torch.zeros_like(q)
-        lse = torch.full((t, h), float("-inf"), dtype=q.dtype, device=q.device)
-        kv = torch.cat([k, v], dim=1).contiguous()  # [T, 2*Hkv, D]
-        nxt, prv = self._peers()
-        for i in range(self.r):
-            wait = None
-            if i + 1 < self.r:  # post the next K/V before computing on the current one
-                incoming = torch.empty_like(kv)
-                wait = _p2p([("send", kv, nxt, _TAG_KV), ("recv", incoming, prv, _TAG_KV)], self.group,
-                            self.stats, {_TAG_KV: "ring_kv"})
-                if not self.overlap:
-                    wait()
-            for b in ((self.diag_second, self.diag_first) if i == 0 else (self.off[i - 1],)):
-                out, lse = self._fwd(b, q, kv, hkv, out, lse, scale)
-            if wait is not None:
-                if self.overlap:
-                    wait()
-                kv = incoming
-        return out, lse
-
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dq, dk, dv. K/V travel the ring as in the forward; the dK/dV of a source's K/V is
-        started by the rank after it (step 1), passed on, and handed to the owner after the
-        last step, where the owner's own (diagonal) part is added: r-1 hops, as K/V."""
-        hkv = k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[2])
-        delta = (dout * out).sum(-1)  # [T, H]
-        dq = torch.zeros_like(q)
-        kv = torch.cat([k, v], dim=1).contiguous()
-        own = torch.zeros_like(kv)  # dK/dV of our own K/V (diagonal blocks)
-        acc = None  # running dK/dV of the current source
-        nxt, prv = self._peers()
-        kinds = {_TAG_KV: "ring_kv", _TAG_DKV: "ring_dkv"}
-
-        def post(ops: list) -> Callable[[], None]:
-            wait = _p2p(ops, self.group, self.stats, kinds)
-            if not self.overlap:
-                wait()
-            return wait
-
-        for i in range(self.r):
-            ops, incoming, acc_in = [], None, None
-            if i + 1 < self.r:
-                incoming = torch.empty_like(kv)
-                ops += [("send", kv, nxt, _TAG_KV), ("recv", incoming, prv, _TAG_KV)]
-            if i >= 2:  # pass the previous source's running dK/dV on; receive this source's
-                acc_in = torch.empty_like(kv)
-                ops += [("send", acc, nxt, _TAG_DKV), ("recv", acc_in, prv, _TAG_DKV)]
-            wait = post(ops) if ops else None
-            if i == 0:
-                self._bwd(self.diag_second, dout, q, kv, hkv, delta, lse, scale, dq, own)
-            else:
-                part = torch.zeros_like(kv)
-                self._bwd(self.off[i - 1], dout, q, kv, hkv, delta, lse, scale, dq, part)
-            if wait is not None:
-                wait()
-            if i > 0:
-                acc = part if acc_in is None else part + acc_in
-            if incoming is not None:
-                kv = incoming
-        # last hop: each running dK/dV reaches its owner, while the first-half diagonal block runs
-        mine = torch.empty_like(own)
-        wait = post([("send", acc, nxt, _TAG_DKV), ("recv", mine, prv, _TAG_DKV)])
-        self._bwd(self.diag_first, dout, q, torch.cat([k, v], dim=1), hkv, delta, lse, scale, dq, own)
-        wait()
-        own += mine
-        return dq, own[:, :hkv], own[:, hkv:]
-
-
-class _RingFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> torch.Tensor:
-        out, lse = ring.forward(q, k, v)
-        ctx.ring = ring
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.ring.backward(dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None
-
-
 # ---- engines -------------------------------------------------------------------------------
 
 
@@ -456,7 +205,8 @@ class _Bound:
                 inv = torch.from_numpy(np.argsort(g)).to(device)
             ring = None
             if e.outer > 1:
-                ring = _Ring(lay, e.outer_index, e.outer_group, e.outer_ranks, e.overlap, e.stats, device)
+                ring = RingPass([lay.ring_positions(s) for s in range(e.outer)], lay.padded // (2 * e.outer),
+                                e.outer_index, e.outer_group, e.outer_ranks, e.overlap, e.stats, device)
             padded = torch.from_numpy(np.concatenate([[0], np.cumsum(lay.padded)])).to(device)
             self._cache[device] = (gather, inv, ring, padded)
         return self._cache[device]
@@ -479,7 +229,7 @@ class _Bound:
             x = _AllToAllFn.apply(x, e.inner_a2a).reshape(u * t, -1, d).index_select(0, gather)
             q, k, v = x.split([h // u, hkv // u, hkv // u], dim=1)
         if ring is not None:
-            o = _RingFn.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)
+            o = ring_attention(q, k, v, ring)
         else:
             o = varlen_attention(q, k, v, padded, impl=e.impl)
         if u > 1:  # back: [u*T, H/u, D] -> [u, T, H/u, D] -> a2a -> [T, H, D]

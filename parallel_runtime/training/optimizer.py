@@ -1,27 +1,49 @@
-"""Fixed optimizer shards with pull/push (Hydraulis's optimize/compute split, ZeRO-1 style).
+"""Fixed optimizer shards with slice-exact pull/push (Hydraulis's optimize/compute split, ZeRO-1 style).
 
 One coordinate system for parameters: the full (unsharded) model's parameters, in a fixed
 order, concatenated into one flat fp32 buffer, padded to a multiple of ``world_size`` and cut
 into equal contiguous shards. Rank r owns shard r (fp32 master weights and AdamW moments) for
-the whole run, whatever (tp, pp) shapes the pools take in a step.
+the whole run, whatever (tp, pp) shapes the pools take in a step. No rank ever holds more
+than its shard plus its working slice plus one bucket: nothing full-model-sized is allocated
+on the training path.
 
-* **pull**: all-gather the master shards into the full flat buffer; every rank copies the
-  slices its (pool, stage, tp index) needs into its working parameters.
-* **push**: every rank adds its local gradients into a zero full-size flat buffer at their
-  global offsets (TP slices at their place; parameters replicated inside a TP group only
-  from tp index 0) and a reduce-scatter sums them into the owners' shards. This is correct
-  for any mix of shapes because every contribution lands in the same coordinates; ranks idle
-  in a step contribute zeros.
+* **slices as runs**: a working parameter is one (pool, stage, tp index) slice of a full
+  parameter; in flat coordinates it is a list of *runs* (the whole parameter when replicated
+  inside its TP group, else the strided blocks of its ``narrow`` along the TP dim), in the
+  slice's own element order.
+* **exchange plan** (once per distinct set of local layouts, cached): each rank all-gathers a
+  fingerprint of its description (per parameter: index, tp index, tp size); on a miss the
+  descriptions themselves, ``[n, 3]`` int64 per rank. Every rank then derives its own runs and
+  every other rank's runs inside its shard, and the buckets: the shard-relative space is cut
+  into cells, each rank counts the elements it would send or receive per cell, a MAX
+  all-reduce makes the counts common, and cells are grouped greedily into windows whose send
+  and receive buffers hold at most ``bucket_elems`` elements on every rank. A bucket is the
+  same window ``[a, b)`` of every shard at once, so all owners send in every collective, and
+  windows no rank needs are skipped.
+* **pull**: per bucket one ``all_to_all_single`` with per-rank split sizes: owners send the
+  elements of each rank's runs inside the window (in flat order), receivers copy them into
+  their working parameters.
+* **push**: the reverse; each rank sends the gradient elements of its runs, owners sum them
+  into ``self.grad`` (which push overwrites). Parameters replicated inside a TP group are
+  contributed by tp index 0 only; parameters without a gradient (a rank idle in a step)
+  contribute nothing.
 * **step**: global gradient-norm clipping (one all-reduce of the shards' squared norms), then
   AdamW on the owned shard.
+
+``bytes_pulled`` / ``bytes_pushed`` count the bytes this rank received in pulls / sent in
+pushes (its own shard's part included: exactly 4 bytes per element of its slices), and
+``bytes_pull_sent`` / ``bytes_push_received`` the owner's side. :meth:`gather_full` and
+:meth:`gather_grad` allocate the full flat buffer: test and debugging helpers only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -84,11 +106,14 @@ class FlatLayout:
         step = n // lp.tp_size  # TP rank t holds the t-th of tp equal blocks along tp_dim (engines/tensor.shard)
         return full.narrow(lp.spec.tp_dim, lp.tp_index * step, step)
 
-    def decay_mask(self) -> torch.Tensor:
-        mask = torch.zeros(self.padded, dtype=torch.bool)  # [padded]
+    def decay_mask(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Whether weight decay applies, for flat positions ``[lo, hi)`` (default: all of ``[0, padded)``)."""
+        hi = self.padded if hi is None else hi
+        mask = torch.zeros(hi - lo, dtype=torch.bool)  # [hi - lo]
         for i, s in enumerate(self.specs):
-            if s.decay:
-                mask[self.offsets[i] : self.offsets[i + 1]] = True
+            a, b = max(self.offsets[i], lo), min(self.offsets[i + 1], hi)
+            if s.decay and a < b:
+                mask[a - lo : b - lo] = True
         return mask
 
 
@@ -110,21 +135,207 @@ class AdamWConfig:
         return self.lr
 
 
+# ---- slices as runs of flat coordinates --------------------------------------------------
+
+_MAX_PLANS = 64  # exchange plans kept (distinct layout sets seen); oldest dropped first, on every rank alike
+
+
+def _param_runs(layout: FlatLayout, p: int, tp_index: int, tp_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat starts and lengths (``[k] int64`` each) of parameter ``p``'s TP slice, in the slice's element order."""
+    spec = layout.specs[p]
+    off = layout.offsets[p]
+    if spec.tp_dim is None or tp_size == 1:
+        return np.array([off], dtype=np.int64), np.array([spec.numel], dtype=np.int64)
+    # narrow(d, i * n / t, n / t) of a row-major tensor: one run per index of the leading dims
+    d = spec.tp_dim
+    n, inner, outer = spec.shape[d], math.prod(spec.shape[d + 1:]), math.prod(spec.shape[:d])
+    run = n // tp_size * inner
+    starts = off + np.arange(outer, dtype=np.int64) * (n * inner) + tp_index * run
+    return starts, np.full(outer, run, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class _Runs:
+    """Runs ``[start, end)`` of flat coordinates sorted by start (stable), with the running max
+    of their ends (a sorted key even where runs overlap) and, for a rank's own runs, the index
+    of the local parameter and the run's offset in its flat view."""
+
+    start: np.ndarray  # [k] int64
+    end: np.ndarray  # [k] int64
+    reach: np.ndarray  # [k] int64
+    param: np.ndarray | None = None  # [k] int64
+    local: np.ndarray | None = None  # [k] int64
+
+    def clip(self, lows: np.ndarray, highs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The runs' parts inside each window ``[lows[w], highs[w])`` (windows ascending, disjoint), in run
+        order: starts, ends, run indices and window indices (``[m] int64`` each)."""
+        i0 = np.searchsorted(self.reach, lows, "right")  # first run that may reach into the window
+        i1 = np.maximum(np.searchsorted(self.start, highs, "left"), i0)
+        cnt = i1 - i0
+        w = np.repeat(np.arange(len(lows), dtype=np.int64), cnt)
+        idx = np.arange(int(cnt.sum()), dtype=np.int64) + np.repeat(i0 - (np.cumsum(cnt) - cnt), cnt)
+        s, e = np.maximum(self.start[idx], lows[w]), np.minimum(self.end[idx], highs[w])
+        keep = e > s
+        return s[keep], e[keep], idx[keep], w[keep]
+
+
+def _runs(layout: FlatLayout, rows: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+    """The runs of the slices ``rows`` (``[n, 3]``: parameter, tp index, tp size) of parameters that
+    overlap ``[lo, hi)``, sorted by start (stable): starts, ends, row indices, offsets in the slices."""
+    offs = np.asarray(layout.offsets, dtype=np.int64)
+    inside = np.flatnonzero((offs[rows[:, 0] + 1] > lo) & (offs[rows[:, 0]] < hi))
+    z = [np.zeros(0, dtype=np.int64)]
+    starts, lens, params, locs = list(z), list(z), list(z), list(z)
+    for j in inside.tolist():
+        s, n = _param_runs(layout, *rows[j].tolist())
+        starts.append(s)
+        lens.append(n)
+        params.append(np.full(len(s), j, dtype=np.int64))
+        locs.append(np.cumsum(n) - n)
+    start, n = np.concatenate(starts), np.concatenate(lens)
+    order = np.argsort(start, kind="stable")
+    return start[order], start[order] + n[order], np.concatenate(params)[order], np.concatenate(locs)[order]
+
+
+def _own_runs(layout: FlatLayout, rows: np.ndarray) -> _Runs:
+    """This rank's runs, in flat coordinates, with local parameter and offset."""
+    start, end, param, local = _runs(layout, rows, 0, layout.padded)
+    return _Runs(start, end, np.maximum.accumulate(end) if len(end) else end, param, local)
+
+
+def _their_runs(layout: FlatLayout, every: list[np.ndarray], rank: int) -> _Runs:
+    """Every rank q's runs inside shard ``rank``, at ``q * shard_size + (flat - lo)``: ascending in (q, start),
+    so one sorted search finds each rank's parts of a window. Clipped after sorting (clipping is
+    monotone), so an owner lists the parts of a window in the same order as their holder."""
+    size = layout.shard_size
+    lo = rank * size
+    starts, ends = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for q, rows in enumerate(every):
+        start, end, _, _ = _runs(layout, rows, lo, lo + size)
+        s, e = np.maximum(start, lo), np.minimum(end, lo + size)
+        keep = e > s
+        starts.append(s[keep] - lo + q * size)
+        ends.append(e[keep] - lo + q * size)
+    start, end = np.concatenate(starts), np.concatenate(ends)
+    return _Runs(start, end, np.maximum.accumulate(end) if len(end) else end)
+
+
+def _cell_loads(s: np.ndarray, e: np.ndarray, cell: int, size: int) -> np.ndarray:
+    """Elements of the runs ``[s, e)`` (any order, may overlap) in each cell ``[k cell, (k+1) cell)``
+    of ``[0, size)``."""
+    x = np.minimum(np.arange(-(-size // cell) + 1, dtype=np.int64) * cell, size)  # [cells + 1] boundaries
+    ss, ee = np.sort(s), np.sort(e)
+    cs = np.concatenate([[0], np.cumsum(ss)])
+    ce = np.concatenate([[0], np.cumsum(ee)])
+    ns, ne = np.searchsorted(ss, x, "left"), np.searchsorted(ee, x, "left")
+    covered = ns * x - cs[ns] - (ne * x - ce[ne])  # sum of clamp(x - s, 0, e - s): elements below x
+    return np.diff(covered)
+
+
+def _windows(load: np.ndarray, cell: int, size: int, limit: int) -> tuple[tuple[int, int], ...]:
+    """Greedy shard-relative windows of whole cells, each of total ``load`` at most ``limit`` (at least one
+    cell), skipping cells nobody needs."""
+    cum = np.concatenate([[0], np.cumsum(load)])
+    busy = np.flatnonzero(load)
+    out, k = [], 0
+    while True:
+        at = int(np.searchsorted(busy, k))
+        if at == len(busy):
+            return tuple(out)
+        i = int(busy[at])
+        j = max(int(np.searchsorted(cum, cum[i] + limit, "right")) - 1, i + 1)
+        out.append((i * cell, min(j * cell, size)))
+        k = j
+
+
+def _merge(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Adjacent runs joined (order kept)."""
+    if len(s) <= 1:
+        return s, e
+    cut = np.flatnonzero(s[1:] != e[:-1]) + 1
+    return s[np.r_[0, cut]], e[np.r_[cut - 1, len(s) - 1]]
+
+
+def _strided(s: np.ndarray, e: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """The runs as strided blocks ``(start, count, stride, length)``: consecutive runs of one length at one
+    spacing (a TP slice's rows) form one block, so copies need no index tensor. Blocks never overlap
+    themselves (spacing >= length)."""
+    n = e - s
+    if len(s) == 1:
+        return [(int(s[0]), 1, 0, int(n[0]))]
+    d = np.diff(s)  # [k - 1]
+    # cut between runs i and i+1 where the length changes, they would overlap, or the spacing changes
+    cut = (n[1:] != n[:-1]) | (d < n[:-1])
+    cut[1:] |= d[1:] != d[:-1]
+    first = np.r_[0, np.flatnonzero(cut) + 1]
+    count = np.diff(np.r_[first, len(s)])
+    stride = np.where(count > 1, d[np.minimum(first, len(d) - 1)], 0)
+    return list(zip(s[first].tolist(), count.tolist(), stride.tolist(), n[first].tolist()))
+
+
+def _view(flat: torch.Tensor, start: int, count: int, stride: int, length: int) -> torch.Tensor:
+    """``[count, length]`` view of ``flat`` (1-D, contiguous) at a strided block."""
+    return flat.as_strided((count, length), (stride, 1), flat.storage_offset() + start)
+
+
+def _take(flat: torch.Tensor, s: np.ndarray, e: np.ndarray) -> torch.Tensor:
+    """``flat``'s elements in the runs, concatenated in run order (a view when they are one run)."""
+    s, e = _merge(s, e)
+    if len(s) == 0:
+        return flat[:0]
+    if len(s) == 1:
+        return flat[int(s[0]):int(e[0])]
+    out = torch.empty(int((e - s).sum()), dtype=flat.dtype, device=flat.device)
+    o = 0
+    for block in _strided(s, e):
+        m = block[1] * block[3]
+        out[o:o + m].view(block[1], block[3]).copy_(_view(flat, *block))
+        o += m
+    return out
+
+
+def _put(flat: torch.Tensor, s: np.ndarray, e: np.ndarray, values: torch.Tensor, *, add: bool) -> None:
+    """Write (or add) ``values`` into ``flat``'s runs, in run order."""
+    s, e = _merge(s, e)
+    if len(s) == 0:
+        return
+    o = 0
+    for block in _strided(s, e):
+        m = block[1] * block[3]
+        src = values[o:o + m].view(block[1], block[3])
+        dst = _view(flat, *block)
+        dst.add_(src) if add else dst.copy_(src)  # copy_/add_ convert the dtype (bf16 slices, fp32 buffers)
+        o += m
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One exchange: this rank's runs, every rank's runs inside this rank's shard, the buckets."""
+
+    mine: _Runs  # flat coordinates, with local parameter and offset
+    theirs: _Runs  # every rank's runs inside this rank's shard (see _their_runs)
+    windows: tuple[tuple[int, int], ...]  # shard-relative [a, b) of each bucket
+
+
 class ShardedOptimizer:
     """fp32 master shard + AdamW moments of this rank; pull/push against any local layout."""
 
     def __init__(self, layout: FlatLayout, full_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                  config: AdamWConfig, *, rank: int = 0, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", bucket_elems: int = 8 << 20) -> None:
         """``full_params``: every full parameter's initial value, as a mapping or as ``(name, tensor)``
         pairs (a generator keeps only one piece of the model in memory at a time); only the part
-        inside this rank's shard is kept. Shards, moments and the pull/push buffers live on ``device``
-        (the device of the working parameters; NCCL needs CUDA tensors)."""
+        inside this rank's shard is kept. Shards, moments and the pull/push buckets live on ``device``
+        (the device of the working parameters; NCCL needs CUDA tensors). ``bucket_elems`` bounds
+        the send and the receive buffer of every pull/push collective (default 32 MB of fp32)."""
+        if bucket_elems < 1:
+            raise ValueError(f"bucket_elems must be >= 1, got {bucket_elems}")
         self.layout = layout
         self.config = config
         self.rank = rank
         self.group = group
         self.device = torch.device(device)
+        self.bucket_elems = bucket_elems
         lo, hi = self._bounds()
         self.master = torch.zeros(layout.shard_size, dtype=torch.float32, device=self.device)  # [shard_size]
         pairs = full_params.items() if isinstance(full_params, Mapping) else full_params
@@ -146,11 +357,17 @@ class ShardedOptimizer:
             raise ValueError(f"initial value of parameter '{missing[0]}' is missing")
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.decay = layout.decay_mask()[lo:hi].to(self.device)
+        self.decay = layout.decay_mask(lo, hi).to(self.device)
         self.grad = torch.zeros_like(self.master)
         self.steps = 0
-        self.bytes_pulled = 0
-        self.bytes_pushed = 0
+        self.bytes_pulled = 0  # received in pulls (4 bytes per element of this rank's slices)
+        self.bytes_pushed = 0  # sent in pushes (4 bytes per element of its contributed slices)
+        self.bytes_pull_sent = 0  # sent in pulls as an owner
+        self.bytes_push_received = 0  # received in pushes as an owner
+        self.exchanges = 0  # pull/push collectives (buckets) run
+        self.peak_bucket_elems = 0  # the largest send or receive buffer of one of them
+        self.plans_built = 0  # exchange plans derived (cache misses)
+        self._plans: dict[tuple[int, ...], _Plan] = {}
 
     def _bounds(self) -> tuple[int, int]:
         lo = self.rank * self.layout.shard_size
@@ -160,48 +377,157 @@ class ShardedOptimizer:
     def distributed(self) -> bool:
         return self.layout.world_size > 1
 
-    # ---- pull --------------------------------------------------------------
+    # ---- test and debugging helpers (allocate the full flat buffer) ------------------------
     def gather_full(self) -> torch.Tensor:
-        """The full flat fp32 parameter buffer (``[padded]``), gathered from every owner."""
+        """The full flat fp32 parameter buffer (``[padded]``), gathered from every owner. Allocates the
+        whole model on this rank: checks and tests only, never the training path."""
         if not self.distributed:
             return self.master.clone()
         full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.device)
         _all_gather(full, self.master, self.group)
-        self.bytes_pulled += full.numel() * 4
         return full
 
-    @torch.no_grad()
-    def pull(self, local: Iterable[LocalParam]) -> None:
-        full = self.gather_full()
-        for lp in local:
-            lp.tensor.copy_(self.layout.slice_view(full, lp).to(lp.tensor.dtype))
-
-    # ---- push --------------------------------------------------------------
-    @torch.no_grad()
-    def push(self, local: Iterable[LocalParam]) -> None:
-        """Sum every rank's local gradients into the owners' shards (``self.grad``)."""
-        # every rank writes its slices into a zero full-size buffer at their global offsets; summing the
-        # buffers (reduce-scatter) is then right for any mix of pool shapes: each slice lands in one place
-        full = torch.zeros(self.layout.padded, dtype=torch.float32, device=self.device)
-        for lp in local:
-            if lp.tensor.grad is None:
-                continue
-            if lp.spec.tp_dim is None and lp.tp_index != 0:
-                continue  # replicated inside the TP group: tp index 0 contributes it once
-            self.layout.slice_view(full, lp).add_(lp.tensor.grad.float())
-        if self.distributed:
-            _reduce_scatter(self.grad, full, self.group)
-            self.bytes_pushed += full.numel() * 4
-        else:
-            self.grad.copy_(full[: self.layout.shard_size])
-
     def gather_grad(self) -> torch.Tensor:
-        """The full flat gradient (``[padded]``) after :meth:`push`, gathered from every owner (checks, debugging)."""
+        """The full flat gradient (``[padded]``) after :meth:`push`, gathered from every owner. Allocates
+        the whole model on this rank: checks and tests only, never the training path."""
         if not self.distributed:
             return self.grad.clone()
         full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.device)
         _all_gather(full, self.grad, self.group)
         return full
+
+    # ---- pull / push -----------------------------------------------------------------------
+    @torch.no_grad()
+    def pull(self, local: Iterable[LocalParam]) -> None:
+        """Copy this rank's slices of the master parameters into its working parameters (collective:
+        every rank of the group calls it, with whatever local layout it has)."""
+        rows, flats = self._describe(local, push=False)
+        plan = self._plan(rows)
+        self._run(plan, [t.detach().view(-1) for t in flats], push=False)
+
+    @torch.no_grad()
+    def push(self, local: Iterable[LocalParam]) -> None:
+        """Sum every rank's local gradients into the owners' shards (``self.grad``, overwritten; collective)."""
+        rows, grads = self._describe(local, push=True)
+        plan = self._plan(rows)
+        self.grad.zero_()
+        self._run(plan, [g.reshape(-1) for g in grads], push=True)
+
+    def _describe(self, local: Iterable[LocalParam], *, push: bool) -> tuple[np.ndarray, list[torch.Tensor]]:
+        """``[n, 3]`` int64 rows (parameter index, tp index, tp size) and the tensors they fill or read;
+        for a push only the contributing parameters and their gradients."""
+        rows, tensors = [], []
+        for lp in local:
+            spec = lp.spec
+            if push and (lp.tensor.grad is None or (spec.tp_dim is None and lp.tp_index != 0)):
+                continue  # no gradient here, or replicated inside the TP group: tp index 0 contributes it once
+            p = self.layout.index.get(spec.name)
+            if p is None:
+                raise ValueError(f"local parameter '{spec.name}' is not a parameter of the optimizer's layout")
+            if not 0 <= lp.tp_index < lp.tp_size:
+                raise ValueError(f"{spec.name}: tp index {lp.tp_index} is outside tp size {lp.tp_size}")
+            shape = list(self.layout.specs[p].shape)
+            if spec.tp_dim is not None and lp.tp_size > 1:
+                if shape[spec.tp_dim] % lp.tp_size:
+                    raise ValueError(f"{spec.name}: dim {spec.tp_dim} of size {shape[spec.tp_dim]} is not divisible "
+                                     f"by tp={lp.tp_size}")
+                shape[spec.tp_dim] //= lp.tp_size
+            if tuple(lp.tensor.shape) != tuple(shape):
+                raise ValueError(f"{spec.name}: the working tensor has shape {tuple(lp.tensor.shape)}, its slice "
+                                 f"(tp {lp.tp_index}/{lp.tp_size}) has {tuple(shape)}")
+            rows.append((p, lp.tp_index, lp.tp_size))
+            tensors.append(lp.tensor.grad if push else lp.tensor)
+        return np.array(rows, dtype=np.int64).reshape(-1, 3), tensors
+
+    def _plan(self, rows: np.ndarray) -> _Plan:
+        """The cached exchange for every rank's current description: one all-gather of 16 bytes per rank
+        per call; on a miss also one of the descriptions and a MAX all-reduce of the cell loads. The key
+        is every rank's (fingerprint, length), so all ranks hit or miss together."""
+        fp = int.from_bytes(hashlib.blake2b(rows.tobytes(), digest_size=8).digest(), "little", signed=True)
+        meta = torch.tensor([fp, len(rows)], dtype=torch.int64, device=self.device)
+        world = self.layout.world_size
+        if self.distributed:
+            metas = [torch.empty_like(meta) for _ in range(world)]
+            dist.all_gather(metas, meta, group=self.group)
+            key = tuple(int(v) for m in metas for v in m.tolist())
+        else:
+            key = (fp, len(rows))
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        every = [rows]
+        if self.distributed:  # the descriptions themselves, padded to the longest
+            longest = max(key[1::2])
+            mine = torch.full((longest, 3), -1, dtype=torch.int64, device=self.device)
+            mine[:len(rows)] = torch.from_numpy(rows).to(self.device)
+            got = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(got, mine, group=self.group)
+            every = [g[:n].cpu().numpy() for g, n in zip(got, key[1::2])]
+        size = self.layout.shard_size
+        own, theirs = _own_runs(self.layout, rows), _their_runs(self.layout, every, self.rank)
+        # per cell of the shard-relative space: the most any rank receives (from all owners) or sends (to all)
+        cell = max(1, self.bucket_elems // (4 * world))
+        shards = np.arange(world, dtype=np.int64) * size
+        rs, re, _, rw = own.clip(shards, shards + size)
+        ts, te, _, tw = theirs.clip(shards, shards + size)
+        load = np.maximum(_cell_loads(rs - rw * size, re - rw * size, cell, size),
+                          _cell_loads(ts - tw * size, te - tw * size, cell, size))
+        if self.distributed:
+            t = torch.from_numpy(load).to(self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            load = t.cpu().numpy()
+        plan = _Plan(mine=own, theirs=theirs, windows=_windows(load, cell, size, self.bucket_elems))
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan
+        self.plans_built += 1
+        return plan
+
+    def _run(self, plan: _Plan, flats: list[torch.Tensor], *, push: bool) -> None:
+        """Every bucket of ``plan``: a pull (owners -> slices) or a push (slices -> owners, summed)."""
+        world, size = self.layout.world_size, self.layout.shard_size
+        shards = np.arange(world, dtype=np.int64) * size
+        for a, b in plan.windows:
+            # this rank's runs inside window [a, b) of every owner's shard, in owner (= flat) order
+            ms, me, mi, mw = plan.mine.clip(shards + a, shards + b)
+            mine_n = np.bincount(mw, weights=me - ms, minlength=world).astype(np.int64).tolist()
+            n = me - ms
+            moff = np.cumsum(n) - n  # where each part sits in this rank's buffer
+            mj = plan.mine.param[mi]  # ... in which local parameter
+            mloc = plan.mine.local[mi] + ms - plan.mine.start[mi]  # ... and where in it
+            # every rank's runs inside this rank's window, in rank order, shard-relative
+            ps, pe, _, pw = plan.theirs.clip(shards + a, shards + b)
+            peer_n = np.bincount(pw, weights=pe - ps, minlength=world).astype(np.int64).tolist()
+            ps, pe = ps - pw * size, pe - pw * size
+            mine = torch.empty(sum(mine_n), dtype=torch.float32, device=self.device)
+            if push:
+                for j in np.unique(mj).tolist():  # gradients of local parameter j -> send buffer
+                    sel = mj == j
+                    _put(mine, moff[sel], moff[sel] + n[sel], _take(flats[j], mloc[sel], mloc[sel] + n[sel]),
+                         add=False)
+                recv = torch.empty(sum(peer_n), dtype=torch.float32, device=self.device)
+                self._all_to_all(recv, peer_n, mine, mine_n)
+                _put(self.grad, ps, pe, recv, add=True)
+                self.bytes_pushed += mine.numel() * 4
+                self.bytes_push_received += recv.numel() * 4
+            else:
+                send = _take(self.master, ps, pe)
+                self._all_to_all(mine, mine_n, send, peer_n)
+                for j in np.unique(mj).tolist():  # receive buffer -> local parameter j
+                    sel = mj == j
+                    _put(flats[j], mloc[sel], mloc[sel] + n[sel], _take(mine, moff[sel], moff[sel] + n[sel]),
+                         add=False)
+                self.bytes_pulled += mine.numel() * 4
+                self.bytes_pull_sent += send.numel() * 4
+
+    def _all_to_all(self, out: torch.Tensor, out_n: list[int], inp: torch.Tensor, inp_n: list[int]) -> None:
+        self.exchanges += 1
+        self.peak_bucket_elems = max(self.peak_bucket_elems, out.numel(), inp.numel())
+        if self.distributed:
+            dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=out_n, input_split_sizes=inp_n,
+                                   group=self.group)
+        else:
+            out.copy_(inp)
 
     # ---- step --------------------------------------------------------------
     @torch.no_grad()
@@ -258,8 +584,3 @@ def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, shard, group=group)
 
-
-def _reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Sum ``full`` over the ranks and keep this rank's shard in ``out``."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, full, op=dist.ReduceOp.SUM, group=group)

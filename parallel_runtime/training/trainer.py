@@ -58,7 +58,7 @@ CHECKPOINT_VERSION = 1
 
 def open_data(recipe: Recipe, *, build: bool):
     """The recipe's source; ``build``: this process may build the stdlib corpus (one per machine)."""
-    from balanced_loader.data.sources import open_source
+    from balanced_loader.data.open import open_source
 
     d = recipe.data
     if d.source == STDLIB:

@@ -95,10 +95,12 @@ def test_epoch_order_is_lazy_and_consistent(n, window, seed, shards, cuts):
     fresh = EpochOrder(n, seed=seed, epoch=1, window=window, shard_bounds=bounds)  # random access, any order
     parts = [fresh.docs(a, b) for a, b in reversed(list(zip(edges, edges[1:])))][::-1]
     assert np.array_equal(np.concatenate(parts) if parts else whole, whole)
-    if not shards and n > window:  # a window draws from window / block runs of the file (+1: the short block)
+    # a window draws from about window / block runs of the file: +1 as windows and runs need not align,
+    # +1 for the one short run (the file's tail), which may land inside any window
+    if not shards and n > window:
         block = max(1, window // 16)
         for a in range(0, n, window):
-            assert len(np.unique(whole[a:a + window] // block)) <= -(-window // block) + 1
+            assert len(np.unique(whole[a:a + window] // block)) <= -(-window // block) + 2
 
 
 def reference_batches(lengths, *, seed, shuffle, window, max_len, mode, budget):
@@ -166,7 +168,7 @@ def test_memory_mapped_npy_gives_the_same_batches_and_checks_lazily(tmp_path):
     bad[17] = 0
     np.save(tmp_path / "z.npy", bad)
     zero = read_lengths(tmp_path / "z.npy", check=False)
-    with pytest.raises(ValueError, match="doc 17 \\(line 18\\) has length 0"):
+    with pytest.raises(ValueError, match="doc 17 has length 0"):  # the CLI adds the file line
         global_batches(zero, max_seq_len=None, empty_docs="error")
     bad[17] = -3
     np.save(tmp_path / "n.npy", bad)

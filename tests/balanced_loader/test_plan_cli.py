@@ -129,7 +129,7 @@ ERRORS = {
     "shape not in the cost file": (["--policy", "maxlen", "--tp", "4"], "add it under 'strategies'"),
     "doc too long": (["--lengths", "{long}"], "doc 1 (9000 tokens) does not fit: max_tokens_per_lane 64"),
     "unreadable file": (["--lengths", "{nofile}"], "does not exist"),
-    "bad batch budget": (["--global-batch-tokens", "0"], "--global-batch-tokens must be >= 1"),
+    "bad batch budget": (["--global-batch-tokens", "0"], "argument --global-batch-tokens: 0 is outside 1.."),
 }
 
 

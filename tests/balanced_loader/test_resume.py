@@ -106,7 +106,7 @@ def test_refuses_a_changed_policy_or_source(shards, tmp_path):
     with pytest.raises(ValueError, match="version 3 is not supported"):
         make(shards, 0).load_state_dict(dict(state, version=3))
     with pytest.raises(ValueError, match="outside the epoch"):
-        make(shards, 0).load_state_dict(dict(state, step_in_epoch=2, position=0))
+        make(shards, 0).load_state_dict(dict(state, step_in_epoch=2, step=2, position=0))
 
 
 def test_state_from_another_rank_is_accepted(shards):

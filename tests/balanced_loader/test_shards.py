@@ -12,7 +12,9 @@ import pytest
 
 from balanced_loader import cli
 from balanced_loader.data.corpus import stdlib_py_files, stdlib_shards
-from balanced_loader.data.shards import INDEX_FILE, ShardSource, build_index, write_shards
+from balanced_loader.data.index import INDEX_FILE, build_index
+from balanced_loader.data.integrity import CHECK_BLOCK_BYTES
+from balanced_loader.data.shards import ShardSource, write_shards
 
 
 def make_docs(n=60, seed=0, hi=2000):
@@ -38,7 +40,10 @@ def test_roundtrip_and_index(folder):
     src.bytes_read = 0
     big = int(np.argmax([len(d) for d in docs]))
     np.testing.assert_array_equal(src.read(big, 100, 50), docs[big][100:150])
-    assert src.bytes_read == 100  # exactly the bytes of the range, nothing else
+    assert src.bytes_read == min(CHECK_BLOCK_BYTES, 2 * len(docs[big]))  # the range widened to its checksum block
+    plain = ShardSource(str(path), verify="off")
+    np.testing.assert_array_equal(plain.read(big, 100, 50), docs[big][100:150])
+    assert plain.bytes_read == 100  # unchecked: exactly the bytes of the range, nothing else
     shard_path, offset = src.location(big)
     with open(shard_path, "rb") as f:  # the offset points at the raw token bytes inside the tar
         f.seek(offset)

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from balanced_loader.data.sources import JsonlSource, LengthSource, open_source
+from balanced_loader.data.open import open_source
+from balanced_loader.data.sources import JsonlSource, LengthSource
 from balanced_loader.data.tokenizers import ByteTokenizer, get_tokenizer, token_dtype
 
 

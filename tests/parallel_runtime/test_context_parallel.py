@@ -21,7 +21,8 @@ from balanced_loader.data.sources import Source
 from balanced_loader.materialize import cp_positions, materialize_group
 from balanced_loader.plan import Group
 from parallel_runtime.diagnostics.selfcheck import LayoutSpec, run_rank
-from parallel_runtime.engines import context as cp_module
+from parallel_runtime.engines import attention as attention_module
+from parallel_runtime.engines import ring as ring_module
 from parallel_runtime.engines.attention import varlen_attention
 from parallel_runtime.engines.context import PackedLayout, UlyssesAttention, make_engine, shard_microbatch
 from parallel_runtime.groups import ProcessGroups
@@ -73,17 +74,17 @@ def test_ulysses_degree_that_does_not_divide_kv_heads_is_a_clear_error() -> None
 
 
 def _engine_case(world: int, kind: str, inner: int, heads: int, kv_heads: int, overlap: bool, rank: int,
-                 groups: ProcessGroups) -> dict:
+                 groups: ProcessGroups, lengths: tuple[int, ...] = LENGTHS) -> dict:
     """Attention alone, float64: this rank's lane vs the unsharded reference (values and grads)."""
     d = 8
     ranks = tuple(range(world))
     eng = make_engine(kind, groups, ranks, rank, inner=inner, overlap=overlap)
-    lay = PackedLayout(lengths=LENGTHS, degree=world, inner=eng.inner)
+    lay = PackedLayout(lengths=lengths, degree=world, inner=eng.inner)
     g = torch.Generator().manual_seed(11)
-    total = sum(LENGTHS)
+    total = sum(lengths)
     q, k, v, dout = (torch.randn(total, h, d, generator=g, dtype=torch.float64)
                      for h in (heads, kv_heads, kv_heads, heads))
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(LENGTHS)]))
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
     q_ref, k_ref, v_ref = (x.clone().requires_grad_() for x in (q, k, v))
     out_ref = varlen_attention(q_ref, k_ref, v_ref, cu, impl="masked")
     out_ref.backward(dout)
@@ -97,7 +98,7 @@ def _engine_case(world: int, kind: str, inner: int, heads: int, kv_heads: int, o
 
     ql, kl, vl = lane(q), lane(k), lane(v)
     eng.stats.reset()
-    attn = eng.bind(LENGTHS)
+    attn = eng.bind(lengths)
     out = attn(ql, kl, vl)
     fwd_bytes = dict(eng.stats.bytes)
     out.backward(torch.where(real[:, None, None], dout[idx], torch.zeros_like(dout[idx])))
@@ -124,7 +125,7 @@ def _world4(rank: int, world: int) -> dict:
     topo = Topology.uniform(world)
     groups = ProcessGroups.build([topo], inner_sizes=[2])
     real_new_group = dist.new_group
-    tile_tokens = cp_module.TILE_TOKENS
+    tile_size, fused_min_rows = attention_module.TILE_SIZE, ring_module.FUSED_MIN_ROWS
 
     def forbidden(*a, **kw):
         raise AssertionError("new_group called after ProcessGroups.build (hot path)")
@@ -134,12 +135,16 @@ def _world4(rank: int, world: int) -> dict:
         for kind, inner, overlap in (("ring", 1, True), ("ring", 1, False), ("ulysses", 4, True),
                                      ("nested", 2, True)):
             out[f"{kind}-{inner}-{overlap}"] = _engine_case(world, kind, inner, 8, 4, overlap, rank, groups)
-        cp_module.TILE_TOKENS = 6  # ring blocks cut into many tiles of whole segments
+        attention_module.TILE_SIZE = 5  # ring blocks cut into many tiles, across segment bounds
         for kind, inner in (("ring", 1), ("nested", 2)):
             out[f"{kind}-{inner}-tiled"] = _engine_case(world, kind, inner, 8, 4, True, rank, groups)
+        ring_module.FUSED_MIN_ROWS = 0  # every block through the fused CPU kernels, piece by piece
+        for kind, inner in (("ring", 1), ("nested", 2)):
+            out[f"{kind}-{inner}-fused"] = _engine_case(world, kind, inner, 8, 4, True, rank, groups)
     finally:
         dist.new_group = real_new_group
-        cp_module.TILE_TOKENS = tile_tokens
+        attention_module.TILE_SIZE = tile_size
+        ring_module.FUSED_MIN_ROWS = fused_min_rows
     # whole model, several layouts, in this one world
     specs = [LayoutSpec(world_size=4, tp=2, cp=2, engine="ring"),
              LayoutSpec(world_size=4, tp=1, cp=4, engine="ring", overlap=False, seed=1),
@@ -168,6 +173,40 @@ def test_engines_and_model_layouts_on_four_ranks() -> None:
     for check in results[0]["model"]:
         assert check["ok"], check
         assert check["max_rel_diff_grad"] <= 1e-5 and check["max_rel_diff_loss"] <= 1e-5
+
+
+LONG = (1500, 3, 545)  # the 1500-token doc spans several 128-row tiles on every lane
+
+
+def _world4_long(rank: int, world: int) -> dict:
+    topo = Topology.uniform(world)
+    groups = ProcessGroups.build([topo], inner_sizes=[2])
+    tile_size, fused_min_rows = attention_module.TILE_SIZE, ring_module.FUSED_MIN_ROWS
+    attention_module.TILE_SIZE = 128
+    try:
+        out = {f"{kind}-{inner}": _engine_case(world, kind, inner, 4, 2, True, rank, groups, LONG)
+               for kind, inner in (("ring", 1), ("nested", 2))}  # long pieces: the fused CPU kernels
+        ring_module.FUSED_MIN_ROWS = 10**9  # the tiled kernels, several tiles per block
+        out.update({f"{kind}-{inner}-tiled": _engine_case(world, kind, inner, 4, 2, True, rank, groups, LONG)
+                    for kind, inner in (("ring", 1), ("nested", 2))})
+        # the whole model: one 1200-token doc per CP group of 2 (two groups), peak memory reported
+        out["model"] = run_rank(rank, world, LayoutSpec(world_size=4, cp=2, engine="ring", doc_tokens=1200,
+                                                        docs_per_group=1, microbatches=1, seed=12))
+    finally:
+        attention_module.TILE_SIZE = tile_size
+        ring_module.FUSED_MIN_ROWS = fused_min_rows
+    return out
+
+
+@pytest.mark.multirank
+def test_ring_and_nested_on_a_doc_spanning_many_tiles() -> None:
+    results = run_distributed(_world4_long, 4, timeout=240)
+    for rank, res in enumerate(results):
+        for name in ("ring-1", "nested-2", "ring-1-tiled", "nested-2-tiled"):
+            assert res[name]["err"] < 1e-10, (rank, name, res[name]["err"])
+    check = results[0]["model"]
+    assert check["ok"], check
+    assert check["batch"]["lengths"] == [1200, 1200] and check["peak_rss_mb"] > 0
 
 
 def _world8(rank: int, world: int) -> list:

@@ -97,7 +97,8 @@ def _check_push_pull(results: list[dict]) -> None:
     w += 3 + 4  # ranks 2 and 3 whole
     n = torch.full((6,), 1.0 + 3 + 4)  # replicated: tp index 0 of each TP group only (ranks 0, 2, 3)
     assert torch.equal(res[0]["grad"], torch.cat([w.reshape(-1), n]))
-    assert res[0]["bytes"] == (56 * 4, 56 * 4)  # 54 padded to 4 shards of 14
+    # exactly the slices: 24 + 6 elements on the tp=2 ranks (rank 1 pushes no replicated n), 48 + 6 on the others
+    assert [r["bytes"] for r in res] == [(30 * 4, 30 * 4), (30 * 4, 24 * 4), (54 * 4, 54 * 4), (54 * 4, 54 * 4)]
 
 
 # ---- the pools policy (pure) ---------------------------------------------------------------

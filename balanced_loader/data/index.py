@@ -1,0 +1,194 @@
+"""The length index of a shard folder: scanning tar headers into ``index.json`` and its arrays.
+
+See :mod:`balanced_loader.data.shards` for the folder layout. Scanning reads only the tar and
+``.npy`` headers; the writer's checksums (``shards.crc.npy``) are taken over when they cover
+every shard, and the lengths fingerprint is recorded for loader states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from typing import Any
+
+import numpy as np
+
+from balanced_loader.data.files import atomic_write, write_json
+from balanced_loader.data.integrity import lengths_fingerprint, num_blocks
+
+META_FILE = "shards.json"
+META_FORMAT = "balanced-loader/shards"
+CRC_FILE = "shards.crc.npy"
+INDEX_FILE = "index.json"
+INDEX_FORMAT = "balanced-loader/shard-index"
+INDEX_VERSION = 1
+ARRAYS = ("lengths", "shard", "offset")
+TOKEN_EXT = ".npy"
+
+
+def array_path(folder: str, name: str) -> str:
+    return os.path.join(folder, f"index.{name}.npy")
+
+
+def check_token_dtype(dtype: Any, where: str) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt.kind != "u" or dt.itemsize not in (1, 2, 4):
+        raise ValueError(f"{where}: token dtype must be uint8, uint16 or uint32, got {dt}")
+    return dt.newbyteorder("<")
+
+
+def save_array(path: str, arr: np.ndarray) -> None:
+    with atomic_write(path, "wb") as f:
+        np.save(f, arr, allow_pickle=False)
+
+
+def _scan_shard(path: str, first_doc: int) -> tuple[np.ndarray, np.ndarray, np.dtype | None, bool]:
+    """Lengths and token-data offsets (``[docs]`` each) of one tar, reading only headers, and
+    whether every member is named by its doc_id (``first_doc`` + member index)."""
+    size = os.path.getsize(path)
+    lengths: list[int] = []
+    offsets: list[int] = []
+    dtype: np.dtype | None = None
+    named = True
+    try:
+        with tarfile.open(path, "r:") as tar, open(path, "rb") as f:
+            for m in tar:
+                if not m.isfile() or not m.name.endswith(TOKEN_EXT):
+                    continue
+                if m.offset_data + m.size > size:
+                    raise ValueError(f"member {m.name} ends past the end of the file (truncated)")
+                f.seek(m.offset_data)
+                try:
+                    major, _ = np.lib.format.read_magic(f)
+                    read_header = (np.lib.format.read_array_header_1_0 if major == 1
+                                   else np.lib.format.read_array_header_2_0)
+                    shape, fortran, dt = read_header(f)
+                except ValueError as e:
+                    raise ValueError(f"member {m.name} is not a .npy array ({e})") from None
+                if len(shape) != 1:
+                    raise ValueError(f"member {m.name} holds shape {shape}; token arrays must be 1-D")
+                dt = check_token_dtype(dt, f"member {m.name}")
+                if dtype is None:
+                    dtype = dt
+                elif dt != dtype:
+                    raise ValueError(f"member {m.name} has dtype {dt}, earlier docs {dtype}")
+                data = f.tell()
+                if data - m.offset_data + shape[0] * dt.itemsize != m.size:
+                    raise ValueError(f"member {m.name}: {m.size} bytes do not match its header")
+                named = named and m.name == f"{first_doc + len(lengths):010d}{TOKEN_EXT}"
+                lengths.append(shape[0])
+                offsets.append(data)
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise ValueError(f"shard {path} is not a readable tar file ({type(e).__name__}: {e})") from None
+    except ValueError as e:
+        raise ValueError(f"shard {path} is corrupt: {e}") from None
+    return np.asarray(lengths, dtype=np.int64), np.asarray(offsets, dtype=np.int64), dtype, named
+
+
+def list_shards(folder: str) -> list[str]:
+    return sorted(f for f in os.listdir(folder) if f.endswith(".tar"))
+
+
+def _writer_checksums(folder: str, meta: dict[str, Any] | None, lengths: np.ndarray, itemsize: int
+                      ) -> tuple[np.ndarray | None, int | None]:
+    """``(crc_start [num_docs + 1] int64, block bytes)`` when the writer left checksums for these docs
+    (per doc: one whole-doc crc32, then one per block)."""
+    path = os.path.join(folder, CRC_FILE)
+    if meta is None or "check_block_bytes" not in meta or not os.path.exists(path):
+        return None, None
+    block = int(meta["check_block_bytes"])
+    start = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(1 + num_blocks(lengths * itemsize, block), out=start[1:])
+    try:
+        crcs = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checksum file {path} cannot be read ({e}); rebuild the shards") from None
+    if crcs.dtype != np.uint32 or crcs.ndim != 1 or len(crcs) != start[-1]:
+        raise ValueError(f"checksum file {path} holds {len(crcs)} checksums but the shards' docs need "
+                         f"{int(start[-1])}: the shards or {CRC_FILE} were changed; rebuild the shards")
+    return start, block
+
+
+def build_index(folder: str, *, write: bool = True, progress: bool = False) -> dict[str, Any]:
+    """Scan every ``*.tar`` of a folder (headers only) and write the length index.
+
+    Checks each shard against ``shards.json`` when the writer left one, and takes the writer's
+    checksums. Returns the index JSON; with ``write=False`` the arrays come back under
+    ``"_arrays"`` instead of files.
+    """
+    names = list_shards(folder)
+    if not names:
+        raise ValueError(f"{folder} holds no .tar shards; build them with balanced-loader build-shards")
+    meta = read_index_json(os.path.join(folder, META_FILE)) if os.path.exists(os.path.join(folder, META_FILE)) \
+        else None
+    expected = {s["name"]: s for s in meta["shards"]} if meta else {}
+    for name in expected:
+        if name not in names:
+            raise ValueError(f"shard {os.path.join(folder, name)} listed in {META_FILE} is missing")
+    it = names
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(names, desc="indexing shards", unit="shard")
+    lengths, shard_of, offsets, shards = [], [], [], []
+    dtype: np.dtype | None = None
+    named = True
+    first = 0
+    for i, name in enumerate(it):
+        path = os.path.join(folder, name)
+        ln, off, dt, nm = _scan_shard(path, first)
+        first += len(ln)
+        named = named and nm
+        nbytes = os.path.getsize(path)
+        if name in expected and (expected[name]["docs"] != len(ln) or expected[name]["bytes"] != nbytes):
+            raise ValueError(f"shard {path} is corrupt: {len(ln)} docs / {nbytes} bytes, but {META_FILE} "
+                             f"recorded {expected[name]['docs']} docs / {expected[name]['bytes']} bytes")
+        if dt is not None:
+            if dtype is not None and dt != dtype:
+                raise ValueError(f"shard {path} stores {dt} tokens, earlier shards {dtype}")
+            dtype = dt
+        lengths.append(ln)
+        offsets.append(off)
+        shard_of.append(np.full(len(ln), i, dtype=np.int32))
+        entry = {"name": name, "docs": len(ln), "bytes": nbytes}
+        if "crc32" in expected.get(name, {}):
+            entry["crc32"] = int(expected[name]["crc32"])
+        shards.append(entry)
+    if dtype is None:
+        raise ValueError(f"{folder}: no shard holds a {TOKEN_EXT} token member")
+    arrays = {"lengths": np.concatenate(lengths), "shard": np.concatenate(shard_of), "offset": np.concatenate(offsets)}
+    checked = meta is not None and len(expected) == len(names)  # the writer's checksums cover every shard
+    crc_start, block = _writer_checksums(folder, meta, arrays["lengths"], dtype.itemsize) if checked else (None, None)
+    index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "dtype": dtype.str,
+             "tokenizer": meta.get("tokenizer") if meta else None,
+             "num_docs": int(len(arrays["lengths"])), "num_tokens": int(arrays["lengths"].sum()),
+             "lengths_fingerprint": lengths_fingerprint(arrays["lengths"]),
+             "member_names": "doc_id" if named else "any",
+             "check_block_bytes": block, "shards": shards}
+    if crc_start is not None:
+        arrays["crc_start"] = crc_start
+    if not write:
+        index["_arrays"] = arrays
+        return index
+    for k, arr in arrays.items():
+        save_array(array_path(folder, k), arr)
+    write_json(os.path.join(folder, INDEX_FILE), index, indent=1)
+    return index
+
+
+def read_index_json(path: str) -> dict[str, Any]:
+    """``index.json`` or ``shards.json`` of a shard folder; one ``ValueError`` when unreadable."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path} is not JSON ({type(e).__name__}); delete it to rebuild the index") from None
+    if not isinstance(d, dict) or d.get("format") not in (INDEX_FORMAT, META_FORMAT):
+        raise ValueError(f"{path} is not a balanced-loader shard index; delete it to rebuild the index")
+    if d.get("version") != INDEX_VERSION:
+        raise ValueError(f"{path} has version {d.get('version')}, this reader knows {INDEX_VERSION}; "
+                         f"delete it to rebuild the index")
+    return d
