@@ -43,7 +43,7 @@ from balanced_loader.materialize import num_valid_tokens
 from balanced_loader.planning import fixed_pools
 from parallel_runtime.config import STDLIB, Recipe, dump_recipe
 from parallel_runtime.groups import GroupCache, declared_groups
-from parallel_runtime.launch import phase
+from parallel_runtime.launch import new_group, phase
 from parallel_runtime.model import Transformer
 from parallel_runtime.topology import PoolShape, Topology
 from parallel_runtime.training import metrics as M
@@ -81,8 +81,6 @@ def open_data_world(recipe: Recipe, *, rank: int, local_rank: int):
     fails ends its waiting peers through the broken barrier, never a hang."""
     if recipe.data.source != STDLIB:
         return open_data(recipe, build=False)
-    from parallel_runtime.launch import new_group
-
     wait = new_group(range(dist.get_world_size()), backend="gloo", timeout_s=DATA_BUILD_TIMEOUT_S)
     with phase("building the stdlib corpus (data.shards_dir)", [0]):
         if rank == 0:
