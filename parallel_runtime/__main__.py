@@ -20,7 +20,7 @@ Exit codes: 0 done, 2 bad input (one line naming the field), 1 a failure on some
 
 Every rank that stops says why in one line on stderr, prefixed with its rank in a world of
 several: its own error (bad input on that rank, e.g. a checkpoint shard of another step, or a
-crash), or ``rank R: stopped in <what> (group ranks [...]): rank F failed (...)`` when a peer's
+crash), or ``rank R: stopped in <what> (group ranks [...]): rank F failed first (...)`` when a peer's
 failure broke its collective, or ``rank R: timed out after T s in <what> (group ranks [...])``
 when a peer stopped answering (``world.timeout_s`` holds for every process group).
 """
