@@ -17,6 +17,12 @@ WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK on every process::
 same data and model in one process without parallelism and writes the same metrics. A run
 whose ``--out`` holds a checkpoint resumes from it and appends to its ``metrics.jsonl``.
 Exit codes: 0 done, 2 bad input (one line naming the field), 1 a failure on some rank.
+
+Every rank that stops says why in one line on stderr, prefixed with its rank in a world of
+several: its own error (bad input on that rank, e.g. a checkpoint shard of another step, or a
+crash), or ``rank R: stopped in <what> (group ranks [...]): rank F failed first (...)`` when a peer's
+failure broke its collective, or ``rank R: timed out after T s in <what> (group ranks [...])``
+when a peer stopped answering (``world.timeout_s`` holds for every process group).
 """
 
 from __future__ import annotations
@@ -77,8 +83,8 @@ def train(argv: list[str]) -> int:
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
 
     def user_error(msg: str) -> int:
-        if rank == 0:
-            print(f"parallel_runtime: error: {msg}", file=sys.stderr, flush=True)
+        who = f"rank {rank}: " if env_world > 1 else ""
+        print(f"parallel_runtime: {who}error: {msg}", file=sys.stderr, flush=True)
         return 2
 
     from parallel_runtime.config import load_recipe
@@ -112,28 +118,42 @@ def train(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from parallel_runtime.launch import default_backend, init_from_env
+    from parallel_runtime.launch import default_backend, failure_line, init_from_env, post_failure
 
     w = recipe.world
     backend = w.backend if w.backend != "auto" else default_backend(w.device)
     try:
         init_from_env(backend, w.timeout_s)
+        _note_node_size(recipe, rank)
         trainer = Trainer(recipe, out, allow_changed=args.allow_changed)
         trainer.train(args.steps)
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    except ValueError as e:
+    except ValueError as e:  # bad input on this rank: its peers name it when their collectives break
+        post_failure(rank, f"error: {str(e).splitlines()[0] if str(e) else ''}")
         code = user_error(str(e))
-    except Exception as e:  # a failure on this rank: say which, then leave so peers' collectives fail fast
-        print(f"parallel_runtime: rank {rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr, flush=True)
+    except Exception as e:  # a failure here, or a peer's seen through a broken / timed-out collective
+        line = failure_line(e, rank)
+        print(f"parallel_runtime: {line}", file=sys.stderr, flush=True)
         if os.environ.get("PARALLEL_RUNTIME_TRACEBACK"):
             traceback.print_exc()
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no destroy_process_group: peers may be gone; background planner threads are not joined
+
+
+def _note_node_size(recipe, rank: int) -> None:
+    """On GPUs, say when the launcher's processes per node differ from the cost file's ``gpus_per_node``
+    (the planner keeps TP groups and CP blocks inside a node of that size)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if rank != 0 or recipe.world.device != "cuda" or not local:
+        return
+    gpn = recipe.cost_model().gpus_per_node
+    if int(local) != gpn:
+        print(f"parallel_runtime: note: {local} processes per node but the cost file says gpus_per_node: {gpn}; "
+              f"groups the planner keeps inside a node may cross nodes", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

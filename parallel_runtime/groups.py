@@ -7,7 +7,8 @@ created on the hot path, and asking for a group that was not pre-created is a cl
 
 :class:`GroupCache` does the same lazily for a run: the groups of the declared shapes at
 start-up, then any group a step's plan needs that does not exist yet. Starting the world
-itself is :mod:`parallel_runtime.launch`.
+itself is :mod:`parallel_runtime.launch`. Every group gets the world's collective timeout
+(:func:`parallel_runtime.launch.new_group`), or ``timeout_s`` when given.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from balanced_loader.cost import allowed_degrees
 from balanced_loader.plan import StepPlan
+from parallel_runtime.launch import new_group
 from parallel_runtime.topology import GroupSpec, Topology, nested_split, required_groups
 
 
@@ -37,11 +39,15 @@ class GroupLookup:
     """This rank's process groups by sorted rank tuple (what every engine looks groups up in)."""
 
     rank: int
+    timeout_s: float | None = None  # collective timeout of the groups (None: the world's)
     _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
 
     def _create(self, spec: GroupSpec, world: int, backend: str | None) -> None:
         """Create ``spec``'s group (collective over the world: every rank, member or not, in one order)."""
-        pg = dist.group.WORLD if len(spec.ranks) == world else dist.new_group(list(spec.ranks), backend=backend)
+        if len(spec.ranks) == world:
+            pg = dist.group.WORLD
+        else:
+            pg = new_group(spec.ranks, backend=backend, timeout_s=self.timeout_s)
         if self.rank in spec.ranks:
             self._groups[spec.ranks] = pg
 
@@ -90,10 +96,12 @@ class ProcessGroups(GroupLookup):
         gpus_per_node: int | None = None,
         extra: Iterable[Sequence[int]] = (),
         backend: str | None = None,
+        timeout_s: float | None = None,
     ) -> ProcessGroups:
         """Create every group the given topologies and plans need (collective: call on all ranks).
 
-        ``backend`` defaults to the world's backend (gloo on CPU, NCCL on CUDA).
+        ``backend`` defaults to the world's backend (gloo on CPU, NCCL on CUDA); ``timeout_s`` to the
+        world's collective timeout.
         """
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized; call parallel_runtime.launch.init_world() (or "
@@ -102,7 +110,7 @@ class ProcessGroups(GroupLookup):
                                 gpus_per_node=gpus_per_node, extra=extra)
         world = dist.get_world_size()
         rank = dist.get_rank()
-        out = ProcessGroups(rank=rank, world_size=world, specs=tuple(specs))
+        out = ProcessGroups(rank=rank, world_size=world, specs=tuple(specs), timeout_s=timeout_s)
         for spec in specs:
             if spec.ranks[-1] >= world:
                 raise ValueError(f"{spec.kind} group {spec.ranks} names rank {spec.ranks[-1]} but the "

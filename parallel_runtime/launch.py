@@ -8,7 +8,15 @@ benchmarks use it. A rank that raises is reported with its traceback, the other 
 period), and the whole world has a hard timeout: a failure never hangs.
 
 :func:`init_from_env` joins a world started by ``accelerate launch`` / ``torchrun``
-(``python -m parallel_runtime``).
+(``python -m parallel_runtime``): under ``torchrun`` on one or several nodes (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT), ``accelerate launch``, or ``srun`` setting those variables itself.
+
+Both ways of joining wait for every rank on the store with a long timeout (a rank that starts
+late on a busy machine is not a collective timeout), then start the world with the collective
+timeout ``timeout_s``; :func:`new_group` gives every subgroup the same timeout. When a rank
+fails, :func:`failure_line` says so in one line: its own error is posted to the store, and its
+peers, whose collectives break or time out, name that rank (or, on a timeout, what they were
+waiting in: the :func:`phase` the trainer was in and its group's ranks) instead of a socket error.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,14 +40,152 @@ def default_backend(device: torch.device | str | None = None) -> str:
     return "nccl" if dev is not None and dev.type == "cuda" else "gloo"
 
 
+JOIN_TIMEOUT_S = 1800.0  # how long ranks may take to reach the store (imports, a busy machine)
+
+# this process's world: its store, the collective timeout, and the rank whose process hosts the store
+# (rank 0 when the variables come from srun or a script; torchrun's agent hosts it otherwise)
+_world: dict[str, Any] = {"store": None, "timeout_s": None, "store_host": None}
+_phase: list[tuple[str, tuple[int, ...]]] = []  # what this rank is doing now (innermost last)
+_raised_in: list[tuple[str, tuple[int, ...]]] = []  # the phase the first error of this process left
+
+
 def init_from_env(backend: str, timeout_s: float) -> None:
-    """Join the launcher's world (env://); a lone process (no ``WORLD_SIZE``) makes a world of one."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    """Join the launcher's world (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); a lone process
+    (no ``WORLD_SIZE``) makes a world of one. Collectives of the world and every group made with
+    :func:`new_group` time out after ``timeout_s``."""
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        join = datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+        # the same store init_process_group(init_method="env://") would make (torchrun's agent store
+        # when there is one), kept here so failures can be posted to it
+        store, rank, world = next(dist.rendezvous("env://", timeout=join))
+        _join(store, rank, world, backend, timeout_s)
+        _world["store_host"] = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
         return
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=timeout_s))
+    _join(store, 0, 1, backend, timeout_s)
+
+
+def _join(store: dist.Store, rank: int, world: int, backend: str, timeout_s: float) -> None:
+    """Wait for all ranks on ``store`` (long timeout), then start the world (collective timeout)."""
+    store.set_timeout(datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
+    key = "parallel_runtime/joined"
+    if store.add(key, 1) == world:
+        store.set(key + "/all", "1")
+    store.wait([key + "/all"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    _world.update(store=store, timeout_s=float(timeout_s), store_host=None)
+
+
+def world_timeout_s() -> float | None:
+    """The collective timeout this process's world was started with (``None``: not started here)."""
+    return _world["timeout_s"] if dist.is_initialized() else None
+
+
+def new_group(ranks: Sequence[int], *, backend: str | None = None,
+              timeout_s: float | None = None) -> dist.ProcessGroup:
+    """``dist.new_group`` with the world's collective timeout (torch's default is 30 min for gloo,
+    10 min for NCCL, whatever the world's): a stopped peer ends the run within the timeout."""
+    t = timeout_s if timeout_s is not None else world_timeout_s()
+    return dist.new_group(list(ranks), backend=backend,
+                          timeout=datetime.timedelta(seconds=t) if t is not None else None)
+
+
+# ---- failures: one line per rank ------------------------------------------------------------------
+
+
+@contextmanager
+def phase(what: str, ranks: Sequence[int]) -> Iterator[None]:
+    """Name what this rank is doing and with whom (a timeout inside reports it): cheap, no collective."""
+    _phase.append((what, tuple(int(r) for r in ranks)))
+    try:
+        yield
+    except BaseException:
+        if not _raised_in:  # the innermost phase an error left (outer ones see it pass through)
+            _raised_in.append(_phase[-1])
+        raise
+    finally:
+        _phase.pop()
+
+
+def current_phase() -> tuple[str, tuple[int, ...]] | None:
+    """The phase an error left (once one has), else the innermost phase this rank is in."""
+    return _raised_in[0] if _raised_in else (_phase[-1] if _phase else None)
+
+
+_FAILED = "parallel_runtime/failed"
+
+
+def _failure_store() -> dist.Store | None:
+    store = _world["store"]
+    if store is None:
+        return None
+    store.set_timeout(datetime.timedelta(seconds=5))  # the run is ending: never wait long on the store
+    return store
+
+
+def post_failure(rank: int, message: str) -> None:
+    """Post this rank's error to the world's store (the first poster is the one peers name)."""
+    try:
+        store = _failure_store()
+        if store is not None and store.add(_FAILED + "/count", 1) == 1:
+            store.set(_FAILED, f"{rank}\t{message}")
+    except Exception:  # (the store may be gone with its host; the error is printed anyway)
+        pass
+
+
+def failed_peer() -> tuple[int, str] | None:
+    """The rank (and one-line message) that posted the first failure, if any and the store is reachable."""
+    try:
+        store = _failure_store()
+        if store is None or not store.check([_FAILED]):
+            return None
+        r, _, msg = store.get(_FAILED).decode().partition("\t")
+        return int(r), msg
+    except Exception:  # (the store's host is gone: when that is a rank, it ended first)
+        host = _world["store_host"]
+        return None if host is None else (host, "its process ended; it hosts the store: see its message")
+
+
+def is_comm_error(e: BaseException) -> bool:
+    """A broken or timed-out collective (a peer stopped, crashed or is unreachable), not this rank's own error."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        m in text for m in ("gloo", "Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                            "NCCL", "Broken pipe"))
+
+
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def failure_line(e: BaseException, rank: int) -> str:
+    """One line saying why this rank stops; posted to the store when it is the run's first failure.
+
+    A rank's own error says what it is; a rank whose collective broke names the rank that posted
+    first (so a peer's error, or the first timeout, is reported by every rank), or else says what it
+    waited in and with whom (the innermost :func:`phase`)."""
+    if not is_comm_error(e):
+        what = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        post_failure(rank, what)
+        return f"rank {rank}: {what}"
+    where = current_phase()
+    doing, ranks = where if where is not None else ("a collective", ())
+    group = f" (group ranks {list(ranks)})" if ranks else ""
+    peer = failed_peer()
+    if peer is not None and peer[0] != rank:
+        return f"rank {rank}: stopped in {doing}{group}: rank {peer[0]} failed first ({peer[1]})"
+    if _is_timeout(e):
+        t = world_timeout_s()
+        what = f"timed out{f' after {t:g} s' if t is not None else ''} in {doing}{group}"
+    else:
+        what = f"lost a peer in {doing}{group} (a peer process ended: see its message): {str(e).splitlines()[0][:200]}"
+    post_failure(rank, what)
+    return f"rank {rank}: {what}"
 
 
 class WorldError(RuntimeError):
@@ -48,9 +195,9 @@ class WorldError(RuntimeError):
 def init_world(rank: int, world_size: int, *, port: int, host: str = "127.0.0.1",
                backend: str = "gloo", timeout_s: float = 120.0) -> None:
     """Join the world whose TCP store listens on ``host:port``; collectives time out after ``timeout_s``."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    store = dist.TCPStore(host, port, world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
+    _join(store, rank, world_size, backend, timeout_s)
 
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float, threads: int,

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from balanced_loader.data.files import write_text
+from parallel_runtime.launch import is_comm_error
 from parallel_runtime.training.optimizer import ShardedOptimizer
 
 FORMAT = 2
@@ -195,6 +196,8 @@ def load_optimizer(saved: Saved, opt: ShardedOptimizer, *, distributed: bool) ->
         with _quiet():
             dcp.load(state, checkpoint_id=saved.folder, no_dist=not distributed)
     except Exception as e:  # DCP gathers every rank's read errors: all ranks fail alike
+        if is_comm_error(RuntimeError(str(e))):  # a peer failed during the collective load: the launcher names it
+            raise RuntimeError(str(e)) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"checkpoint {saved.folder} cannot be read ({first[:200]}); restore it or start a "
                          f"new --out") from None

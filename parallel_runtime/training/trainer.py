@@ -43,6 +43,7 @@ from balanced_loader.planning import fixed_pools
 from parallel_runtime.config import STDLIB, Recipe, dump_recipe
 from parallel_runtime.groups import GroupCache, declared_groups
 from parallel_runtime.hf.model import HFModel, HFRuntime
+from parallel_runtime.launch import new_group, phase
 from parallel_runtime.model import Transformer
 from parallel_runtime.topology import PoolShape, Topology
 from parallel_runtime.training import checkpoint as CK
@@ -65,6 +66,30 @@ def open_data(recipe: Recipe, *, build: bool):
 
         return stdlib_shards(d.shards_dir, limit=d.stdlib_limit) if build else ShardSource(d.shards_dir)
     return open_source(recipe.resolve(d.source))
+
+
+DATA_BUILD_TIMEOUT_S = 3600.0  # how long ranks wait for the bundled corpus to be built (not world.timeout_s)
+
+
+def open_data_world(recipe: Recipe, *, rank: int, local_rank: int):
+    """The recipe's source on every rank of a world: the stdlib corpus is built once while the others wait.
+
+    Rank 0 builds it first; then local rank 0 of every other node checks it (a shared file system
+    finds it done) or builds its own copy; then the other ranks open it. The waits are barriers of a
+    gloo group with a long timeout (building takes longer than a collective may): a builder that
+    fails ends its waiting peers through the broken barrier, never a hang."""
+    if recipe.data.source != STDLIB:
+        return open_data(recipe, build=False)
+    wait = new_group(range(dist.get_world_size()), backend="gloo", timeout_s=DATA_BUILD_TIMEOUT_S)
+    with phase("building the stdlib corpus (data.shards_dir)", [0]):
+        if rank == 0:
+            open_data(recipe, build=True)
+        dist.barrier(group=wait)
+        if local_rank == 0 and rank != 0:
+            open_data(recipe, build=True)
+        dist.barrier(group=wait)
+    dist.destroy_process_group(wait)
+    return open_data(recipe, build=False)
 
 
 def declared_topologies(recipe: Recipe) -> list[Topology]:
@@ -151,11 +176,10 @@ class Trainer:
         self.cost = recipe.cost_model()
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
-        self.source = open_data(recipe, build=self.info.local_rank == 0)
         if distributed:
-            dist.barrier()  # the corpus is built before the other ranks open it
-            if self.info.local_rank != 0:
-                self.source = open_data(recipe, build=False)
+            self.source = open_data_world(recipe, rank=rank, local_rank=self.info.local_rank)
+        else:
+            self.source = open_data(recipe, build=True)
         self.loader = self._loader(recipe.policy.name)
         self.compare = {} if reference else {name: self._loader(name) for name in recipe.policy.compare}
         hf = HFModel(recipe.model.hf, seed=recipe.seed) if recipe.model.hf is not None else None  # model.hf
@@ -208,10 +232,12 @@ class Trainer:
                 if self.info.rank == 0:
                     print(M.format_step(m), flush=True)
                 if every and self.step % every == 0:
-                    self.save_checkpoint()
+                    with phase(f"the checkpoint of step {self.step}", self._all):
+                        self.save_checkpoint()
                     saved = self.step
             if saved != self.step:
-                self.save_checkpoint()
+                with phase(f"the checkpoint of step {self.step}", self._all):
+                    self.save_checkpoint()
         finally:
             self.close()
         return out
@@ -225,7 +251,8 @@ class Trainer:
         if self.info.rank == 0:
             b = next(loader)
             box = [(b.plan, b.step, b.epoch, b.step_in_epoch, b.planner_wait_s)]
-        dist.broadcast_object_list(box, src=0)
+        with phase(f"the plan broadcast after step {self.step}", self._all):
+            dist.broadcast_object_list(box, src=0)
         plan, step, epoch, s_in, wait = box[0]
         if self.info.rank != 0:
             wait = time.perf_counter() - t0  # these ranks' loaders only materialize; checkpoints keep rank 0's cursor
@@ -244,7 +271,8 @@ class Trainer:
         else:
             stats, new_groups = self._execute(batch, push=True)
         compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
-        norm = self.optimizer.step()
+        with phase(f"the optimizer step of step {batch.step}", self._all):
+            norm = self.optimizer.step()
         self.step = batch.step + 1
         bal = M.balance(plan, self.cost, stats.compute_ms, stats.wall_ms)
         if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
@@ -270,17 +298,26 @@ class Trainer:
     def _execute(self, batch: StepBatch, *, push: bool) -> tuple[RankStats, int]:
         """Check ``batch``'s plan (creating the groups it lacks), pull, forward/backward (and push the
         gradients); returns every rank's stats and the number of groups created."""
-        plan = batch.plan
-        topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, lengths=self.valid_lengths,
-                                                groups=self.groups, comm_device=self.comm_device)
+        plan, s, world = batch.plan, batch.step, self._all
+        with phase(f"the plan check of step {s}", world):
+            topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, lengths=self.valid_lengths,
+                                                    groups=self.groups, comm_device=self.comm_device)
         sm = self.runtime.stage_model(topo)
-        self.optimizer.pull(sm.params)
-        res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
-        if push:
-            self.optimizer.push(sm.params)
-        _zero(sm.params)
-        stats = RankStats.of(res, batch.planner_wait_s).gather(self.info.world_size, self.comm_device)
+        with phase(f"the parameter pull of step {s}", world):
+            self.optimizer.pull(sm.params)
+        with phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)):
+            res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
+        with phase(f"the gradient push of step {s}", world):
+            if push:
+                self.optimizer.push(sm.params)
+            _zero(sm.params)
+            stats = RankStats.of(res, batch.planner_wait_s).gather(self.info.world_size, self.comm_device)
         return stats, new_groups
+
+    @property
+    def _all(self) -> range:
+        """Every rank (what a world-wide collective waits on)."""
+        return range(self.info.world_size)
 
     @property
     def valid_lengths(self) -> np.ndarray:
@@ -363,6 +400,16 @@ def _ref_attention(recipe: Recipe) -> str:
     """The reference runs whole segments per doc (``loop``) on CPU: no dense mask over a whole group."""
     a = recipe.train.attention
     return "loop" if a in ("auto", "masked") and recipe.world.device == "cpu" else a
+
+
+def _step_peers(topo: Topology, plan, rank: int) -> list[int]:
+    """The ranks this rank exchanges with in a step's forward/backward: its pipeline lane, TP group and
+    the CP groups of its microbatches (what a timeout there waited on)."""
+    peers = set(topo.pipeline_ranks(rank)) | set(topo.tp_ranks(rank))
+    for w in topo.lane_work(rank, plan):
+        if w is not None:
+            peers.update(w.cp_ranks)
+    return sorted(peers)
 
 
 def _zero(params) -> None:
