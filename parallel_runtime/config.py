@@ -94,6 +94,7 @@ class TrainConfig:
     dtype: str = "float32"  # working (compute) dtype; master weights and optimizer states are fp32
     attention: str = "auto"  # local attention kernel: auto | masked | loop | sdpa | flash
     checkpoint_every: int = 0  # also checkpoint every N steps (always at the end of a run)
+    recompute: bool = False  # activation checkpointing: keep each block's input, recompute its inside in backward
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -291,6 +292,8 @@ def validate(r: Recipe) -> None:
     if t.dtype not in DTYPES:
         raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _positive(t.checkpoint_every, "train.checkpoint_every", zero=True)
+    if not isinstance(t.recompute, bool):
+        raise ValueError(f"train.recompute must be true or false, got {t.recompute!r}")
     r.cost_model()  # a missing or malformed cost file fails here
     _validate_world_shapes(r)
 
