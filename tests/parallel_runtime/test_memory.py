@@ -75,3 +75,22 @@ def test_state_formulas_match_the_runtime_tensors(cfg) -> None:
     opt = ShardedOptimizer(FlatLayout(param_specs(cfg), world), init_params(cfg, 0), AdamWConfig(), rank=1)
     held = tensor_bytes([opt.master, opt.exp_avg, opt.exp_avg_sq, opt.grad, opt.decay])
     assert abs(held - st["optimizer"]) <= 0.01 * st["optimizer"] + OPTIMIZER_BYTES_PER_PARAM * world
+
+
+def table(tokens: int = 384) -> str:
+    """Measured saved activations vs the formula per size, dtype and recompute (docs/results/memory.md)."""
+    rows = ["| hidden | layers | heads/kv | ffn | dtype | recompute | measured B/token | formula B/token | ratio |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for cfg in SIZES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for rc in (False, True):
+                peak = fwd_bwd(cfg, dtype=dtype, recompute=rc, tokens=tokens)[1] / tokens
+                f = activation_bytes_per_token(shape_of(cfg), itemsize=torch.empty(0, dtype=dtype).element_size(),
+                                               recompute=rc)
+                rows.append(f"| {cfg.hidden} | {cfg.num_layers} | {cfg.num_heads}/{cfg.num_kv_heads} | "
+                            f"{cfg.ffn_hidden} | {str(dtype)[6:]} | {rc} | {peak:.0f} | {f:.0f} | {peak / f:.3f} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
