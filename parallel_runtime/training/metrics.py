@@ -10,6 +10,8 @@
   model (busy = predicted ms, step = the plan's contract-2 step time, fill and drain included),
   ``measured_bubble`` the measurements (busy = compute ms, step = the slowest rank's
   forward/backward wall time).
+* **memory**: each rank's peak (:class:`MemoryProbe`) and its parts, saved activations counted by
+  :class:`SavedActivations` (keys in docs/runtime.md, "Memory report").
 """
 
 from __future__ import annotations
