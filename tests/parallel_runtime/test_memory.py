@@ -4,6 +4,8 @@ saved activations measured with saved-tensor hooks, parameter and optimizer tens
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -94,3 +96,13 @@ def table(tokens: int = 384) -> str:
 
 if __name__ == "__main__":
     print(table())
+
+
+def test_recompute_is_a_strict_recipe_key() -> None:
+    from parallel_runtime.config import load_recipe
+
+    hetero = str(Path(__file__).resolve().parents[2] / "recipes" / "cpu-hetero.yaml")
+    assert load_recipe(hetero).train.recompute is False
+    assert load_recipe(hetero, ["train.recompute=true"]).train.recompute is True
+    with pytest.raises(ValueError, match="train.recompute: expected true or false"):
+        load_recipe(hetero, ["train.recompute=maybe"])
