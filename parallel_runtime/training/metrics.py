@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -197,6 +198,26 @@ class _Held:
 
 def _unpack(x: Any) -> torch.Tensor:
     return x.t if isinstance(x, _Held) else x
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere). glibc
+    raises its mmap threshold after large frees, so later tensors of a few MB come from the heap,
+    whose freed pages stay resident: without this the resident set keeps every step's transients."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    try:
+        lib = ctypes.CDLL("libc.so.6")
+        lib.malloc_trim  # noqa: B018 - glibc only
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
 
 
 class MemoryProbe:

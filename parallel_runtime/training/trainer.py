@@ -233,6 +233,7 @@ class Trainer:
         """One optimizer step on ``batch``; returns the step's metrics (complete on rank 0)."""
         t0 = time.perf_counter()
         plan = batch.plan
+        self._trim()
         self.probe.reset()
         self.optimizer.peak_bucket_elems = 0
         if self.info.reference:
@@ -277,10 +278,12 @@ class Trainer:
         saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
         with saved.hooks():
             res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
+        self._trim()
         if push:
             self._note_memory(sm.params, saved)
             self.optimizer.push(sm.params)
         _zero(sm.params)
+        self._trim()
         stats = RankStats.of(res, batch.planner_wait_s).gather(self.info.world_size, self.comm_device)
         return stats, new_groups
 
@@ -318,6 +321,11 @@ class Trainer:
         self._memory = {"params_bytes": M.tensor_bytes(lp.tensor for lp in params),
                         "grads_bytes": M.tensor_bytes(lp.tensor.grad for lp in params),
                         "activations_bytes": saved.peak}
+
+    def _trim(self) -> None:
+        """On CPU, return freed heap pages to the OS between the step's phases (see M.release_free_memory)."""
+        if self.device.type == "cpu":
+            M.release_free_memory()
 
     def _memory_record(self) -> dict[str, Any]:
         """Every rank's peak and parts (collective unless a reference run); keys in docs/runtime.md."""
