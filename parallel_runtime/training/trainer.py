@@ -275,6 +275,7 @@ class Trainer:
         sm = self.runtime.stage_model(topo)
         sm.model.recompute = self.recipe.train.recompute
         self.optimizer.pull(sm.params)
+        self._trim()
         saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
         with saved.hooks():
             res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
