@@ -134,6 +134,47 @@ class Hardware:
     attn_efficiency: float = 0.4  # achievable fraction of peak for attention
 
 
+# ---- memory: the formulas behind the analytic lane caps and the runtime's per-rank report ----------
+# (parallel_runtime reports measured figures beside these in metrics.jsonl; tests hold them within 20%)
+
+OPTIMIZER_BYTES_PER_PARAM = 17  # fp32 master, two AdamW moments, fp32 gradient shard (4 B each), decay mask (1 B)
+
+
+def state_bytes(model: ModelShape, *, world_size: int, tp: int = 1, pp: int = 1, itemsize: int = 2) -> dict[str, float]:
+    """Bytes per rank of the model's state: working ``params`` and their ``grads`` (one stage's TP slice, in
+    the compute dtype of ``itemsize`` bytes) and the ``optimizer`` shard (fixed, over the whole world)."""
+    local = model.params / (tp * pp)
+    return {"params": itemsize * local, "grads": itemsize * local,
+            "optimizer": OPTIMIZER_BYTES_PER_PARAM * model.params / world_size}
+
+
+def layer_activation_bytes(model: ModelShape, *, tp: int = 1, itemsize: int = 2) -> float:
+    """Bytes per token one block keeps for backward: two RMSNorms (fp32 input copy, normalised input and
+    its scaled output, the 1/rms), attention's roped q, k, v, its output and the o_proj input, fp32
+    log-sum-exp per head, and SwiGLU's gate, up, silu(gate) and product. No sequence parallelism: the
+    norms are whole on every TP rank."""
+    d = model.head_dim
+    q, kv = model.heads * d, model.kv_heads * d
+    norms = 2 * (4 * model.hidden + 2 * itemsize * model.hidden + 4)
+    ffn_mult = 4 if model.gated else 2
+    split = itemsize * (3 * q + 2 * kv) + 4 * model.heads + itemsize * ffn_mult * model.ffn
+    return norms + split / tp
+
+
+def activation_bytes_per_token(model: ModelShape, *, layers: int | None = None, tp: int = 1, itemsize: int = 2,
+                               recompute: bool = False, ends: bool = True) -> float:
+    """Bytes per token kept between forward and backward over ``layers`` blocks (default all), plus the
+    ends (final norm, fp32 log-softmax of the vocab slice, token ids) when ``ends``. With ``recompute``
+    a block keeps only its input; the RoPE tables are shared by all blocks. The peak under recompute
+    adds one block's :func:`layer_activation_bytes` while that block is recomputed in backward."""
+    n = model.layers if layers is None else layers
+    per_layer = itemsize * model.hidden if recompute else layer_activation_bytes(model, tp=tp, itemsize=itemsize)
+    out = n * per_layer + itemsize * model.head_dim  # cos and sin, [T, head_dim / 2] each
+    if ends:
+        out += 4 * model.hidden + 2 * itemsize * model.hidden + 4 + 4 * model.vocab / tp + 16
+    return out
+
+
 MODELS: dict[str, ModelShape] = {
     "gpt-7b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=16384, vocab=50257, gated=False),
     "gpt-13b": ModelShape(hidden=5120, layers=40, heads=40, kv_heads=40, ffn=20480, vocab=50257, gated=False),
@@ -168,9 +209,11 @@ def analytic_cost(model: ModelShape, hw: Hardware, *, world_size: int = 64,
     * microbatch: reading the weights three times (fwd, bwd, grads) from HBM plus 0.2 ms of
       launch overhead per layer.
     * comm: Ulysses all-to-all of Q, K, V, O in fwd and bwd: ``4*(D_q + D_kv)*2 bytes*layers``.
-    * memory: ZeRO-1 across the world (12 B/param fp32 master + Adam) plus bf16 weights and
-      grads of one stage (4 B/param / (tp*pp)); activations ``34 * hidden * layers / tp`` bytes
-      per token (the first 1F1B stage holds pp microbatches of layers/pp layers).
+    * memory (:func:`state_bytes`, :func:`activation_bytes_per_token`, the formulas the runtime's
+      memory report is checked against): the optimizer shard over the world (17 B/param: fp32
+      master, Adam moments, gradient shard, mask) plus bf16 weights and grads of one stage
+      (4 B/param / (tp*pp)); bf16 activations of all layers per token (the first 1F1B stage holds
+      pp microbatches of layers/pp layers).
     """
     flops = hw.peak_tflops * 1e12
     d_q = model.heads * model.head_dim
@@ -185,8 +228,8 @@ def analytic_cost(model: ModelShape, hw: Hardware, *, world_size: int = 64,
             lin += 4 * model.layers * model.hidden * 2 * 2 * (tp - 1) / tp / (hw.intra_node_gbs * 1e9) * 1e3
         quad = 6 * model.layers * d_q / 2 / (flops * hw.attn_efficiency * tp) * 1e3 * 2
         mb = 3 * model.params * 2 / tp / (hw.hbm_gbs * 1e9) * 1e3 + 0.2 * model.layers
-        states = 12 * model.params / world_size + 4 * model.params / (tp * pp)
-        act = 34 * model.hidden * model.layers / tp
+        states = sum(state_bytes(model, world_size=world_size, tp=tp, pp=pp, itemsize=2).values())
+        act = activation_bytes_per_token(model, tp=tp, itemsize=2)
         free = hw.memory_gib * 2**30 * memory_fraction - states
         cap = max(0, int(free / act) // 128 * 128)
         out.append(ShapeCost(tp=tp, pp=pp, quadratic_ms=quad, linear_ms=lin, microbatch_ms=mb,

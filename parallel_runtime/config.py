@@ -95,6 +95,7 @@ class TrainConfig:
     dtype: str = "float32"  # working (compute) dtype; master weights and optimizer states are fp32
     attention: str = "auto"  # local attention kernel: auto | masked | loop | sdpa | flash
     checkpoint_every: int = 0  # also checkpoint every N steps (always at the end of a run)
+    recompute: bool = False  # activation checkpointing: keep each block's input, recompute its inside in backward
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -25,6 +25,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from parallel_runtime.engines.attention import varlen_attention
 from parallel_runtime.engines.tensor import (
@@ -192,6 +193,7 @@ class Transformer(nn.Module):
         self.tp = tp
         self.first_stage = first_stage
         self.last_stage = last_stage
+        self.recompute = False  # activation checkpointing per block (train.recompute); the math is unchanged
         kw = {"device": device, "dtype": dtype}
         idx = list(range(config.num_layers)) if layers is None else [int(i) for i in layers]
         if any(not 0 <= i < config.num_layers for i in idx):
@@ -253,7 +255,12 @@ class Transformer(nn.Module):
         cfg = self.config
         cos, sin = rope_tables(position_ids, cfg.dim_per_head, cfg.rope_theta, h.dtype)
         for block in self.layers.values():
-            h = block(h, cos, sin, attn)
+            if self.recompute and torch.is_grad_enabled():
+                # keep only the block's input; its inside (attention engine collectives included) runs
+                # again in backward, in the same block order on every rank of a group
+                h = checkpoint(block, h, cos, sin, attn, use_reentrant=False)
+            else:
+                h = block(h, cos, sin, attn)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -10,16 +10,21 @@
   model (busy = predicted ms, step = the plan's contract-2 step time, fill and drain included),
   ``measured_bubble`` the measurements (busy = compute ms, step = the slowest rank's
   forward/backward wall time).
+* **memory**: each rank's peak (:class:`MemoryProbe`) and its parts, saved activations counted by
+  :class:`SavedActivations` (keys in docs/runtime.md, "Memory report").
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from balanced_loader.cost import CostModel
 from balanced_loader.plan import StepPlan
@@ -143,3 +148,141 @@ def balance_report(records: Sequence[dict[str, Any]]) -> str:
         lines.append(f"  skew max/mean per step: median {np.median(sk):.3f} (predicted {np.median(ps):.3f}), "
                      f"worst {max(sk):.3f}; bubble median {np.median([r['measured_bubble'] for r in recs]):.3f}")
     return "\n".join(lines)
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+
+def _proc_status_kb(field: str) -> int | None:
+    """A ``kB`` line of /proc/self/status (``VmHWM``, ``VmRSS``), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class SavedActivations:
+    """Peak bytes of tensors autograd keeps for backward while active (``torch.autograd.graph.saved_tensors_hooks``).
+
+    Counted once per storage (views of one tensor share it); parameters' storages are left out.
+    Under ``train.recompute`` the blocks' insides are saved by the checkpoint's own hooks and not
+    seen here: what counts is what stays between forward and backward (block inputs, embedding, head).
+    """
+
+    def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self.current = 0
+        self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.exclude or st.nbytes() == 0 or t.device.type == "meta":
+            return t
+        ref = self.live.get(key)
+        if ref is None:
+            self.live[key] = [1, st.nbytes()]
+            self.current += st.nbytes()
+            self.peak = max(self.peak, self.current)
+        else:
+            ref[0] += 1
+        return _Held(t, key, self)
+
+    def release(self, key: int) -> None:
+        ref = self.live[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.current -= ref[1]
+            del self.live[key]
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+
+class _Held:
+    """A saved tensor and its count: released when autograd drops it (after backward, or with the graph)."""
+
+    __slots__ = ("t", "key", "owner")
+
+    def __init__(self, t: torch.Tensor, key: int, owner: SavedActivations) -> None:
+        self.t, self.key, self.owner = t, key, owner
+
+    def __del__(self) -> None:
+        self.owner.release(self.key)
+
+
+def _unpack(x: Any) -> torch.Tensor:
+    return x.t if isinstance(x, _Held) else x
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere). glibc
+    raises its mmap threshold after large frees, so later tensors of a few MB come from the heap,
+    whose freed pages stay resident: without this the resident set keeps every step's transients."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    try:
+        lib = ctypes.CDLL("libc.so.6")
+        lib.malloc_trim  # noqa: B018 - glibc only
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+class MemoryProbe:
+    """This process's peak memory in a step: CUDA ``max_memory_allocated`` (reset per step), on CPU the
+    resident-set high-water mark ``VmHWM`` (reset per step by writing 5 to /proc/self/clear_refs where
+    the kernel allows, else the running peak: ``hwm_reset`` says which)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.hwm_reset = False
+        self.base = 0  # bytes in use when the step began
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.hwm_reset = True
+        except OSError:
+            self.hwm_reset = False
+        self.base = (_proc_status_kb("VmRSS") or 0) * 1024
+
+    def peak(self) -> int:
+        """Peak bytes since :meth:`reset` (the running peak where the CPU high-water mark cannot be reset)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return (_proc_status_kb("VmHWM") or 0) * 1024
+
+
+def gather_values(mine: dict[str, int], comm_device: torch.device | None) -> dict[str, list[int]]:
+    """Every rank's integer figures by key (``[world]`` lists; collective unless ``comm_device`` is None)."""
+    names = list(mine)
+    if comm_device is None:
+        return {n: [int(mine[n])] for n in names}
+    t = torch.tensor([float(mine[n]) for n in names], dtype=torch.float64, device=comm_device)
+    every = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, t)
+    rows = torch.stack(every).cpu().numpy()  # [world, keys]
+    return {n: [int(v) for v in rows[:, i]] for i, n in enumerate(names)}
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -205,6 +205,8 @@ class Trainer:
             self.ref_params = local_params(self.model, {s.name: s for s in specs})
         self._valid_lengths: np.ndarray | None = None  # [num_docs] what plans' segments must tile, on first use
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
+        self.probe = M.MemoryProbe(self.device)
+        self._memory: dict[str, int] = {}  # this rank's memory parts in the step being run
         self.step = 0
         self.resumed_from: int | None = None
         self._load_checkpoint(allow_changed)
@@ -265,6 +267,9 @@ class Trainer:
         """One optimizer step on ``batch``; returns the step's metrics (complete on rank 0)."""
         t0 = time.perf_counter()
         plan = batch.plan
+        self._trim()
+        self.probe.reset()
+        self.optimizer.peak_bucket_elems = 0
         if self.info.reference:
             stats = RankStats.of(self._reference_fb(batch), batch.planner_wait_s)
             new_groups = 0
@@ -273,6 +278,7 @@ class Trainer:
         compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
         with phase(f"the optimizer step of step {batch.step}", self._all):
             norm = self.optimizer.step()
+        memory = self._memory_record()
         self.step = batch.step + 1
         bal = M.balance(plan, self.cost, stats.compute_ms, stats.wall_ms)
         if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
@@ -286,7 +292,7 @@ class Trainer:
                "grad_norm": norm, "lr": self.optimizer.config.lr_at(self.optimizer.steps - 1),
                "pull_bytes": self.optimizer.bytes_pulled, "push_bytes": self.optimizer.bytes_pushed,
                "pipeline_bytes": int(stats.pipeline_bytes.sum()), "new_groups": new_groups,
-               "step_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+               "step_ms": round((time.perf_counter() - t0) * 1e3, 3), "memory": memory}
         if compare:
             rec["compare"] = compare
         self.optimizer.bytes_pulled = self.optimizer.bytes_pushed = 0
@@ -303,14 +309,20 @@ class Trainer:
             topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, lengths=self.valid_lengths,
                                                     groups=self.groups, comm_device=self.comm_device)
         sm = self.runtime.stage_model(topo)
+        sm.model.recompute = self.recipe.train.recompute
         with phase(f"the parameter pull of step {s}", world):
             self.optimizer.pull(sm.params)
-        with phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)):
+        self._trim()
+        saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
+        with phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)), saved.hooks():
             res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
+        self._trim()
         with phase(f"the gradient push of step {s}", world):
             if push:
+                self._note_memory(sm.params, saved)
                 self.optimizer.push(sm.params)
             _zero(sm.params)
+            self._trim()
             stats = RankStats.of(res, batch.planner_wait_s).gather(self.info.world_size, self.comm_device)
         return stats, new_groups
 
@@ -336,12 +348,38 @@ class Trainer:
                 **M.balance(plan, self.cost, stats.compute_ms, stats.wall_ms)}
 
     def _reference_fb(self, batch: StepBatch) -> FBResult:
+        self.model.recompute = self.recipe.train.recompute
         self.optimizer.pull(self.ref_params)
-        res = reference_forward_backward(self.model, batch.plan, self.source, batch.num_valid_tokens,
-                                         device=self.device, attention=_ref_attention(self.recipe))
+        saved = M.SavedActivations(exclude=[lp.tensor for lp in self.ref_params])
+        with saved.hooks():
+            res = reference_forward_backward(self.model, batch.plan, self.source, batch.num_valid_tokens,
+                                             device=self.device, attention=_ref_attention(self.recipe))
+        self._note_memory(self.ref_params, saved)
         self.optimizer.push(self.ref_params)
         _zero(self.ref_params)
         return res
+
+    # ---- memory report ---------------------------------------------------------------------
+    def _note_memory(self, params, saved: M.SavedActivations) -> None:
+        """This rank's working parameters, their gradients and the peak of saved activations, before the push."""
+        self._memory = {"params_bytes": M.tensor_bytes(lp.tensor for lp in params),
+                        "grads_bytes": M.tensor_bytes(lp.tensor.grad for lp in params),
+                        "activations_bytes": saved.peak}
+
+    def _trim(self) -> None:
+        """On CPU, return freed heap pages to the OS between the step's phases (see M.release_free_memory)."""
+        if self.device.type == "cpu":
+            M.release_free_memory()
+
+    def _memory_record(self) -> dict[str, Any]:
+        """Every rank's peak and parts (collective unless a reference run); keys in docs/runtime.md."""
+        o = self.optimizer
+        mine = {"peak_bytes": self.probe.peak(), "base_bytes": self.probe.base, **self._memory,
+                "optimizer_bytes": M.tensor_bytes([o.master, o.exp_avg, o.exp_avg_sq, o.grad, o.decay]),
+                "comm_bytes": 2 * 4 * o.peak_bucket_elems}  # one bucket's fp32 send and receive buffers
+        self._memory = {}
+        rows = M.gather_values(mine, None if self.info.reference else self.comm_device)
+        return {**rows, "peak_reset": self.probe.hwm_reset or self.device.type == "cuda"}
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property

@@ -1,0 +1,108 @@
+"""Memory: recompute leaves gradients unchanged, and the memory formulas of
+:mod:`balanced_loader.presets` (lane caps of the analytic presets) match what the runtime holds:
+saved activations measured with saved-tensor hooks, parameter and optimizer tensors by size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from balanced_loader.presets import OPTIMIZER_BYTES_PER_PARAM, ModelShape, activation_bytes_per_token, state_bytes
+from parallel_runtime.model import ModelConfig, Transformer, local_attention
+from parallel_runtime.training.metrics import SavedActivations, tensor_bytes
+from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, ShardedOptimizer
+from parallel_runtime.training.params import init_params, param_specs
+
+SIZES = [ModelConfig(hidden=64, num_layers=4, num_heads=4, num_kv_heads=4, ffn_hidden=128),
+         ModelConfig(hidden=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden=384),
+         ModelConfig(hidden=256, num_layers=2, num_heads=8, num_kv_heads=8, ffn_hidden=768)]
+
+
+def shape_of(cfg: ModelConfig) -> ModelShape:
+    return ModelShape(hidden=cfg.hidden, layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                      ffn=cfg.ffn_hidden, vocab=cfg.vocab_size, tied=cfg.tie_embeddings)
+
+
+def fwd_bwd(cfg: ModelConfig, *, dtype=torch.float32, recompute=False, tokens=384, docs=3):
+    """A whole-model forward and backward on ``docs`` equal docs; returns the model and the saved-activation peak."""
+    model = Transformer(cfg, dtype=dtype, seed=0)
+    model.recompute = recompute
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
+    n = tokens // docs
+    pos = torch.arange(tokens) % n
+    cu = torch.arange(0, tokens + 1, n, dtype=torch.int32)
+    saved = SavedActivations(exclude=list(model.parameters()))
+    with saved.hooks():
+        loss = model(ids, pos, labels, attn=local_attention(cu, "loop"), num_valid_tokens=tokens)
+    loss.backward()
+    assert saved.current == 0  # every saved tensor is released after backward
+    return model, saved.peak
+
+
+def test_recompute_gives_the_same_gradients() -> None:
+    cfg = SIZES[1]
+    plain, _ = fwd_bwd(cfg)
+    again, _ = fwd_bwd(cfg, recompute=True)
+    for (name, a), b in zip(plain.named_parameters(), again.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("cfg", SIZES, ids=lambda c: f"h{c.hidden}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_activation_formula_matches_saved_tensors(cfg, dtype, recompute) -> None:
+    tokens = 384
+    _, peak = fwd_bwd(cfg, dtype=dtype, recompute=recompute, tokens=tokens)
+    predicted = activation_bytes_per_token(shape_of(cfg), itemsize=torch.empty(0, dtype=dtype).element_size(),
+                                           recompute=recompute) * tokens
+    assert abs(peak - predicted) <= 0.2 * predicted, (peak, predicted)
+
+
+def test_recompute_keeps_less() -> None:
+    cfg = SIZES[2]
+    assert fwd_bwd(cfg, recompute=True)[1] * 3 < fwd_bwd(cfg)[1]
+
+
+@pytest.mark.parametrize("cfg", SIZES, ids=lambda c: f"h{c.hidden}")
+def test_state_formulas_match_the_runtime_tensors(cfg) -> None:
+    world = 4
+    shape = shape_of(cfg)
+    model = Transformer(cfg, dtype=torch.bfloat16, seed=0)
+    st = state_bytes(shape, world_size=world, itemsize=2)
+    assert tensor_bytes(model.parameters()) == st["params"] == 2 * shape.params
+    opt = ShardedOptimizer(FlatLayout(param_specs(cfg), world), init_params(cfg, 0), AdamWConfig(), rank=1)
+    held = tensor_bytes([opt.master, opt.exp_avg, opt.exp_avg_sq, opt.grad, opt.decay])
+    assert abs(held - st["optimizer"]) <= 0.01 * st["optimizer"] + OPTIMIZER_BYTES_PER_PARAM * world
+
+
+def table(tokens: int = 384) -> str:
+    """Measured saved activations vs the formula per size, dtype and recompute (docs/results/memory.md)."""
+    rows = ["| hidden | layers | heads/kv | ffn | dtype | recompute | measured B/token | formula B/token | ratio |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for cfg in SIZES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for rc in (False, True):
+                peak = fwd_bwd(cfg, dtype=dtype, recompute=rc, tokens=tokens)[1] / tokens
+                f = activation_bytes_per_token(shape_of(cfg), itemsize=torch.empty(0, dtype=dtype).element_size(),
+                                               recompute=rc)
+                rows.append(f"| {cfg.hidden} | {cfg.num_layers} | {cfg.num_heads}/{cfg.num_kv_heads} | "
+                            f"{cfg.ffn_hidden} | {str(dtype)[6:]} | {rc} | {peak:.0f} | {f:.0f} | {peak / f:.3f} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
+
+
+def test_recompute_is_a_strict_recipe_key() -> None:
+    from parallel_runtime.config import load_recipe
+
+    hetero = str(Path(__file__).resolve().parents[2] / "recipes" / "cpu-hetero.yaml")
+    assert load_recipe(hetero).train.recompute is False
+    assert load_recipe(hetero, ["train.recompute=true"]).train.recompute is True
+    with pytest.raises(ValueError, match="train.recompute: expected true or false"):
+        load_recipe(hetero, ["train.recompute=maybe"])
