@@ -98,7 +98,8 @@ def test_bad_resumes_are_refused_in_one_line_and_a_killed_save_is_ignored(tmp_pa
     _refused(_cli([*sets, "data.global_batch_tokens=4096"], out, 3), "data.global_batch_tokens is 4096")
     _refused(_cli([*sets, "optimizer.lr=1.0e-3"], out, 3), "optimizer.lr is 0.001 in the recipe but 0.003 in "
              "checkpoint")
-    _refused(_cli([*sets, "world.size=8"], out, 3), "world.cp_engine ulysses with Ulysses size 8")
+    # a world this launch cannot run (one process for world.size 8): refused before anything is opened
+    _refused(_cli([*sets, "world.size=8"], out, 3), "world.size is 8: start the run with accelerate launch")
     assert _snapshot(out) == before  # nothing overwritten
 
     # a killed save: a half-written step-3.tmp next to the complete step-2, then damage and an old format
