@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+STEP_CHUNK = 1 << 20  # elements of the shard the optimizer step updates at a time (bounded temporaries)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -530,10 +532,17 @@ class ShardedOptimizer:
             out.copy_(inp)
 
     # ---- step --------------------------------------------------------------
+    def _chunks(self) -> Iterator[slice]:
+        # the step works on the shard in pieces so that its temporaries stay a bounded size (not the shard's)
+        for a in range(0, self.layout.shard_size, STEP_CHUNK):
+            yield slice(a, min(a + STEP_CHUNK, self.layout.shard_size))
+
     @torch.no_grad()
     def grad_norm(self) -> float:
         # shards are disjoint, so the global squared norm is the sum of the shards' (padding is zero)
-        sq = torch.sum(self.grad.double() ** 2).reshape(1)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for c in self._chunks():
+            sq += torch.sum(self.grad[c].double() ** 2)
         if self.distributed:
             dist.all_reduce(sq, group=self.group)
         return float(sq.sqrt())
@@ -544,39 +553,22 @@ class ShardedOptimizer:
         c = self.config
         lr = c.lr_at(self.steps)
         norm = self.grad_norm()
-        g = self.grad
         if c.max_grad_norm > 0 and norm > c.max_grad_norm:
-            g = g * (c.max_grad_norm / (norm + 1e-6))
+            self.grad.mul_(c.max_grad_norm / (norm + 1e-6))  # in place: the gradient shard is zeroed below
         self.steps += 1
         b1, b2 = c.betas
-        self.exp_avg.mul_(b1).add_(g, alpha=1 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
         bc1 = 1 - b1**self.steps  # bias corrections: the moments start at zero
         bc2 = 1 - b2**self.steps
-        if c.weight_decay:  # decoupled (AdamW): shrink the weights, not the gradient; norms are masked out
-            self.master.sub_(self.master * self.decay * (lr * c.weight_decay))
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
+        for k in self._chunks():
+            g, m, v, w = self.grad[k], self.exp_avg[k], self.exp_avg_sq[k], self.master[k]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            if c.weight_decay:  # decoupled (AdamW): shrink the weights, not the gradient; norms are masked out
+                w.sub_(w * self.decay[k] * (lr * c.weight_decay))
+            denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
+            w.addcdiv_(m, denom, value=-lr / bc1)
         self.grad.zero_()
         return norm
-
-    # ---- checkpoint ----------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"version": 1, "rank": self.rank, "world_size": self.layout.world_size, "steps": self.steps,
-                "numel": self.layout.numel, "master": self.master.cpu().clone(), "exp_avg": self.exp_avg.cpu().clone(),
-                "exp_avg_sq": self.exp_avg_sq.cpu().clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"optimizer checkpoint version {state.get('version')} is not supported")
-        if state["world_size"] != self.layout.world_size or state["numel"] != self.layout.numel:
-            raise ValueError(f"optimizer checkpoint is for world size {state['world_size']} and "
-                             f"{state['numel']} parameters; this run has {self.layout.world_size} and "
-                             f"{self.layout.numel}")
-        self.steps = int(state["steps"])
-        self.master.copy_(state["master"])
-        self.exp_avg.copy_(state["exp_avg"])
-        self.exp_avg_sq.copy_(state["exp_avg_sq"])
 
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
