@@ -24,7 +24,7 @@ from balanced_loader.spindle.waves import Run
 Layers = dict[int, int]  # MetaOp (graph index) -> layers in the wave
 
 
-class _Tables:
+class WaveTables:
     """Allowed counts and per-layer times per MetaOp (strictly faster counts only), as padded rows."""
 
     def __init__(self, ops: Sequence[MetaOp], members: Sequence[int]) -> None:
@@ -50,7 +50,7 @@ class _Tables:
 Evaluation = tuple[float, dict[int, int], tuple[int, ...]]  # (length, MetaOp -> count, slowest MetaOps)
 
 
-def wave_counts(tab: _Tables, wave: Layers, gpus: int) -> Evaluation:
+def wave_counts(tab: WaveTables, wave: Layers, gpus: int) -> Evaluation:
     """Least possible length of a wave running ``wave`` on ``gpus`` devices, the counts reaching it,
     and the MetaOps at that length (see :func:`balanced_loader.spindle.wave_kernels.wave_length`)."""
     ops = list(wave)
@@ -70,7 +70,7 @@ def refine(ops: Sequence[MetaOp], waves: Sequence[Sequence[Run]], gpus: int, *,
            max_moves: int = 200) -> list[list[Run]]:
     """Shorter waves for one frontier (see the module docstring); ``waves`` use allowed counts."""
     members = sorted({r.op for w in waves for r in w})
-    tab = _Tables(ops, members)
+    tab = WaveTables(ops, members)
     memo: dict[tuple[tuple[int, int], ...], Evaluation] = {}
 
     def evaluate(wave: Layers) -> Evaluation:

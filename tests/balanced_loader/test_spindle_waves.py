@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from balanced_loader.spindle.allocator import Slice, allocate
 from balanced_loader.spindle.columns import column_waves
 from balanced_loader.spindle.graph import graph_from_dict, load_graph
-from balanced_loader.spindle.refine import _Tables, refine, wave_counts
+from balanced_loader.spindle.refine import WaveTables, refine, wave_counts
 from balanced_loader.spindle.wave_kernels import wave_length, wave_length_reference
 from balanced_loader.spindle.waves import Run, order_waves, pack, wave_ms, waves_ms
 
@@ -99,7 +99,7 @@ def test_packers_schedule_every_layer_once_within_the_devices(data):
 def test_wave_counts_is_the_exact_min_max(layers, gpus):
     ops = _ops([(9, 8, 0.3 * k, 1.0 / (k + 1)) for k in range(len(layers))], gpus=gpus)
     wave = dict(enumerate(layers))
-    length, counts, slow = wave_counts(_Tables(ops, list(wave)), wave, gpus)
+    length, counts, slow = wave_counts(WaveTables(ops, list(wave)), wave, gpus)
     best = math.inf
     for combo in itertools.product(*(ops[i].counts for i in wave)):
         if sum(combo) <= gpus:
