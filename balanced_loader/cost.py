@@ -10,7 +10,6 @@ execution order (lane schedule, pool and step times) lives in :mod:`balanced_loa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -24,6 +23,16 @@ _OPTIONAL_KEYS = ("gpus_per_node", "strategies", "name", "bandwidth_gbs")
 _STRATEGY_KEYS = {"tp", "pp", *_BASE_KEYS, "bandwidth_gbs"}
 
 
+# sane upper bounds of the cost keys: far above any real device, low enough that sums of times stay exact
+_MAXIMA = {"quadratic_ms": 1e6, "linear_ms": 1e9, "microbatch_ms": 1e9, "comm_bytes_per_token": 1e15,
+           "max_tokens_per_lane": 1 << 40}
+
+
+def _base_value(d: dict[str, Any], key: str, where: str) -> float | int:
+    """A contract-2 number: finite, >= 0, at most :data:`_MAXIMA` (one line naming the key otherwise)."""
+    return number(d, key, where, integer=(key == "max_tokens_per_lane"), minimum=0, maximum=_MAXIMA[key])
+
+
 def _bandwidth(d: Any, where: str) -> tuple[tuple[int, float], ...]:
     if not isinstance(d, dict) or not d:
         raise ValueError(f"{where}: 'bandwidth_gbs' must be a non-empty mapping degree -> GB/s")
@@ -34,8 +43,9 @@ def _bandwidth(d: Any, where: str) -> tuple[tuple[int, float], ...]:
             bw = float(v)
         except (TypeError, ValueError):
             raise ValueError(f"{where}: bandwidth_gbs entry {k!r}: {v!r} is not degree: GB/s") from None
-        if deg < 2 or not 0 < bw < math.inf:  # nan and inf fail too
-            raise ValueError(f"{where}: bandwidth_gbs entry {k}: {v} needs degree >= 2 and a finite GB/s > 0")
+        if not 2 <= deg <= 1 << 20 or not 0 < bw <= 1e9:  # nan and inf fail too
+            raise ValueError(f"{where}: bandwidth_gbs entry {k}: {v} needs a degree in 2..{1 << 20} and "
+                             f"0 < GB/s <= 1e9")
         out.append((deg, bw))
     return tuple(sorted(out))
 
@@ -142,15 +152,9 @@ class CostModel:
         check_keys(d, (*_BASE_KEYS, *_OPTIONAL_KEYS), where)
         if "bandwidth_gbs" not in d:
             raise ValueError(f"{where}: missing key 'bandwidth_gbs'")
-        base = dict(
-            quadratic_ms=number(d, "quadratic_ms", where, minimum=0),
-            linear_ms=number(d, "linear_ms", where, minimum=0),
-            microbatch_ms=number(d, "microbatch_ms", where, minimum=0),
-            comm_bytes_per_token=number(d, "comm_bytes_per_token", where, minimum=0),
-            bandwidth_gbs=_bandwidth(d["bandwidth_gbs"], where),
-            max_tokens_per_lane=number(d, "max_tokens_per_lane", where, integer=True, minimum=0),
-        )
-        gpn = number(d, "gpus_per_node", where, integer=True, minimum=1, default=8)
+        base = {k: _base_value(d, k, where) for k in _BASE_KEYS}
+        base["bandwidth_gbs"] = _bandwidth(d["bandwidth_gbs"], where)
+        gpn = number(d, "gpus_per_node", where, integer=True, minimum=1, maximum=1 << 20, default=8)
         strategies = []
         raw = d.get("strategies") or []
         if not isinstance(raw, list):
@@ -160,12 +164,12 @@ class CostModel:
             if not isinstance(s, dict):
                 raise ValueError(f"{sw}: expected a mapping")
             check_keys(s, _STRATEGY_KEYS, sw)
-            tp = number(s, "tp", sw, integer=True, minimum=1)
-            pp = number(s, "pp", sw, integer=True, minimum=1)
+            tp = number(s, "tp", sw, integer=True, minimum=1, maximum=1 << 20)
+            pp = number(s, "pp", sw, integer=True, minimum=1, maximum=1 << 20)
             merged = dict(base)
             for k in _BASE_KEYS:
                 if k in s:
-                    merged[k] = number(s, k, sw, integer=(k == "max_tokens_per_lane"), minimum=0)
+                    merged[k] = _base_value(s, k, sw)
             if "bandwidth_gbs" in s:
                 merged["bandwidth_gbs"] = _bandwidth(s["bandwidth_gbs"], sw)
             if any(x.tp == tp and x.pp == pp for x in strategies):

@@ -23,8 +23,27 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 _MISSING: Any = object()
-# YAML 1.1 (PyYAML) reads 1e-3 (no dot) as a string; such a string is accepted where a float is expected
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# YAML 1.2 floats: PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string; this pattern makes it a number
+_YAML12_FLOAT = re.compile(r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+                           r"|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_LOADER: Any = None
+
+
+def yaml_loads(text: Any) -> Any:
+    """``yaml.safe_load`` with YAML 1.2 floats: ``1e-6`` is a number (PyYAML's YAML 1.1 rules make it
+    the string ``'1e-6'`` unless written ``1.0e-6``, a trap in cost files, recipes and ``--set``)."""
+    import yaml  # only the commands that read YAML pay for it
+
+    global _LOADER
+    if _LOADER is None:
+        class Loader(yaml.SafeLoader):
+            pass
+
+        Loader.yaml_implicit_resolvers = {k: [r for r in v if r[0] != "tag:yaml.org,2002:float"]
+                                          for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+        _LOADER = Loader
+    return yaml.load(text, Loader=_LOADER)  # a SafeLoader subclass: no arbitrary objects
 
 
 def read_yaml(path: str, what: str) -> Any:
@@ -33,7 +52,7 @@ def read_yaml(path: str, what: str) -> Any:
 
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            return yaml_loads(f)
     except OSError as e:
         raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -140,8 +159,6 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         return check_number(value, where, integer=True)
     if tp is float:
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            value = float(value)
         return check_number(value, where)
     if tp is str:
         if not isinstance(value, str):

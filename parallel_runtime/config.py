@@ -21,7 +21,7 @@ from balanced_loader.data.batching import LONG_DOC_MODES
 from balanced_loader.planning import fixed_pools, pool_shapes
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
-from balanced_loader.strict import from_dict, read_yaml
+from balanced_loader.strict import from_dict, read_yaml, yaml_loads
 from parallel_runtime.engines.context import ENGINES
 from parallel_runtime.hf.config import PRETRAINED, check_hf_config, check_hf_shape, hf_config, normalize
 from parallel_runtime.model import ModelConfig
@@ -207,7 +207,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raise ValueError(f"--set {item!r}: expected key=value (e.g. --set optimizer.lr=1e-3)")
         key, text = item.split("=", 1)
         try:
-            value = yaml.safe_load(text)
+            value = yaml_loads(text)
         except yaml.YAMLError:
             raise ValueError(f"--set {key}: value {text!r} is not valid YAML") from None
         parts = key.strip().split(".")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from balanced_loader.strict import check_keys, check_number, from_dict, number
+from balanced_loader.strict import check_keys, check_number, from_dict, number, yaml_loads
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,7 +25,8 @@ class Outer:
 
 
 def test_from_dict_builds_nested_dataclasses():
-    got = from_dict(Outer, {"name": "y", "inner": {"rate": "1e-3", "count": 4}, "pair": [3, 4]}, "recipe")
+    # YAML 1.2 floats: "1e-3" (no dot) is a number, not PyYAML's string
+    got = from_dict(Outer, yaml_loads("{name: y, inner: {rate: 1e-3, count: 4}, pair: [3, 4]}"), "recipe")
     assert got == Outer(name="y", inner=Inner(rate=1e-3, count=4), pair=(3, 4))
     assert from_dict(Outer, None, "recipe") == Outer()
 
