@@ -94,7 +94,8 @@ def _first_set_from(tree, size, v):
 
 
 @njit(cache=True)
-def _set_flag(tree, size, v, flag):
+def or_tree_set(tree, size, v, flag):
+    """Set leaf ``v`` of an OR segment tree to ``flag`` and update its ancestors (stops where nothing changes)."""
     node = size + v
     tree[node] = flag
     node //= 2
@@ -145,7 +146,7 @@ def bfd_kernel(lengths, capacity):
                 b = head[v]
                 head[v] = nxt[b]
                 if head[v] < 0:
-                    _set_flag(tree, size, v, 0)
+                    or_tree_set(tree, size, v, 0)
                 room = v
             k = min(j - i, room // s)
             for t in range(i, i + k):
@@ -155,6 +156,6 @@ def bfd_kernel(lengths, capacity):
             if room > 0:
                 nxt[b] = head[room]
                 if head[room] < 0:
-                    _set_flag(tree, size, room, 1)
+                    or_tree_set(tree, size, room, 1)
                 head[room] = b
     return bins, nbins

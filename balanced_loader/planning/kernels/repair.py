@@ -29,25 +29,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from balanced_loader.planning.kernels.fit import or_tree_set
 from balanced_loader.planning.kernels.order import order_desc
 
 TWO_FOR_ONE_MAX_ITEMS = 8  # pairs are tried in bins of at most this many items (O(m^2) per bin)
 SWAP_BINS_PER_POOLED = 32  # kept bins offered swaps per pooled bin (the loosest; the rest are near full)
 EXTRA_SLOTS = 2  # a bin may gain this many items in one round (zero-for-one and one-for-two moves)
-
-
-@njit(cache=True)
-def _set(tree, size, v, flag):
-    """Set leaf ``v`` of an OR segment tree to ``flag`` and update its ancestors."""
-    node = size + v
-    tree[node] = flag
-    node //= 2
-    while node >= 1:
-        m = tree[2 * node] | tree[2 * node + 1]
-        if tree[node] == m:
-            break
-        tree[node] = m
-        node //= 2
 
 
 @njit(cache=True)
@@ -78,7 +65,7 @@ def _pool_push(tree, size, head, nxt, lengths, item):
     s = lengths[item]
     nxt[item] = head[s]
     if head[s] < 0:
-        _set(tree, size, s, 1)
+        or_tree_set(tree, size, s, 1)
     head[s] = item
 
 
@@ -87,7 +74,7 @@ def _pool_pop(tree, size, head, nxt, s):
     item = head[s]
     head[s] = nxt[item]
     if head[s] < 0:
-        _set(tree, size, s, 0)
+        or_tree_set(tree, size, s, 0)
     return item
 
 
