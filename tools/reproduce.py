@@ -10,7 +10,7 @@ ones, each row saying what differs from the paper's setup. A policy that is not 
 leaves its rows as "not produced" with the reason. Speedup = total modeled time of the baseline
 over the batches / total modeled time of the policy.
 
-Settings (papers in ``../shared/papers/``):
+Settings (from each system's paper; the tool reads only the bundled data/):
 
 * ``flexsp`` (flexsp.md section 6): GPT-7B, 64 A100-40GB, global batches of 512 docs, context
   192K and 384K (longer docs dropped), preset ``flexsp-gpt7b-a100``. FlexSP vs DeepSpeed
