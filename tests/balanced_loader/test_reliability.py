@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from test_cli_errors import GOOD_COST
 
 from balanced_loader import cli
 from balanced_loader.cost import CostModel
@@ -25,13 +26,7 @@ from balanced_loader.data.shards import write_shards
 from balanced_loader.loader import BalancedLoader
 from balanced_loader.plan import Group, Plan, Pool, StepPlan
 
-COST_YAML = """quadratic_ms: 0.0
-linear_ms: 1.0
-microbatch_ms: 0.0
-comm_bytes_per_token: 0.0
-bandwidth_gbs: {2: 100.0}
-max_tokens_per_lane: 1000
-"""
+COST_YAML = GOOD_COST  # the one small cost file of the CLI tests
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, allowed_degrees
+from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems, Group, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import pack
-from balanced_loader.planning.policies.common import check_fits, max_cp_degree, one_pool_plan
+from balanced_loader.planning.policies.common import check_fits, one_pool_plan, pool_setup, sp_degrees
 from balanced_loader.planning.solvers.bins import lpt_blocks
 from balanced_loader.simulate import makespan_ms
 from balanced_loader.strict import check_keys
@@ -39,16 +39,9 @@ def _options(config: PlanConfig) -> tuple[float, int]:
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     fill, min_degree = _options(config)
-    tp, pp = config.tp or 1, config.pp or 1
-    sc = cost.shape(tp, pp)
-    if not sc.usable:
-        raise ValueError(f"policy 'batch-ada': shape tp={tp}, pp={pp} is unusable (max_tokens_per_lane: 0)")
-    num_lanes = config.world_size // (tp * pp)
-    top = max_cp_degree(config, num_lanes, "batch-ada")  # cp caps the SP degree; cp=1: plain DP
-    degrees = [d for d in allowed_degrees(num_lanes, min_degree=min_degree) if d <= top]
-    if not degrees:
-        raise ValueError(f"policy 'batch-ada': min_degree {min_degree} exceeds the largest allowed degree {top} "
-                         f"(the pool's {num_lanes} lanes, --cp)")
+    setup = pool_setup(items, cost, config, "batch-ada")
+    tp, pp, sc, num_lanes = setup.tp, setup.pp, setup.shape, setup.lanes
+    degrees = sp_degrees(config, num_lanes, min_degree, "batch-ada")
     cap = sc.max_tokens_per_lane
     lengths = np.asarray(items.lengths, dtype=np.int64)
     check_fits(items, cap, degrees[-1], "batch-ada")

@@ -257,6 +257,17 @@ def max_cp_degree(config: PlanConfig, lanes: int, policy: str) -> int:
     return cp
 
 
+def sp_degrees(config: PlanConfig, lanes: int, min_degree: int, policy: str) -> list[int]:
+    """The SP degrees a per-microbatch SP policy may use: aligned powers of two from ``min_degree`` up to
+    ``--cp`` (or the pool's lanes); one line when none is left."""
+    top = max_cp_degree(config, lanes, policy)  # cp caps the SP degree; cp=1: plain DP
+    degrees = [d for d in allowed_degrees(lanes, min_degree=min_degree) if d <= top]
+    if not degrees:
+        raise ValueError(f"policy '{policy}': min_degree {min_degree} exceeds the largest allowed degree {top} "
+                         f"(the pool's {lanes} lanes, --cp)")
+    return degrees
+
+
 def refuse_flags(config: PlanConfig, policy: str, flags: Sequence[str], why: str, *, cp1_ok: bool = False) -> None:
     """One clear error when a flag the policy cannot honour is set (never silently ignored).
     ``cp1_ok``: the policy's groups are single lanes anyway, so ``cp=1`` holds."""

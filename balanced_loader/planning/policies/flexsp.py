@@ -43,7 +43,7 @@ import numpy as np
 from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
 from balanced_loader.plan import BatchItems, Group, StepPlan
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.policies.common import check_fits, max_cp_degree, one_pool_plan
+from balanced_loader.planning.policies.common import check_fits, one_pool_plan, pool_setup, sp_degrees
 from balanced_loader.planning.solvers.blaster import chunk_cuts
 from balanced_loader.planning.solvers.sp_groups import (
     GroupChoice,
@@ -227,21 +227,14 @@ def plan_microbatches(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, opts: 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     opts = FlexSPOptions.from_config(config)
-    tp, pp = config.tp or 1, config.pp or 1
-    sc = cost.shape(tp, pp)
-    if not sc.usable:
-        raise ValueError(f"policy 'flexsp': shape tp={tp}, pp={pp} is unusable (max_tokens_per_lane: 0)")
-    num_lanes = config.world_size // (tp * pp)
-    top = max_cp_degree(config, num_lanes, "flexsp")  # cp caps the SP degree; cp=1: plain DP
-    degrees = [d for d in allowed_degrees(num_lanes, min_degree=opts.min_degree) if d <= top]
-    if not degrees:
-        raise ValueError(f"policy 'flexsp': min_degree {opts.min_degree} exceeds the largest allowed degree {top} "
-                         f"(the pool's {num_lanes} lanes, --cp)")
+    setup = pool_setup(items, cost, config, "flexsp")
+    tp, pp, sc, num_lanes = setup.tp, setup.pp, setup.shape, setup.lanes
+    degrees = sp_degrees(config, num_lanes, opts.min_degree, "flexsp")
     lengths = np.asarray(items.lengths, dtype=np.int64)
     check_fits(items, sc.max_tokens_per_lane, degrees[-1], "flexsp")
     if len(items) == 0:
         return one_pool_plan(step, config.world_size, tp, pp, ())
-    mbs, lanes, notes = plan_microbatches(lengths, sc, num_lanes, opts, pp, top)
+    mbs, lanes, notes = plan_microbatches(lengths, sc, num_lanes, opts, pp, degrees[-1])
     microbatches = tuple(
         tuple(Group(lanes=ln, segments=tuple(items.segment(i) for i in g.docs)) for g, ln in zip(groups, placed))
         for groups, placed in zip(mbs, lanes))
