@@ -149,7 +149,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
     from parallel_runtime.training.params import param_specs
     from parallel_runtime.training.runtime import DTYPES, Runtime
     from parallel_runtime.training.step import forward_backward
-    from parallel_runtime.training.trainer import open_data
+    from parallel_runtime.training.trainer import open_data_world
 
     recipe = load_recipe(setup.recipe_path, list(setup.overrides))
     w = recipe.world
@@ -158,10 +158,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
     if w.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    source = open_data(recipe, build=rank == 0)
-    dist.barrier()
-    if rank:
-        source = open_data(recipe, build=False)
+    source = open_data_world(recipe, rank=rank, local_rank=rank)  # the profile's world is one machine
     order = np.argsort(source.lengths, kind="stable")
     sorted_len = np.asarray(source.lengths)[order]
 
