@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU build of torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,hf]'
+	$(BIN)/python -m pip install -q -e '.[dev,hf,remote,datasets]'
 	touch $(STAMP)
 
 venv: $(STAMP)
