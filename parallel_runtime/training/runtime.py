@@ -5,6 +5,12 @@ index. :meth:`Runtime.stage_model` builds the model part for that place once (la
 stage, TP slices over the lane's TP group) and reuses it whenever the shape comes back; its
 parameters are refilled from the optimizer shards by every step's pull, so a cached model
 never carries stale weights.
+
+Gradients live in one flat buffer per rank (:class:`GradBuffer`), shared by every stage model
+(one is active per step): the parameters' ``.grad`` are views into it, so backward accumulates
+in place. Why: per-parameter gradients allocated by autograd inside backward land between the
+activations on the C heap, whose freed pages then stay resident (on CPU the step's peak grew
+by ~2x the gradients); one allocation made once never moves.
 """
 
 from __future__ import annotations
@@ -33,6 +39,39 @@ class StageModel:
     params: tuple[LocalParam, ...]
 
 
+class GradBuffer:
+    """One flat gradient buffer per (rank, dtype), grown to the largest stage model seen."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._flat: dict[torch.dtype, torch.Tensor] = {}  # [capacity] per parameter dtype
+
+    def attach(self, params: Sequence[LocalParam]) -> None:
+        """Point every parameter's ``.grad`` at a zeroed view of the buffer."""
+        need: dict[torch.dtype, int] = {}
+        for lp in params:
+            need[lp.tensor.dtype] = need.get(lp.tensor.dtype, 0) + lp.tensor.numel()
+        offsets = dict.fromkeys(need, 0)
+        for dtype, n in need.items():
+            flat = self._flat.get(dtype)
+            if flat is None or flat.numel() < n:
+                self._flat.pop(dtype, None)  # free the old buffer before the larger one is made
+                flat = self._flat[dtype] = torch.zeros(n, dtype=dtype, device=self.device)
+            else:
+                flat[:n].zero_()
+        for lp in params:
+            t = lp.tensor
+            o = offsets[t.dtype]
+            t.grad = self._flat[t.dtype][o:o + t.numel()].view_as(t)
+            offsets[t.dtype] = o + t.numel()
+
+    @staticmethod
+    def detach(params: Sequence[LocalParam]) -> None:
+        """Drop the views (the buffer stays for the next step)."""
+        for lp in params:
+            lp.tensor.grad = None
+
+
 class Runtime:
     """What a rank keeps across steps: groups, stage models by shape, the model config."""
 
@@ -43,6 +82,7 @@ class Runtime:
         self.groups = groups
         self.specs = {s.name: s for s in specs}
         self._models: dict[tuple, StageModel] = {}
+        self.grads = GradBuffer(device)
 
     def stage_model(self, topo: Topology) -> StageModel:
         """The model of this rank's (pool shape, stage, tp index, TP group), built once and reused."""

@@ -51,7 +51,7 @@ from parallel_runtime.training import metrics as M
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
 from parallel_runtime.training.params import init_params, local_params, param_specs
 from parallel_runtime.training.plan_check import check_plan_runs_here
-from parallel_runtime.training.runtime import DTYPES, Runtime
+from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime
 from parallel_runtime.training.step import FBResult, forward_backward, reference_forward_backward
 
 
@@ -314,14 +314,17 @@ class Trainer:
             self.optimizer.pull(sm.params)
         self._trim()
         saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
+        self.runtime.grads.attach(sm.params)
         with phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)), saved.hooks():
             res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
+        if not res.microbatches:  # an idle rank contributes no gradient (and moves no bytes in the push)
+            GradBuffer.detach(sm.params)
         self._trim()
         with phase(f"the gradient push of step {s}", world):
             if push:
                 self._note_memory(sm.params, saved)
                 self.optimizer.push(sm.params)
-            _zero(sm.params)
+            GradBuffer.detach(sm.params)
             self._trim()
             stats = RankStats.of(res, batch.planner_wait_s).gather(self.info.world_size, self.comm_device)
         return stats, new_groups
