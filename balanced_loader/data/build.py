@@ -246,15 +246,16 @@ def encoded_chunks(pieces: Iterator[list[RawDoc]], encoder: ChunkEncoder, worker
 
 def build_from_files(files: list[str], out_dir: str, *, tokenizer: Any = None, text_field: str = "text",
                      max_shard_bytes: int = 256 << 20, max_docs_per_shard: int = 100_000,
-                     progress: bool = False, workers: int = 1, part: tuple[int, int] | str | None = None
-                     ) -> dict[str, Any]:
+                     progress: bool = False, workers: int = 1, part: tuple[int, int] | str | None = None,
+                     chunk_docs: int = CHUNK_DOCS) -> dict[str, Any]:
     """Tokenize files into a shard folder (one doc per file, or per line of a ``.jsonl``); returns its metadata
     (``shards.json``) plus ``"build"``: ``{"seconds", "docs", "input_bytes", "docs_per_s", "mb_per_s",
     "workers"}`` (not stored: the folder does not depend on timing).
 
     ``workers``: tokenizing processes (the folder is the same for any number). ``part``: ``(K, N)`` or
     ``"K/N"``: build only part ``K`` of ``N`` (see the module doc for the rule); ``shards.json`` and
-    ``index.json`` then record ``part``, and always ``inputs`` (the input set's identity).
+    ``index.json`` then record ``part``, and always ``inputs`` (the input set's identity). ``chunk_docs``:
+    most docs per chunk (one batch call of the tokenizer, one task of a worker).
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 1024:
         raise ValueError(f"workers must be an integer in 1..1024, got {workers!r}")
@@ -283,7 +284,8 @@ def build_from_files(files: list[str], out_dir: str, *, tokenizer: Any = None, t
         with ShardWriter(out_dir, dtype=token_dtype(tok.vocab_size), tokenizer=tok.identity(),
                          max_shard_bytes=max_shard_bytes, max_docs_per_shard=max_docs_per_shard,
                          extra=extra, allow_empty=part is not None) as w:
-            for chunk, (flat, lengths) in encoded_chunks(chunks(read_docs(files, sizes, lo, hi)), encoder, workers):
+            pieces = chunks(read_docs(files, sizes, lo, hi), chunk_docs)
+            for chunk, (flat, lengths) in encoded_chunks(pieces, encoder, workers):
                 ends = np.cumsum(lengths)
                 for i, e in enumerate(ends.tolist()):
                     w.add(flat[e - int(lengths[i]):e])
