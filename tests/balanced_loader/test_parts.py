@@ -291,3 +291,14 @@ def test_a_whole_build_without_docs_is_an_error(tmp_path, capsys):
     assert cli.main(["build-shards", str(f), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert "hold no docs" in capsys.readouterr().err
     assert not [x for x in os.listdir(tmp_path / "o")]  # nothing half-written
+
+
+def test_analyze_takes_the_part_folders(part_dirs, tmp_path, capsys):
+    out = tmp_path / "an"
+    assert cli.main(["analyze", part_dirs["a2.1"], part_dirs["a2.0"], "--json", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli.main(["analyze", part_dirs["plain"], "--json", "--out", str(tmp_path / "ref")]) == 0
+    capsys.readouterr()
+    stats = json.loads((out / "analyze.json").read_text())["stats"]
+    assert stats == json.loads((tmp_path / "ref" / "analyze.json").read_text())["stats"]
+    assert stats["docs"] > 50
