@@ -302,3 +302,24 @@ def test_analyze_takes_the_part_folders(part_dirs, tmp_path, capsys):
     stats = json.loads((out / "analyze.json").read_text())["stats"]
     assert stats == json.loads((tmp_path / "ref" / "analyze.json").read_text())["stats"]
     assert stats["docs"] > 50
+
+
+def test_workers_read_a_bounded_number_of_chunks_ahead_and_report_errors(tmp_path):
+    from balanced_loader.data.build import ChunkEncoder, RawDoc, encoded_chunks
+
+    pulled = []
+
+    def pieces():
+        for i in range(40):
+            pulled.append(i)
+            yield [RawDoc(data=b"x" * (i + 1), jsonl=False, where=f"doc {i}")]
+
+    enc = ChunkEncoder(get_tokenizer("bytes"), "text")
+    for i, (chunk, (flat, lengths)) in enumerate(encoded_chunks(pieces(), enc, 2)):
+        assert len(pulled) - i <= 2 * 2 + 1  # chunks read but not yet written
+        assert lengths.tolist() == [i + 1] and chunk[0].where == f"doc {i}" and flat.tolist() == [120] * (i + 1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n' * 30 + "{not json\n" + '{"text": "fine"}\n' * 30)
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 31: not JSON"):
+        build_from_files([str(bad)], str(tmp_path / "out"), workers=2, chunk_docs=4)
+    assert os.listdir(tmp_path / "out") == []  # a failed build leaves nothing behind
