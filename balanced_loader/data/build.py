@@ -1,10 +1,11 @@
 """Tokenizing input files into a shard folder (``balanced-loader build-shards``).
 
-Docs: one per file, or one per non-blank line of a ``.jsonl`` file, in input order. The parent
-process reads the docs in order and cuts them into chunks; ``workers`` processes tokenize the
-chunks (a Hugging Face tokenizer with one batch call per chunk) and the parent writes the results
-in chunk order, so the folder is byte-identical whatever the number of workers. At most
-``2 * workers + 1`` chunks are in flight, so memory stays bounded for any corpus size.
+Docs: one per file, or one per non-blank line of a ``.jsonl`` file, in input order. The input is
+cut into byte ranges of ``CHUNK_BYTES`` (the docs of a range: those whose first byte lies in it,
+the rule of parts below); ``workers`` processes each read, parse and tokenize whole ranges (a
+Hugging Face tokenizer with batch calls) and the parent writes the results in range order, so the
+folder is byte-identical whatever the number of workers. At most ``2 * workers + 1`` ranges are in
+flight, so memory stays bounded for any corpus size, and the parent never reads the input.
 
 Parts (``part=(K, N)``, ``--part K/N``) split one build over machines with no coordination.
 The rule: the input files, in order, form one byte stream of ``B`` bytes; part ``K`` owns the
@@ -19,8 +20,10 @@ A part whose range starts no doc (more parts than docs) is an empty folder with 
 
 from __future__ import annotations
 
+import bisect
 import glob
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -39,8 +42,8 @@ from balanced_loader.data.shards import ShardWriter
 from balanced_loader.data.sources import jsonl_text
 from balanced_loader.data.tokenizers import encode_many, get_tokenizer, token_dtype
 
-CHUNK_DOCS = 512  # docs per chunk sent to a worker ...
-CHUNK_BYTES = 4 << 20  # ... or fewer when their input bytes pass this (a bigger doc is a chunk alone)
+CHUNK_BYTES = 4 << 20  # input bytes per task: a worker reads and tokenizes the docs that start in them
+CHUNK_DOCS = 512  # most docs per batch call of the tokenizer
 
 
 def expand_inputs(specs: list[str]) -> list[str]:
@@ -120,122 +123,156 @@ class RawDoc:
     where: str
 
 
+class InputStream:
+    """The input files, in order, as one byte stream: ``docs(lo, hi)`` are the docs whose first byte lies in
+    ``[lo, hi)`` (a ``.jsonl`` line's first byte, a whole file's first byte)."""
+
+    def __init__(self, files: list[str], sizes: list[int]) -> None:
+        self.files = list(files)
+        self.sizes = [int(x) for x in sizes]
+        self.starts = list(itertools.accumulate([0, *self.sizes[:-1]]))  # [files] where each file starts
+        self.total = sum(self.sizes)
+
+    def docs(self, lo: int = 0, hi: int = sys.maxsize) -> Iterator[RawDoc]:
+        """Those docs in order, reading only their bytes (a line that starts before ``lo`` is skipped with
+        block reads that stop at ``hi``, so a range inside one huge line reads at most its own bytes)."""
+        i = max(0, bisect.bisect_left(self.starts, lo) - 1)  # the file holding byte lo (or the first after it)
+        for path, first, size in zip(self.files[i:], self.starts[i:], self.sizes[i:], strict=True):
+            if first >= hi:
+                return
+            if not path.endswith(".jsonl"):
+                if first >= lo:
+                    yield RawDoc(data=_read_file(path), jsonl=False, where=path)
+            elif first + size > lo:
+                yield from _jsonl_docs(path, max(0, lo - first), hi - first)
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _next_line_start(f: Any, pos: int, end: int) -> int | None:
+    """The first line start at or after ``pos > 0`` (just after a newline at ``pos - 1`` or later); ``None``
+    when there is none before ``end`` or the end of the file."""
+    at = pos - 1
+    f.seek(at)
+    while at < end:
+        block = f.read(1 << 16)
+        if not block:
+            return None
+        k = block.find(b"\n")
+        if k >= 0:
+            return at + k + 1 if at + k + 1 < end else None
+        at += len(block)
+    return None
+
+
+def _jsonl_docs(path: str, pos: int, end: int) -> Iterator[RawDoc]:
+    """The non-blank lines of one ``.jsonl`` file that start in its bytes ``[pos, end)``."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    with f:
+        lineno = 1 if pos == 0 else None  # line numbers are known only when the file is read from its start
+        if pos:
+            start = _next_line_start(f, pos, end)
+            if start is None:
+                return
+            pos = start
+            f.seek(pos)
+        while pos < end:
+            line = f.readline()
+            if not line:
+                return
+            if line.strip():
+                yield RawDoc(data=line, jsonl=True,
+                             where=f"{path} line {lineno}" if lineno is not None else f"{path} line at byte {pos}")
+            pos += len(line)
+            if lineno is not None:
+                lineno += 1
+
+
 def read_docs(files: list[str], sizes: list[int], lo: int = 0, hi: int = sys.maxsize) -> Iterator[RawDoc]:
-    """The docs whose first byte lies in ``[lo, hi)`` of the input stream, in order; reads only those bytes
-    (plus the end of the line that crosses ``lo``)."""
-    start = 0  # where this file starts in the input stream
-    for path, size in zip(files, sizes, strict=True):
-        first = start
-        start += size
-        if not path.endswith(".jsonl"):
-            if lo <= first < hi:
-                try:
-                    with open(path, "rb") as f:
-                        data = f.read()
-                except OSError as e:
-                    raise ValueError(f"cannot read {path}: {e.strerror}") from None
-                yield RawDoc(data=data, jsonl=False, where=path)
-            continue
-        if first >= hi or start <= lo:
-            continue  # no line of this file starts inside the range
-        try:
-            f = open(path, "rb")  # noqa: SIM115 (closed by the with below)
-        except OSError as e:
-            raise ValueError(f"cannot read {path}: {e.strerror}") from None
-        with f:
-            pos = max(0, lo - first)
-            lineno = 1 if pos == 0 else None  # line numbers are known only when the file is read from its start
-            if pos:
-                f.seek(pos - 1)
-                pos += len(f.readline()) - 1  # skip the rest of the line that started before the range
-            end = hi - first
-            while pos < end:
-                line = f.readline()
-                if not line:
-                    break
-                if line.strip():
-                    where = f"{path} line {lineno}" if lineno is not None else f"{path} line at byte {pos}"
-                    yield RawDoc(data=line, jsonl=True, where=where)
-                pos += len(line)
-                if lineno is not None:
-                    lineno += 1
+    """The docs whose first byte lies in ``[lo, hi)`` of the input stream, in order."""
+    return InputStream(files, sizes).docs(lo, hi)
 
 
-def chunks(docs: Iterator[RawDoc], max_docs: int = CHUNK_DOCS, max_bytes: int = CHUNK_BYTES
-           ) -> Iterator[list[RawDoc]]:
-    chunk: list[RawDoc] = []
-    nbytes = 0
-    for d in docs:
-        chunk.append(d)
-        nbytes += len(d.data)
-        if len(chunk) >= max_docs or nbytes >= max_bytes:
-            yield chunk
-            chunk, nbytes = [], 0
-    if chunk:
-        yield chunk
+def sub_ranges(lo: int, hi: int, total: int, step: int) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` cut every ``step`` bytes (the last piece keeps ``hi``); empty: ``[(lo, hi)]``."""
+    a = lo
+    while a + step < min(hi, total):
+        yield a, a + step
+        a += step
+    yield a, hi
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizing chunks, in this process or in workers
+# Reading and tokenizing byte ranges, in this process or in workers
 # ---------------------------------------------------------------------------------------------
 
 
-class ChunkEncoder:
-    """Turns a chunk of raw docs into ``(tokens, lengths)``: all docs' ids concatenated, and ``[docs]`` int64."""
+class RangeEncoder:
+    """Reads and tokenizes the docs of one input byte range: ``(tokens, lengths, input_bytes)``, all docs' ids
+    concatenated (one array: cheap to send back from a worker) and ``[docs]`` int64 lengths."""
 
-    def __init__(self, tokenizer: Any, text_field: str) -> None:
+    def __init__(self, stream: InputStream, tokenizer: Any, text_field: str, batch_docs: int) -> None:
+        self.stream = stream
         self.tok = tokenizer
         self.text_field = text_field
+        self.batch_docs = batch_docs
 
-    def __call__(self, chunk: list[RawDoc]) -> tuple[np.ndarray, np.ndarray]:
-        texts = [jsonl_text(d.data, self.text_field, d.where) if d.jsonl else d.data for d in chunk]
-        ids = [np.asarray(a) for a in encode_many(self.tok, texts)]
+    def __call__(self, rng: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, int]:
+        ids: list[np.ndarray] = []
+        nbytes = 0
+        batch: list[Any] = []
+        for d in itertools.chain(self.stream.docs(*rng), [None]):
+            if d is not None:
+                batch.append(jsonl_text(d.data, self.text_field, d.where) if d.jsonl else d.data)
+                nbytes += len(d.data)
+            if batch and (d is None or len(batch) >= self.batch_docs):  # one batch call of the tokenizer
+                ids.extend(np.asarray(a) for a in encode_many(self.tok, batch))
+                batch = []
         lengths = np.array([len(a) for a in ids], dtype=np.int64)  # [docs]
-        # one array per chunk: cheaper to send back from a worker than many small ones
         flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint8)  # [sum(lengths)]
-        return flat, lengths
+        return flat, lengths, nbytes
 
 
-_worker_encoder: ChunkEncoder | None = None
+_worker_fn: Any = None
 
 
-def _init_worker(tokenizer: Any, text_field: str) -> None:
-    global _worker_encoder
+def _init_worker(fn: Any) -> None:
+    global _worker_fn
     # the processes are the parallelism: keep each HF batch call on one thread (read when the tokenizer runs)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _worker_encoder = ChunkEncoder(tokenizer, text_field)
+    _worker_fn = fn
 
 
-def _encode_in_worker(chunk: list[RawDoc]) -> tuple[np.ndarray, np.ndarray]:
-    assert _worker_encoder is not None
-    return _worker_encoder(chunk)
+def _call_worker_fn(item: Any) -> Any:
+    return _worker_fn(item)
 
 
-def encoded_chunks(pieces: Iterator[list[RawDoc]], encoder: ChunkEncoder, workers: int
-                   ) -> Iterator[tuple[list[RawDoc], tuple[np.ndarray, np.ndarray]]]:
-    """``(chunk, encoder(chunk))`` in chunk order; with ``workers > 1`` encoded in that many processes
-    with at most ``2 * workers + 1`` chunks in flight (an ordered imap that reads ahead a bounded amount)."""
-    if workers <= 1:
-        for c in pieces:
-            yield c, encoder(c)
-        return
+def ordered_map(fn: Any, items: Iterator[Any], workers: int) -> Iterator[Any]:
+    """``fn(item)`` for each item, in order, computed in ``workers`` processes (``fn`` is pickled once to each)
+    with at most ``2 * workers + 1`` items in flight: an ordered imap that reads ahead a bounded amount."""
     methods = multiprocessing.get_all_start_methods()
     # never fork: the parent may hold threads (a tokenizer's pool, tqdm) that a forked child would inherit locked
     ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(encoder.tok, encoder.text_field)) as pool:
-        pending: deque[tuple[list[RawDoc], Future]] = deque()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(fn,)) as pool:
+        pending: deque[Future] = deque()
         try:
-            for c in pieces:
-                pending.append((c, pool.submit(_encode_in_worker, c)))
+            for item in items:
+                pending.append(pool.submit(_call_worker_fn, item))
                 if len(pending) > 2 * workers:
-                    c0, fut = pending.popleft()
-                    yield c0, fut.result()
+                    yield pending.popleft().result()
             while pending:
-                c0, fut = pending.popleft()
-                yield c0, fut.result()
+                yield pending.popleft().result()
         finally:
-            for _, fut in pending:
+            for fut in pending:
                 fut.cancel()
 
 
@@ -247,15 +284,16 @@ def encoded_chunks(pieces: Iterator[list[RawDoc]], encoder: ChunkEncoder, worker
 def build_from_files(files: list[str], out_dir: str, *, tokenizer: Any = None, text_field: str = "text",
                      max_shard_bytes: int = 256 << 20, max_docs_per_shard: int = 100_000,
                      progress: bool = False, workers: int = 1, part: tuple[int, int] | str | None = None,
-                     chunk_docs: int = CHUNK_DOCS) -> dict[str, Any]:
+                     chunk_docs: int = CHUNK_DOCS, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
     """Tokenize files into a shard folder (one doc per file, or per line of a ``.jsonl``); returns its metadata
     (``shards.json``) plus ``"build"``: ``{"seconds", "docs", "input_bytes", "docs_per_s", "mb_per_s",
     "workers"}`` (not stored: the folder does not depend on timing).
 
     ``workers``: tokenizing processes (the folder is the same for any number). ``part``: ``(K, N)`` or
     ``"K/N"``: build only part ``K`` of ``N`` (see the module doc for the rule); ``shards.json`` and
-    ``index.json`` then record ``part``, and always ``inputs`` (the input set's identity). ``chunk_docs``:
-    most docs per chunk (one batch call of the tokenizer, one task of a worker).
+    ``index.json`` then record ``part``, and always ``inputs`` (the input set's identity). ``chunk_bytes``:
+    input bytes per task (a worker reads and tokenizes the docs that start in them); ``chunk_docs``: most
+    docs per batch call of the tokenizer.
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 1024:
         raise ValueError(f"workers must be an integer in 1..1024, got {workers!r}")
@@ -279,17 +317,18 @@ def build_from_files(files: list[str], out_dir: str, *, tokenizer: Any = None, t
         bar = tqdm(total=min(hi, inputs["bytes"]) - lo, desc="building shards" + (f" (part {k}/{n})" if part else ""),
                    unit="B", unit_scale=True)
     read_bytes = 0
-    encoder = ChunkEncoder(tok, text_field)
+    stream = InputStream(files, sizes)
+    encoder = RangeEncoder(stream, tok, text_field, chunk_docs)
+    ranges = sub_ranges(lo, hi, stream.total, chunk_bytes)
+    results = map(encoder, ranges) if workers == 1 else ordered_map(encoder, ranges, workers)
     try:
         with ShardWriter(out_dir, dtype=token_dtype(tok.vocab_size), tokenizer=tok.identity(),
                          max_shard_bytes=max_shard_bytes, max_docs_per_shard=max_docs_per_shard,
                          extra=extra, allow_empty=part is not None) as w:
-            pieces = chunks(read_docs(files, sizes, lo, hi), chunk_docs)
-            for chunk, (flat, lengths) in encoded_chunks(pieces, encoder, workers):
+            for flat, lengths, nbytes in results:  # in range order, whatever the number of workers
                 ends = np.cumsum(lengths)
                 for i, e in enumerate(ends.tolist()):
                     w.add(flat[e - int(lengths[i]):e])
-                nbytes = sum(len(d.data) for d in chunk)
                 read_bytes += nbytes
                 if bar is not None:
                     bar.update(nbytes)

@@ -8,12 +8,13 @@ import json
 import os
 import pickle
 import random
+import sys
 
 import numpy as np
 import pytest
 
 from balanced_loader import cli
-from balanced_loader.data.build import build_from_files, file_sizes, part_range, read_docs
+from balanced_loader.data.build import build_from_files, file_sizes, ordered_map, part_range, read_docs, sub_ranges
 from balanced_loader.data.open import open_source
 from balanced_loader.data.parts import PartsSource
 from balanced_loader.data.shards import ShardSource, write_shards
@@ -111,6 +112,10 @@ def test_parts_of_the_input_stream_tile_it_in_order(tmp_path, shape):
         parts = [[(d.data, d.jsonl) for d in read_docs(files, sizes, *part_range(sum(sizes), k, n))]
                  for k in range(n)]
         assert [doc for p in parts for doc in p] == whole, n  # contiguous runs of the whole stream, in order
+    for step in (1, 7, 1000):  # the byte ranges that workers read follow the same rule
+        pieces = [(d.data, d.jsonl) for a, b in sub_ranges(0, sys.maxsize, sum(sizes), step)
+                  for d in read_docs(files, sizes, a, b)]
+        assert pieces == whole, step
     if shape == "one-jsonl":  # one file: the byte split balances the parts
         counts = [len(list(read_docs(files, sizes, *part_range(sum(sizes), k, 4)))) for k in range(4)]
         assert max(counts) - min(counts) <= 0.2 * len(whole) / 4, counts
@@ -124,8 +129,9 @@ def test_workers_write_the_same_bytes_as_one_worker(tmp_path, hf_tokenizer):
     for tok in ("bytes", hf_tokenizer):
         one = tmp_path / f"w1-{os.path.basename(tok)}"
         two = tmp_path / f"w2-{os.path.basename(tok)}"
-        m1 = build_from_files(files, str(one), tokenizer=tok, max_docs_per_shard=60, chunk_docs=7)
-        m2 = build_from_files(files, str(two), tokenizer=tok, max_docs_per_shard=60, chunk_docs=7, workers=2)
+        kw = {"tokenizer": tok, "max_docs_per_shard": 60, "chunk_docs": 7, "chunk_bytes": 3000}
+        m1 = build_from_files(files, str(one), **kw)
+        m2 = build_from_files(files, str(two), workers=2, **kw)
         assert m2["build"]["workers"] == 2 and m1["num_docs"] == m2["num_docs"] > 400
         assert len(m1["shards"]) > 3
         assert _files_bytes(one) == _files_bytes(two)  # every shard, the index, the checksums
@@ -305,21 +311,55 @@ def test_analyze_takes_the_part_folders(part_dirs, tmp_path, capsys):
 
 
 def test_workers_read_a_bounded_number_of_chunks_ahead_and_report_errors(tmp_path):
-    from balanced_loader.data.build import ChunkEncoder, RawDoc, encoded_chunks
-
     pulled = []
 
-    def pieces():
+    def items():
         for i in range(40):
             pulled.append(i)
-            yield [RawDoc(data=b"x" * (i + 1), jsonl=False, where=f"doc {i}")]
+            yield b"x" * i
 
-    enc = ChunkEncoder(get_tokenizer("bytes"), "text")
-    for i, (chunk, (flat, lengths)) in enumerate(encoded_chunks(pieces(), enc, 2)):
-        assert len(pulled) - i <= 2 * 2 + 1  # chunks read but not yet written
-        assert lengths.tolist() == [i + 1] and chunk[0].where == f"doc {i}" and flat.tolist() == [120] * (i + 1)
+    for i, n in enumerate(ordered_map(len, items(), 2)):
+        assert n == i  # in order
+        assert len(pulled) - i <= 2 * 2 + 1  # items read but not yet handed back
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n' * 30 + "{not json\n" + '{"text": "fine"}\n' * 30)
     with pytest.raises(ValueError, match=r"bad\.jsonl line 31: not JSON"):
-        build_from_files([str(bad)], str(tmp_path / "out"), workers=2, chunk_docs=4)
+        build_from_files([str(bad)], str(tmp_path / "out"), workers=2, chunk_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"bad\.jsonl line at byte 510: not JSON"):  # a range inside the file
+        build_from_files([str(bad)], str(tmp_path / "out"), workers=2, chunk_bytes=100)
     assert os.listdir(tmp_path / "out") == []  # a failed build leaves nothing behind
+
+
+def test_a_range_inside_one_huge_line_reads_only_its_own_bytes(tmp_path, monkeypatch):
+    import builtins
+
+    big = tmp_path / "huge.jsonl"
+    big.write_text('{"text": "a"}\n' + json.dumps({"text": "y" * 3_000_000}) + '\n{"text": "b"}\n')
+    sizes = file_sizes([str(big)])
+    real_open, reads = builtins.open, []
+
+    class Counting:  # the real file, counting the bytes read through it
+        def __init__(self, f):
+            self.f = f
+
+        def read(self, n=-1):
+            out = self.f.read(n)
+            reads.append(len(out))
+            return out
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: Counting(real_open(*a, **k)))
+    assert list(read_docs([str(big)], sizes, 1_000_000, 1_100_000)) == []  # no line starts there
+    assert 0 < sum(reads) <= 100_000 + (1 << 16)  # its range and one block, not the rest of the line
+    monkeypatch.undo()
+    b_at = sizes[0] - len(b'{"text": "b"}\n')
+    docs = list(read_docs([str(big)], sizes, 20, sizes[0]))  # starts inside the huge line: the next line only
+    assert len(docs) == 1 and docs[0].data == b'{"text": "b"}\n' and docs[0].where.endswith(f"line at byte {b_at}")
