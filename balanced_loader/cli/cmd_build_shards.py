@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-mb", type=MEGABYTES, default=256.0, help="largest shard size in MB (default 256)")
     p.add_argument("--docs-per-shard", type=COUNT, default=100_000, help="most docs per shard (default 100000)")
     p.add_argument("--workers", type=int_in(1, 1024), default=1, metavar="N",
-                   help="tokenizing processes (default 1); the output is identical for any N")
+                   help="processes that read, parse and tokenize the input (default 1); the same output for any N")
     p.add_argument("--part", type=_part, metavar="K/N",
                    help="build only part K of N (0-based) for one machine of N: the docs that start in bytes "
                         "[K*B/N, (K+1)*B/N) of the inputs taken in order as one stream; the N part folders "
