@@ -8,7 +8,7 @@ tokenizer (the machine may be shared, so compare ratios, not absolute speed):
   one-worker build uses it), and on **1 thread** (as each worker of a multi-worker build);
 * **build, W workers**: ``build_from_files(..., workers=W)`` into a fresh folder, whole wall time
   (reading, JSON parsing, tokenizing, writing shards, checksums and the length index; with W > 1
-  the worker start-up too).
+  the worker start-up too, also timed alone: a pool running one empty task per worker).
 
 MB/s are input bytes (the ``.jsonl`` file) per second for every row, so the rows compare.
 
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from balanced_loader.data.build import CHUNK_DOCS, build_from_files
+from balanced_loader.data.build import CHUNK_DOCS, build_from_files, ordered_map
 from balanced_loader.data.corpus import stdlib_py_files
 from balanced_loader.data.files import atomic_write
 from balanced_loader.data.tokenizers import encode_many, get_tokenizer
@@ -113,17 +113,24 @@ def main(argv: list[str] | None = None) -> int:
             times["tokenizer, 1 thread"].append(raw_tokenize(tok, texts, threads="1"))
             for w in workers:
                 times[f"build, {w} worker{'s' if w > 1 else ''}"].append(build(corpus, tmp, spec, w))
+            for w in workers[1:] if len(workers) > 1 else []:
+                t0 = time.perf_counter()
+                list(ordered_map(len, iter([b""] * w), w))  # start the pool, one empty task per worker
+                times.setdefault(f"start-up of {w} workers", []).append(time.perf_counter() - t0)
             print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["tokenizer only"]
     rows = {k: {"seconds": t, "docs_per_s": docs / t, "mb_per_s": nbytes / 2**20 / t, "vs_tokenizer": base / t}
-            for k, t in med.items()}
+            for k, t in med.items() if not k.startswith("start-up")}
     tok_name = tok.identity()["name"] + (f" (BPE, vocab {tok.vocab_size})" if args.tokenizer == "train" else "")
     print(f"corpus: {docs} docs, {nbytes / 2**20:.1f} MB of .jsonl; tokenizer {tok_name}; "
           f"{args.repeats} repeats, medians; {os.cpu_count()} CPUs")
     print(f"{'':22s} {'seconds':>8s} {'docs/s':>9s} {'MB/s':>7s} {'speed vs tokenizer only':>24s}")
     for k, v in rows.items():
         print(f"{k:22s} {v['seconds']:8.3f} {v['docs_per_s']:9.0f} {v['mb_per_s']:7.2f} {v['vs_tokenizer']:24.2f}")
+    for k, t in med.items():
+        if k.startswith("start-up"):
+            print(f"{k}: {t:.2f} s (part of each build with them; a one-off cost per build)")
     if len(workers) > 1:
         w0, w1 = (f"build, {w} worker{'s' if w > 1 else ''}" for w in workers[:2])
         print(f"speed-up of {workers[1]} workers over {workers[0]}: {med[w0] / med[w1]:.2f}x")
