@@ -46,6 +46,9 @@ class _EmptyPart:
 
 def _open_part(folder: str, **kw: Any) -> Any:
     """A :class:`ShardSource`, or an :class:`_EmptyPart` for a part folder the writer left without docs."""
+    if os.path.isfile(folder):
+        raise ValueError(f"{folder} is a file; a list of sources must be shard folders (one source from a "
+                         f".jsonl or length file: pass its path alone)")
     meta_path = os.path.join(folder, META_FILE)
     if (os.path.isdir(folder) and not os.path.exists(os.path.join(folder, INDEX_FILE))
             and not list_shards(folder) and os.path.exists(meta_path)):

@@ -203,6 +203,9 @@ def test_a_list_of_lengths_stays_lengths_and_plain_folders_combine_in_argument_o
         np.testing.assert_array_equal(src.tokens(0), b.tokens(0))
         with pytest.raises(ValueError, match="outside 0..2"):
             src.tokens(3)
+    (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match="x.jsonl is a file; a list of sources must be shard folders"):
+        open_source([str(tmp_path / "a"), str(tmp_path / "x.jsonl")])
     a.close()
     b.close()
 
