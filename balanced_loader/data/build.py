@@ -27,6 +27,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import pickle
 import sys
 import time
 from collections import deque
@@ -289,7 +290,7 @@ def build_from_files(files: list[str], out_dir: str, *, tokenizer: Any = None, t
     (``shards.json``) plus ``"build"``: ``{"seconds", "docs", "input_bytes", "docs_per_s", "mb_per_s",
     "workers"}`` (not stored: the folder does not depend on timing).
 
-    ``workers``: tokenizing processes (the folder is the same for any number). ``part``: ``(K, N)`` or
+    ``workers``: processes that read, parse and tokenize (the same folder for any number). ``part``: ``(K, N)`` or
     ``"K/N"``: build only part ``K`` of ``N`` (see the module doc for the rule); ``shards.json`` and
     ``index.json`` then record ``part``, and always ``inputs`` (the input set's identity). ``chunk_bytes``:
     input bytes per task (a worker reads and tokenizes the docs that start in them); ``chunk_docs``: most
@@ -300,9 +301,17 @@ def build_from_files(files: list[str], out_dir: str, *, tokenizer: Any = None, t
     k, n = parse_part(part) if isinstance(part, str) else (part if part is not None else (0, 1))
     if part is not None and not (isinstance(k, int) and isinstance(n, int) and 0 <= k < n):
         raise ValueError(f"part must be (K, N) with 0 <= K < N, got {part!r}")
+    if chunk_docs < 1 or chunk_bytes < 1:
+        raise ValueError(f"chunk_docs and chunk_bytes must be >= 1, got {chunk_docs} and {chunk_bytes}")
     tok = get_tokenizer(tokenizer)
     if not files:
         raise ValueError("no input files to build shards from")
+    if workers > 1:
+        try:  # workers get the tokenizer pickled
+            pickle.dumps(tok)
+        except Exception as e:  # pickling raises many types (PicklingError, TypeError, AttributeError)
+            raise ValueError(f"the tokenizer {type(tok).__name__} cannot be sent to worker processes ({e}); "
+                             f"use workers=1 or a picklable tokenizer") from None
     t0 = time.perf_counter()
     sizes = file_sizes(files)
     inputs = input_identity(files, sizes, text_field)
@@ -336,6 +345,8 @@ def build_from_files(files: list[str], out_dir: str, *, tokenizer: Any = None, t
             if not w.num_docs and part is None:
                 raise ValueError(f"the {len(files)} input file(s) hold no docs (every .jsonl line is blank)")
     finally:
+        if hasattr(results, "close"):  # stop the workers now when the writer failed
+            results.close()
         if bar is not None:
             bar.close()
     meta = read_index_json(os.path.join(out_dir, META_FILE))
