@@ -385,3 +385,21 @@ def test_the_loader_delivers_the_same_microbatches_from_the_parts(tmp_path):
         got.append([(m.segments, m.input_ids.tolist()) for b in loader for m in b.microbatches])
         assert loader.state_dict()["lengths_fingerprint"] == loader.source.fingerprint()
     assert got[0] == got[1] and len(got[0]) > 3
+
+
+def test_a_tokenizer_that_cannot_reach_workers_is_one_error(tmp_path):
+    class Local:  # a class defined in a function does not pickle
+        vocab_size = 256
+
+        def encode(self, data):
+            return np.frombuffer(bytes(data), dtype=np.uint8)
+
+        def identity(self):
+            return {"name": "local"}
+
+    f = tmp_path / "a.txt"
+    f.write_text("abc")
+    with pytest.raises(ValueError, match="cannot be sent to worker processes"):
+        build_from_files([str(f)], str(tmp_path / "o"), tokenizer=Local(), workers=2)
+    meta = build_from_files([str(f)], str(tmp_path / "o"), tokenizer=Local())  # encode per doc, no encode_batch
+    assert meta["num_docs"] == 1 and meta["num_tokens"] == 3
