@@ -1,6 +1,7 @@
 """``balanced-loader analyze SOURCE_OR_LENGTHS``: length statistics, a histogram PNG and advice.
 
-SOURCE_OR_LENGTHS is a length file (.txt, .txt.gz, .npy), a shard folder or a .jsonl file.
+SOURCE_OR_LENGTHS is a length file (.txt, .txt.gz, .npy), a shard folder or a .jsonl file; several
+shard folders are analyzed as one source (the parts of a ``build-shards --part`` build).
 Writes ``OUT/histogram.png`` and ``OUT/analyze.json``.
 """
 
@@ -15,8 +16,9 @@ DEFAULT_COST = "hydra-gpt7b-a100"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="SOURCE_OR_LENGTHS",
-                   help="length file (.txt, .txt.gz, .npy), shard folder or .jsonl file")
+    p.add_argument("source", metavar="SOURCE_OR_LENGTHS", nargs="+",
+                   help="length file (.txt, .txt.gz, .npy), shard folder or .jsonl file; or several shard folders "
+                        "(the parts of a build-shards --part build)")
     g = p.add_argument_group("cost model (one of; default: --cost " + DEFAULT_COST + ")")
     g.add_argument("--cost-file", metavar="COST.yaml", help="contract-2 cost file (its lane cap drives the advice)")
     g.add_argument("--cost", metavar="PRESET", help="cost preset name (see 'balanced-loader presets')")
@@ -31,11 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the text report")
 
 
-def read_source_lengths(path: str) -> tuple[Any, str]:
-    """``[num_docs]`` lengths of a length file, a shard folder or a .jsonl file, and a description."""
+def read_source_lengths(path: str | list[str]) -> tuple[Any, str]:
+    """``[num_docs]`` lengths of a length file, a shard folder, a .jsonl file or several shard folders,
+    and a description."""
     import os
 
-    if os.path.isdir(path) or path.endswith(".jsonl"):
+    if isinstance(path, list):
+        path = path[0] if len(path) == 1 else path
+    if isinstance(path, list) or os.path.isdir(path) or path.endswith(".jsonl"):
         from balanced_loader.data.open import open_source
 
         src = open_source(path)
@@ -66,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     lengths, what = read_source_lengths(args.source)
+    args.first_source, args.source = args.source[0], " ".join(args.source)  # one label from here on
     preset = args.cost if (args.cost or args.cost_file) else DEFAULT_COST
     cost = load_cost(args.cost_file, preset, world_size=args.world_size or 64)
     cost_name = cost.name or args.cost_file
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     png = os.path.join(args.out, "histogram.png")
     marks = {k: float(v) for k, v in stats.get("percentiles", {}).items() if k in ("p50", "p99", "p99.9")}
     charts.length_histogram(analyzed, png, lane_cap=sc.max_tokens_per_lane, marks=marks,
-                            title=f"{os.path.basename(args.source.rstrip('/'))}: {stats['docs']:,} docs, "
+                            title=f"{os.path.basename(args.first_source.rstrip('/'))}: {stats['docs']:,} docs, "
                                   f"{stats['tokens']:,} tokens")
     report = {"source": args.source, "description": what, "cost": cost_name, "stats": stats,
               "degrees": degrees, "advice": adv.to_json(), "histogram": png}
@@ -113,7 +119,8 @@ def next_command(args: argparse.Namespace, adv, *, cost_arg: str) -> str:
 
     world = args.world_size or 64
     lanes = world // ((args.tp or 1) * (args.pp or 1)) or 1
-    src = "--source" if os.path.isdir(args.source) or args.source.endswith(".jsonl") else "--lengths"
+    first = getattr(args, "first_source", args.source)
+    src = "--source" if os.path.isdir(first) or first.endswith(".jsonl") else "--lengths"
     cmd = (f"balanced-loader compare {src} {args.source} --policies {','.join(adv.compare)} --world-size {world} "
            f"{cost_arg} --global-batch-tokens {lanes * adv.lane_cap * 4} --steps 5")
     if args.max_len is not None or adv.max_seq_len is not None:

@@ -25,6 +25,7 @@ INDEX_FORMAT = "balanced-loader/shard-index"
 INDEX_VERSION = 1
 ARRAYS = ("lengths", "shard", "offset")
 TOKEN_EXT = ".npy"
+META_COPIED = ("part", "inputs")  # keys of shards.json that the index carries over
 
 
 def array_path(folder: str, name: str) -> str:
@@ -166,6 +167,9 @@ def build_index(folder: str, *, write: bool = True, progress: bool = False) -> d
              "lengths_fingerprint": lengths_fingerprint(arrays["lengths"]),
              "member_names": "doc_id" if named else "any",
              "check_block_bytes": block, "shards": shards}
+    for key in META_COPIED:  # what build-shards recorded about the build (part K/N, the input set)
+        if meta and key in meta:
+            index[key] = meta[key]
     if crc_start is not None:
         arrays["crc_start"] = crc_start
     if not write:

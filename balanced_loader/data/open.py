@@ -12,16 +12,23 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.data.index import META_FILE, read_index_json
 from balanced_loader.data.lengths import LENGTH_SUFFIXES, doc_line, read_lengths
+from balanced_loader.data.parts import PartsSource
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.sources import JsonlSource, LengthSource, Source
 
 
 def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -> Source:
     """Open a source: a shard folder, a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``;
-    planning only), or a list/array of lengths."""
+    planning only), a list/tuple of shard folders (str or PathLike: one source, see :mod:`.parts`), or a
+    list/array of lengths."""
     if isinstance(spec, Source):
         return spec
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(s, (str, os.PathLike)) for s in spec):
+        if len(spec) == 1 and not _is_part(spec[0]):
+            return open_source(spec[0], text_field=text_field, tokenizer=tokenizer)
+        return PartsSource(list(spec))
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         if os.path.isdir(path):
@@ -41,7 +48,13 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -
                      f"path, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")
 
 
-def read_batch_source(lengths_path: str | None, source_path: str | None, *,
+def _is_part(path: Any) -> bool:
+    """Whether a one-element folder list is a part folder (then it must be checked as a whole build)."""
+    meta = os.path.join(os.fspath(path), META_FILE)
+    return os.path.exists(meta) and "part" in read_index_json(meta)
+
+
+def read_batch_source(lengths_path: str | None, source_path: str | list[str] | None, *,
                       positive: bool = False) -> tuple[np.ndarray, np.ndarray | None, str]:
     """Lengths from ``--lengths FILE`` or ``--source DIR``: ``([num_docs], shard bounds or None, label)``.
 
@@ -57,9 +70,14 @@ def read_batch_source(lengths_path: str | None, source_path: str | None, *,
             raise ValueError(f"--lengths {lengths_path}: lengths must be positive; {where} "
                              f"has length {int(lengths[i])}")
         return lengths, None, lengths_path
-    src = open_source(source_path)
+    if isinstance(source_path, (list, tuple)):  # --source DIR [DIR ...]
+        label = " ".join(map(str, source_path))
+        spec: Any = source_path[0] if len(source_path) == 1 else list(source_path)
+    else:
+        label, spec = str(source_path), source_path
+    src = open_source(spec)
     try:
         bounds = None if src.shard_bounds is None else np.asarray(src.shard_bounds, dtype=np.int64)
-        return np.asarray(src.lengths, dtype=np.int64), bounds, str(source_path)
+        return np.asarray(src.lengths, dtype=np.int64), bounds, label
     finally:
         src.close()

@@ -91,11 +91,16 @@ class ShardWriter:
     half-written ``.tar``; the index is written last, so its presence means the folder is
     complete. A failure (an exception inside ``with``, a full disk) removes every file this
     writer made, so a failed build leaves no shards that could be indexed as a partial dataset.
+
+    ``extra``: more JSON keys for ``shards.json`` (``build-shards`` records ``part`` and ``inputs``;
+    the index copies them). ``allow_empty``: a writer given no docs writes only ``shards.json``
+    and the empty checksum file (an empty part of a ``--part K/N`` build) instead of failing.
     """
 
     def __init__(self, out_dir: str, *, dtype: Any, tokenizer: dict[str, Any] | None = None,
                  max_shard_bytes: int = 256 << 20, max_docs_per_shard: int = 100_000,
-                 prefix: str = "shard", check_block_bytes: int = CHECK_BLOCK_BYTES) -> None:
+                 prefix: str = "shard", check_block_bytes: int = CHECK_BLOCK_BYTES,
+                 extra: dict[str, Any] | None = None, allow_empty: bool = False) -> None:
         if max_shard_bytes < 1 or max_docs_per_shard < 1:
             raise ValueError("max_shard_bytes and max_docs_per_shard must be >= 1")
         if not 64 <= check_block_bytes <= 1 << 30:
@@ -107,6 +112,8 @@ class ShardWriter:
         self.max_shard_bytes = int(max_shard_bytes)
         self.max_docs_per_shard = int(max_docs_per_shard)
         self.prefix = prefix
+        self.extra = dict(extra or {})
+        self.allow_empty = bool(allow_empty)
         os.makedirs(out_dir, exist_ok=True)
         existing = [f for f in os.listdir(out_dir) if f.endswith(".tar") or f in (INDEX_FILE, META_FILE)]
         if existing:
@@ -212,9 +219,11 @@ class ShardWriter:
             self._written.append(os.path.join(self.out_dir, CRC_FILE))
             meta = {"format": META_FORMAT, "version": INDEX_VERSION, "dtype": self.dtype.str,
                     "tokenizer": self.tokenizer, "num_docs": self.num_docs, "num_tokens": self.num_tokens,
-                    "check_block_bytes": self.check_block_bytes, "shards": self.shards}
+                    "check_block_bytes": self.check_block_bytes, "shards": self.shards, **self.extra}
             write_json(os.path.join(self.out_dir, META_FILE), meta, indent=1)
             self._written.append(os.path.join(self.out_dir, META_FILE))
+            if not self.num_docs and self.allow_empty:
+                return meta  # no shards, so no length index: a reader of parts counts this folder as 0 docs
             self._written += [array_path(self.out_dir, k) for k in (*ARRAYS, "crc_start")]
             self._written.append(os.path.join(self.out_dir, INDEX_FILE))
             build_index(self.out_dir)

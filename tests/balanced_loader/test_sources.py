@@ -22,7 +22,7 @@ def test_length_list_is_planning_only():
 
 
 @pytest.mark.parametrize("bad,match", [([1, -2], "doc 1 has a negative length -2"), ([[1, 2]], "1-D"),
-                                       ([1.5], "must be integers"), (["x"], "must be integers")])
+                                       ([1.5], "must be integers"), (["x"], "source x does not exist")])
 def test_bad_length_lists(bad, match):
     with pytest.raises(ValueError, match=match):
         open_source(bad)
