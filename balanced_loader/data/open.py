@@ -12,16 +12,23 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.data.hf_datasets import TOKENIZE_HINT, HFDatasetSource, hf_kind
 from balanced_loader.data.lengths import LENGTH_SUFFIXES, doc_line, read_lengths
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.sources import JsonlSource, LengthSource, Source
 
 
-def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -> Source:
+def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None,
+                token_field: str = "input_ids") -> Source:
     """Open a source: a shard folder, a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``;
-    planning only), or a list/array of lengths."""
+    planning only), a list/array of lengths, or a Hugging Face ``datasets.Dataset`` whose
+    ``token_field`` column holds token ids (read zero-copy from its Arrow files)."""
     if isinstance(spec, Source):
         return spec
+    if hf_kind(spec) is not None:  # checked without importing datasets (absent unless the caller imported it)
+        if tokenizer is not None:
+            raise ValueError(f"open_source does not tokenize a Hugging Face dataset; {TOKENIZE_HINT}")
+        return HFDatasetSource(spec, token_field=token_field)
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         if os.path.isdir(path):
@@ -38,7 +45,7 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -
     if isinstance(spec, (list, tuple, np.ndarray)):
         return LengthSource(spec)
     raise ValueError(f"cannot open a source from {type(spec).__name__}; pass a shard folder, a .jsonl "
-                     f"path, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")
+                     f"path, a datasets.Dataset, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")
 
 
 def read_batch_source(lengths_path: str | None, source_path: str | None, *,
