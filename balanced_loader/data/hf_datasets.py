@@ -169,9 +169,9 @@ class HFDatasetSource(Source):
         try:
             with open(meta_path) as f:
                 meta = json.load(f)
-            if (meta.get("format") != CACHE_FORMAT or meta.get("version") != CACHE_VERSION
-                    or meta.get("fingerprint") != self.dataset._fingerprint or meta.get("token_field") != self.token_field
-                    or meta.get("num_docs") != len(self.dataset)):
+            want = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "fingerprint": self.dataset._fingerprint,
+                    "token_field": self.token_field, "num_docs": len(self.dataset)}
+            if any(meta.get(k) != v for k, v in want.items()):
                 return None
             lengths = np.load(self.cache_path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError):
