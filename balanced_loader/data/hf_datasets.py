@@ -84,15 +84,22 @@ def _safe(name: str) -> str:
 class HFDatasetSource(Source):
     """A ``datasets.Dataset`` token column (``token_field``) as a source; reads are zero-copy views.
 
-    ``cache=False`` never writes the length cache (it is still read when present).
+    ``cache=False`` never writes the length cache (it is still read when present). ``vocab_size``:
+    the ids' range, when known, for a column of signed (or 64-bit) ids: it sets the dtype without
+    the one min/max pass over the values, and each read checks its own ids instead.
     Attributes: ``dtype`` (the returned token dtype), ``cache_path`` (the length cache file, or
     None), ``lengths_computed`` (True when this open computed the lengths instead of reading them).
     """
 
-    def __init__(self, dataset: Any, *, token_field: str = "input_ids", cache: bool = True) -> None:
+    def __init__(self, dataset: Any, *, token_field: str = "input_ids", cache: bool = True,
+                 vocab_size: int | None = None) -> None:
         check_dataset(dataset)
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or not 1 <= vocab_size <= 1 << 32):
+            raise ValueError(f"vocab_size must be an integer in 1..2**32, got {vocab_size!r}")
         self.dataset = dataset
         self.token_field = token_field
+        self.vocab_size = vocab_size
         self.bytes_read = 0
         self._mapped = False  # lengths memory-mapped from the cache file
         self._attach()
@@ -104,6 +111,10 @@ class HFDatasetSource(Source):
             self.lengths = lengths
             if self.cache_path is not None and cache and self._save_cache(lengths, meta):
                 self._load_cache()  # the saved file, memory-mapped: its pages can be dropped, a worker re-maps it
+        elif self._needs_range() and "max_id" not in meta:  # cached by an open that had vocab_size
+            meta.update(self._id_range())
+            if cache:
+                self._save_meta(meta)
         self._meta = meta
         self._fingerprint = meta["lengths_fingerprint"]
         self.dtype = self._dtype(meta)
@@ -194,11 +205,27 @@ class HFDatasetSource(Source):
                                 "fingerprint": self.dataset._fingerprint, "token_field": self.token_field,
                                 "num_docs": len(lengths), "num_tokens": int(lengths.sum()),
                                 "lengths_fingerprint": lengths_fingerprint(lengths)}
-        if self._values_dtype not in _ZERO_COPY:
-            # the smallest dtype needs the largest id: one pass over the values (of every row, selected or not)
-            mm = pc.min_max(pc.list_flatten(col)).as_py()
-            meta["min_id"], meta["max_id"] = mm["min"], mm["max"]
+        if self._needs_range():
+            meta.update(self._id_range())
         return lengths, meta
+
+    def _needs_range(self) -> bool:
+        return self._values_dtype not in _ZERO_COPY and self.vocab_size is None
+
+    def _id_range(self) -> dict[str, Any]:
+        """The smallest dtype needs the largest id: one min/max pass over the values (of every row,
+        selected or not); it touches every page of the column once (then the lengths cache has it)."""
+        import pyarrow.compute as pc  # see _attach
+
+        mm = pc.min_max(pc.list_flatten(self._column)).as_py()
+        return {"min_id": mm["min"], "max_id": mm["max"]}
+
+    def _save_meta(self, meta: dict[str, Any]) -> None:
+        if self.cache_path is not None and os.path.exists(self.cache_path):
+            try:
+                write_json(self.cache_path[:-len(".npy")] + ".json", meta)
+            except OSError as e:
+                log.warning("cannot update the length cache of %s (%s)", self.describe(), e)
 
     def _save_cache(self, lengths: np.ndarray, meta: dict[str, Any]) -> bool:
         """The ``.npy`` first, then the ``.json`` that marks it complete; a read-only folder keeps them in memory."""
@@ -213,8 +240,15 @@ class HFDatasetSource(Source):
         return True
 
     def _dtype(self, meta: dict[str, Any]) -> np.dtype:
-        if self._values_dtype in _ZERO_COPY:
-            return self._values_dtype
+        vals = self._values_dtype
+        if self.vocab_size is not None:
+            dt = token_dtype(self.vocab_size)
+            # a read checks its ids when the stored values could hold one the dtype cannot
+            self._check_reads = vals.kind != "u" or vals.itemsize > dt.itemsize
+            return dt
+        self._check_reads = False
+        if vals in _ZERO_COPY:
+            return vals
         lo, hi = meta.get("min_id"), meta.get("max_id")
         if lo is None:  # no token at all
             return np.dtype(np.uint8)
@@ -240,18 +274,22 @@ class HFDatasetSource(Source):
         a = int(offsets[row - self._starts[k]]) + start
         out = values[a:a + length]  # [length] a view of the Arrow buffer
         self.bytes_read += out.nbytes
-        if out.dtype != self.dtype:  # ids were range-checked on open: only this slice is converted
+        if self._check_reads and out.size and (int(out.min()) < 0 or int(out.max()) >= self.vocab_size):
+            bad = out[(out < 0) | (out >= self.vocab_size)][0]
+            raise ValueError(f"doc {d} of {self.describe()} holds token id {bad}, outside vocab_size {self.vocab_size}")
+        if out.dtype != self.dtype:  # ids were range-checked (on open, or just above): only this slice is cast
             out = out.astype(self.dtype)
         return out
 
     def __getstate__(self) -> dict[str, Any]:
         # the Arrow objects and views are rebuilt from the dataset (which pickles its memory-mapped
         # files by path); cached lengths are re-mapped, in-memory ones travel as they are
-        return {"dataset": self.dataset, "token_field": self.token_field, "meta": self._meta,
+        return {"dataset": self.dataset, "token_field": self.token_field, "vocab_size": self.vocab_size,
+                "meta": self._meta,
                 "cache_path": self.cache_path, "lengths": None if self._mapped else self.lengths}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.dataset, self.token_field = state["dataset"], state["token_field"]
+        self.dataset, self.token_field, self.vocab_size = state["dataset"], state["token_field"], state["vocab_size"]
         self.cache_path, self._meta = state["cache_path"], state["meta"]
         self.bytes_read = 0
         self.lengths_computed = self._mapped = False

@@ -161,6 +161,20 @@ def test_signed_and_wide_ids_give_the_smallest_unsigned_dtype(tmp_path):
         open_source(neg)
 
 
+def test_vocab_size_skips_the_id_pass_and_checks_each_read(tmp_path):
+    ds = saved(tmp_path, {"input_ids": [[1, 299], [400, 2]]}, ids("int64"))
+    src = HFDatasetSource(ds, vocab_size=300)
+    assert "max_id" not in src._meta  # no min/max pass over the values
+    assert src.dtype == np.uint16 and src.tokens(0).tolist() == [1, 299]
+    assert src.read(1, 1, 1).tolist() == [2]
+    with pytest.raises(ValueError, match="doc 1 of .* holds token id 400, outside vocab_size 300"):
+        src.tokens(1)
+    again = open_source(ds)  # the cached lengths, and now the id range the dtype needs
+    assert not again.lengths_computed and again.dtype == np.uint16 and again.tokens(1).tolist() == [400, 2]
+    with pytest.raises(ValueError, match="vocab_size must be an integer"):
+        HFDatasetSource(ds, vocab_size=0)
+
+
 def test_shuffled_dataset_reads_its_rows_in_its_order(tmp_path):
     data = rows([4, 9, 0, 2, 6, 1])
     ds = saved(tmp_path, {"input_ids": data}, ids("int32")).shuffle(seed=1)
