@@ -9,6 +9,7 @@ column's size.
 
     python tools/bench_hf_datasets.py --docs 1000000 --mean-tokens 256 --dtype uint16
     python tools/bench_hf_datasets.py --docs 1000000 --mean-tokens 256 --dtype int32
+    python tools/bench_hf_datasets.py --docs 1000000 --mean-tokens 256 --dtype int32 --vocab-size 50000
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def build(folder: str, docs: int, mean: int, dtype: str) -> int:
     return int(lengths.sum()) * np.dtype(dtype).itemsize
 
 
-def child(folder: str) -> None:
+def child(folder: str, vocab_size: int | None) -> None:
     """One open in this fresh process: prints its time and RSS growth as JSON."""
     import datasets
 
-    from balanced_loader.data.open import open_source
+    from balanced_loader.data.hf_datasets import HFDatasetSource
 
     def rss() -> int:
         with open("/proc/self/statm") as f:
@@ -56,7 +57,7 @@ def child(folder: str) -> None:
     ds = datasets.load_from_disk(folder)
     before = rss()
     t0 = time.perf_counter()
-    src = open_source(ds)
+    src = HFDatasetSource(ds, vocab_size=vocab_size)  # what open_source(ds) does, plus vocab_size
     t = time.perf_counter() - t0
     src.read(len(src.lengths) // 2, 0, int(src.lengths[len(src.lengths) // 2]))
     print(json.dumps({"open_s": t, "rss_grow": rss() - before, "computed": src.lengths_computed}))
@@ -68,10 +69,11 @@ def main() -> None:
     ap.add_argument("--mean-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="uint16", choices=["uint16", "int32", "int64"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--vocab-size", type=int, help="HFDatasetSource(vocab_size=): no min/max pass over signed ids")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.vocab_size)
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "ds")
@@ -81,7 +83,8 @@ def main() -> None:
               f"in {time.perf_counter() - t0:.1f} s", flush=True)
 
         def run() -> dict:
-            out = subprocess.run([sys.executable, __file__, "--child", folder], check=True,
+            extra = ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
+            out = subprocess.run([sys.executable, __file__, "--child", folder, *extra], check=True,
                                  capture_output=True, text=True).stdout
             return json.loads(out.strip().splitlines()[-1])
 
