@@ -54,20 +54,22 @@ def main() -> None:
     ap.add_argument("--docs", nargs="+", default=["1e6", "5e7"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/tmp")
-    ap.add_argument("--code", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--code", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    type=os.path.abspath)
     args = ap.parse_args()
     paths = {}
     for d in args.docs:
         n = int(float(d))
-        paths[n] = os.path.join(args.dir, f"lengths_{d}.npy")
+        paths[n] = os.path.join(os.path.abspath(args.dir), f"lengths_{d}.npy")
         if not os.path.exists(paths[n]):
             write_lengths(paths[n], n)
     runs: dict[int, list[dict]] = {n: [] for n in paths}
     env = {**os.environ, "PYTHONPATH": args.code}
     for _ in range(args.repeats):
         for n, p in paths.items():
-            out = subprocess.run([sys.executable, "-c", CHILD, p], env=env, check=True, capture_output=True,
-                                 text=True).stdout
+            # cwd: python -c puts the working folder first on sys.path, so it must be the code under test
+            out = subprocess.run([sys.executable, "-c", CHILD, p], env=env, cwd=args.code, check=True,
+                                 capture_output=True, text=True).stdout
             runs[n].append(json.loads(out.strip().splitlines()[-1]))
     print(f"code: {args.code}; medians of {args.repeats}")
     print("| docs | `.npy` size | peak RSS, first batch | time | peak RSS, + state_dict() | state_dict() time |")
