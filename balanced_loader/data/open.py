@@ -39,7 +39,8 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None,
         if path.endswith(".jsonl"):
             return JsonlSource(path, text_field=text_field, tokenizer=tokenizer)
         if path.endswith(LENGTH_SUFFIXES):
-            return LengthSource(read_lengths(path), name=f"lengths file {path}")
+            # read_lengths checks the values (streamed, naming the file and line): not a second time
+            return LengthSource(read_lengths(path), name=f"lengths file {path}", checked=True)
         raise ValueError(f"source {path}: unsupported file type; use a shard folder (balanced-loader "
                          f"build-shards), a .jsonl file or a length file (.npy, .txt, .txt.gz)")
     if isinstance(spec, (list, tuple, np.ndarray)):

@@ -141,8 +141,13 @@ def jsonl_text(line: bytes, text_field: str, where: str) -> str:
 class LengthSource(Source):
     """Only lengths: enough to plan, not to materialize microbatches."""
 
-    def __init__(self, lengths: Any, name: str = "a list of lengths") -> None:
-        self.lengths = as_lengths(lengths)  # an int64 array or memory map is kept as is (no copy)
+    def __init__(self, lengths: Any, name: str = "a list of lengths", *, checked: bool = False) -> None:
+        """``checked``: ``lengths`` is a ``[num_docs]`` int64 array already validated (``read_lengths``)."""
+        if checked:
+            assert isinstance(lengths, np.ndarray) and lengths.ndim == 1 and lengths.dtype == np.dtype(np.int64)
+            self.lengths = np.asarray(lengths)
+        else:
+            self.lengths = as_lengths(lengths)  # an int64 array or memory map is kept as is (no copy)
         self._name = name
 
     @property
