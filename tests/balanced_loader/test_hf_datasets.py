@@ -186,6 +186,25 @@ def test_shuffled_dataset_reads_its_rows_in_its_order(tmp_path):
     assert [back.tokens(d).tolist() for d in range(len(ds))] == [src.tokens(d).tolist() for d in range(len(ds))]
 
 
+def test_sliced_and_split_datasets(tmp_path):
+    data = rows([4, 9, 0, 2, 6, 1, 8, 3])
+    ds = saved(tmp_path, {"input_ids": data}, ids("uint16"))
+    parts = [ds.select(range(2, 7)), ds.shard(3, 1, contiguous=True), *ds.train_test_split(0.25, seed=0).values()]
+    for part in parts:  # contiguous selects slice the Arrow table; splits use an indices mapping
+        src = open_source(part)
+        assert src.lengths.tolist() == [len(r["input_ids"]) for r in part]
+        assert [src.tokens(d).tolist() for d in range(len(part))] == [r["input_ids"] for r in part]
+
+
+def test_importing_the_loader_does_not_import_datasets():
+    import subprocess
+    import sys
+
+    code = ("import sys, balanced_loader, balanced_loader.loader, balanced_loader.data.open, balanced_loader.cli; "
+            "assert 'datasets' not in sys.modules and 'pyarrow' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_wrap_reads_a_dataset_through_its_arrow_column(tmp_path):
     ds = saved(tmp_path, {"input_ids": rows([30, 40])}, ids("int32"))
     loader = wrap(ds, policy="greedy", cost=cost(64), world_size=1, rank=0, global_batch_tokens=100,
