@@ -67,7 +67,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": args.code}
     for _ in range(args.repeats):
         for n, p in paths.items():
-            # cwd: python -c puts the working folder first on sys.path, so it must be the code under test
+            # cwd: python -c imports from the working folder first, so it must be the code under test
             out = subprocess.run([sys.executable, "-c", CHILD, p], env=env, cwd=args.code, check=True,
                                  capture_output=True, text=True).stdout
             runs[n].append(json.loads(out.strip().splitlines()[-1]))
