@@ -465,8 +465,8 @@ class BalancedLoader:
 
     # ---- resume ------------------------------------------------------------------
     def _source_num_tokens(self) -> int:
-        if self._source_tokens is None:
-            self._source_tokens = int(np.asarray(self.source.lengths).sum())
+        if self._source_tokens is None:  # the source's own total where it has one (a shard index), else streamed
+            self._source_tokens = int(self.source.num_tokens)
         return self._source_tokens
 
     def _identity(self) -> dict[str, Any]:

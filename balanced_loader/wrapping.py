@@ -4,6 +4,8 @@ The dataset keeps its samples; the BalancedLoader takes over ordering, batching 
 split across ranks (the DataLoader's own sampler, batch size and collate function are not
 used, so nothing is sharded twice). Lengths come from ``lengths=`` (fastest), a
 ``length_fn(sample)``, or the length of each sample's tokens (one pass over the dataset).
+A Hugging Face ``datasets.Dataset`` (without those arguments) is opened as
+``open_source(ds)`` instead: its ``input_ids`` column is read from the Arrow files, no pass.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.data.hf_datasets import HFDatasetSource, hf_kind
 from balanced_loader.data.sources import Source, as_lengths
 
 
@@ -130,6 +133,10 @@ def wrap(data: Any, *, lengths: Any = None, length_fn: Callable[[Any], int] | No
         return BalancedLoader(data, **loader_kwargs)
     # every argument checked on a one-token stand-in source first: a bad value fails before the length pass
     BalancedLoader([1], **loader_kwargs).close()
+    kind = hf_kind(data)
+    if kind is not None and (kind != "dataset" or (lengths is None and length_fn is None and tokens_fn is None)):
+        # a datasets.Dataset is read from its Arrow column (open_source(ds)); a DatasetDict or stream is an error
+        return BalancedLoader(HFDatasetSource(data), **loader_kwargs)
     if isinstance(data, Mapping):
         cols = data.get("input_ids")
         if cols is None or isinstance(cols, (str, bytes)) or not hasattr(cols, "__getitem__"):

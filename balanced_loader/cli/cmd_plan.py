@@ -69,9 +69,9 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from balanced_loader.data.batching import EmptyDocError, global_batches, release_pages, validation_lengths
+    from balanced_loader.data.batching import EmptyDocError, global_batches, validation_lengths
     from balanced_loader.data.files import write_text
-    from balanced_loader.data.lengths import doc_line
+    from balanced_loader.data.lengths import doc_line, release_pages
     from balanced_loader.plan import BatchItems, Plan
     from balanced_loader.planning import make_plan, warm_up
     from balanced_loader.planning.config import PlanConfig

@@ -9,13 +9,13 @@ All pure functions of (lengths, seed, epoch, config), never of the world size: e
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from balanced_loader.data.lengths import release_pages
 from balanced_loader.plan import BatchItems
 
 
@@ -283,22 +283,6 @@ def _batch_bounds_py(lengths: np.ndarray, budget: int) -> np.ndarray:
         base = int(csum[j - 1])
         i = j
     return np.asarray(out, dtype=np.int64)
-
-
-def release_pages(arr: Any) -> None:
-    """Drop this process's mapping of a read-only memory-mapped array's pages (no-op otherwise).
-
-    Touched pages of a mapped file count as resident memory; a streaming pass over a large
-    length index calls this every so often so resident memory stays bounded (the pages stay
-    in the page cache and map back in on the next touch).
-    """
-    base = arr
-    while base is not None and not isinstance(base, mmap.mmap):
-        if isinstance(base, np.memmap) and base.mode != "r":
-            return  # a writable or copy-on-write map: dropping pages could lose data
-        base = getattr(base, "base", None)
-    if base is not None and hasattr(mmap, "MADV_DONTNEED"):
-        base.madvise(mmap.MADV_DONTNEED)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

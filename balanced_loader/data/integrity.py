@@ -1,4 +1,4 @@
-"""Integrity checks of shard folders (stdlib and numpy only; imports nothing of ours).
+"""Integrity checks of shard folders (stdlib and numpy; of ours only release_pages from .lengths).
 
 * **block checksums**: ``build-shards`` records a ``zlib.crc32`` of every ``CHECK_BLOCK_BYTES``
   block of each doc's token bytes (a doc of at most one block has one checksum, that of the
@@ -18,6 +18,8 @@ import zlib
 from typing import IO, Any
 
 import numpy as np
+
+from balanced_loader.data.lengths import release_pages
 
 CHECK_BLOCK_BYTES = 1024  # 0.4% of the token bytes; widens a partial read by ~1 KiB (4096 gave 1.3x bytes read)
 TAR_BLOCK = 512
@@ -41,12 +43,13 @@ def num_blocks(nbytes: np.ndarray | int, block: int) -> np.ndarray | int:
 
 def lengths_fingerprint(lengths: np.ndarray) -> str:
     """A 32-hex-digit blake2b of a ``[num_docs]`` length array (as little-endian int64), in chunks
-    so a memory-mapped index is never copied whole."""
+    so a memory-mapped index is never copied whole (and its pages are released as it goes)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"lengths:{len(lengths)}:".encode())
     step = 1 << 20
     for i in range(0, len(lengths), step):
         h.update(np.ascontiguousarray(lengths[i:i + step], dtype="<i8").tobytes())
+        release_pages(lengths)
     return h.hexdigest()
 
 

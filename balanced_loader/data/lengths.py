@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import gzip
 import io
+import mmap
 import os
 import warnings
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +19,7 @@ LENGTH_SUFFIXES = (".txt", ".txt.gz", ".gz", ".npy")
 MAX_DOC_TOKENS = 1 << 40  # longest doc a length file may give (~1.1e12 tokens): sums stay far inside int64
 _BLOCK = 1 << 22  # bytes of text parsed at a time
 _MAX_LINE = 1 << 20  # a longer line is not a length
+CHECK_DOCS = 1 << 20  # docs of an int64 length array checked or summed at a time (8 MB)
 
 
 def read_lengths(path: str | os.PathLike[str], *, check: bool = True) -> np.ndarray:
@@ -41,14 +44,62 @@ def read_lengths(path: str | os.PathLike[str], *, check: bool = True) -> np.ndar
             return arr
     else:
         arr = _read_text(p)
-    if arr.size and int(arr.min()) < 0:
-        i = int(np.flatnonzero(arr < 0)[0])
+    negative, over, _ = scan_lengths(arr)  # in blocks: a memory map's pages are released as it goes
+    if negative is not None:
+        i = negative
         raise ValueError(f"length file {p}: doc {i} has a negative length {int(arr[i])}")
-    if arr.size and int(arr.max()) > MAX_DOC_TOKENS:
-        i = int(np.flatnonzero(arr > MAX_DOC_TOKENS)[0])
+    if over is not None:
+        i = over
         raise ValueError(f"length file {p}: doc {i} has length {int(arr[i])}, over the limit of "
                          f"{MAX_DOC_TOKENS:,} tokens a doc")
     return arr
+
+
+def release_pages(arr: Any) -> None:
+    """Drop this process's mapping of a read-only memory-mapped array's pages (no-op otherwise).
+
+    Touched pages of a mapped file count as resident memory; a streaming pass over a large
+    length index calls this every so often so resident memory stays bounded (the pages stay
+    in the page cache and map back in on the next touch).
+    """
+    base = arr
+    while base is not None and not isinstance(base, mmap.mmap):
+        if isinstance(base, np.memmap) and base.mode != "r":
+            return  # a writable or copy-on-write map: dropping pages could lose data
+        base = getattr(base, "base", None)
+    if base is not None and hasattr(mmap, "MADV_DONTNEED"):
+        base.madvise(mmap.MADV_DONTNEED)
+
+
+def scan_lengths(arr: np.ndarray) -> tuple[int | None, int | None, int]:
+    """``(first negative doc, first doc over MAX_DOC_TOKENS, first doc of the largest length)`` of a
+    ``[num_docs]`` integer array (None: no such doc; the last is 0 when empty).
+
+    One pass in blocks of ``CHECK_DOCS`` docs with no full-size temporary; a memory map's pages are
+    released after each block, so resident memory does not grow with the number of docs.
+    """
+    negative = over = None
+    best, arg = None, 0
+    for a in range(0, len(arr), CHECK_DOCS):
+        block = np.asarray(arr[a:a + CHECK_DOCS])  # [<= CHECK_DOCS]
+        lo, hi = int(block.min()), int(block.max())
+        if negative is None and lo < 0:
+            negative = a + int(np.flatnonzero(block < 0)[0])
+        if over is None and hi > MAX_DOC_TOKENS:
+            over = a + int(np.flatnonzero(block > MAX_DOC_TOKENS)[0])
+        if best is None or hi > best:
+            best, arg = hi, a + int(np.argmax(block))
+        release_pages(arr)
+    return negative, over, arg
+
+
+def sum_lengths(arr: np.ndarray) -> int:
+    """The total of a ``[num_docs]`` length array, in blocks (no full-size temporary; pages released)."""
+    total = 0
+    for a in range(0, len(arr), CHECK_DOCS):
+        total += int(np.asarray(arr[a:a + CHECK_DOCS]).sum(dtype=np.int64))
+        release_pages(arr)
+    return total
 
 
 def _read_npy(p: str) -> np.ndarray:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.data.hf_datasets import TOKENIZE_HINT, HFDatasetSource, hf_kind
 from balanced_loader.data.index import META_FILE, read_index_json
 from balanced_loader.data.lengths import LENGTH_SUFFIXES, doc_line, read_lengths
 from balanced_loader.data.parts import PartsSource
@@ -19,12 +20,18 @@ from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.sources import JsonlSource, LengthSource, Source
 
 
-def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -> Source:
+def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None,
+                token_field: str = "input_ids") -> Source:
     """Open a source: a shard folder, a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``;
-    planning only), a list/tuple of shard folders (str or PathLike: one source, see :mod:`.parts`), or a
-    list/array of lengths."""
+    planning only), a list/tuple of shard folders (str or PathLike: one source, see :mod:`.parts`), a
+    list/array of lengths, or a Hugging Face ``datasets.Dataset`` whose ``token_field`` column holds
+    token ids (read zero-copy from its Arrow files)."""
     if isinstance(spec, Source):
         return spec
+    if hf_kind(spec) is not None:  # checked without importing datasets (absent unless the caller imported it)
+        if tokenizer is not None:
+            raise ValueError(f"open_source does not tokenize a Hugging Face dataset; {TOKENIZE_HINT}")
+        return HFDatasetSource(spec, token_field=token_field)
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(s, (str, os.PathLike)) for s in spec):
         if len(spec) == 1 and not _is_part(spec[0]):
             return open_source(spec[0], text_field=text_field, tokenizer=tokenizer)
@@ -39,13 +46,14 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -
         if path.endswith(".jsonl"):
             return JsonlSource(path, text_field=text_field, tokenizer=tokenizer)
         if path.endswith(LENGTH_SUFFIXES):
-            return LengthSource(read_lengths(path), name=f"lengths file {path}")
+            # read_lengths checks the values (streamed, naming the file and line): not a second time
+            return LengthSource(read_lengths(path), name=f"lengths file {path}", checked=True)
         raise ValueError(f"source {path}: unsupported file type; use a shard folder (balanced-loader "
                          f"build-shards), a .jsonl file or a length file (.npy, .txt, .txt.gz)")
     if isinstance(spec, (list, tuple, np.ndarray)):
         return LengthSource(spec)
     raise ValueError(f"cannot open a source from {type(spec).__name__}; pass a shard folder, a .jsonl "
-                     f"path, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")
+                     f"path, a datasets.Dataset, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")
 
 
 def _is_part(path: Any) -> bool:

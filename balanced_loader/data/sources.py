@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.data.integrity import lengths_fingerprint
-from balanced_loader.data.lengths import MAX_DOC_TOKENS
+from balanced_loader.data.lengths import MAX_DOC_TOKENS, scan_lengths, sum_lengths
 
 
 class Source(ABC):
@@ -40,6 +40,14 @@ class Source(ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of all docs: one streamed pass over ``lengths``, made once (sources that know it override)."""
+        n = self.__dict__.get("_num_tokens")
+        if n is None:
+            n = self._num_tokens = sum_lengths(self.lengths)
+        return n
 
     def tokens(self, doc_id: int) -> np.ndarray:
         """All token ids of one doc (``[length]``, the stored unsigned dtype)."""
@@ -82,7 +90,20 @@ class Source(ABC):
 
 
 def as_lengths(values: Any, where: str = "lengths") -> np.ndarray:
-    """A validated ``[num_docs]`` int64 array of non-negative token counts."""
+    """A validated ``[num_docs]`` int64 array of non-negative token counts.
+
+    A 1-D int64 array (a memory map included) is returned as is, not copied, after a check
+    streamed in blocks (a memory map's pages are released as it goes), so resident memory does
+    not grow with the number of docs; anything else is converted.
+    """
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype == np.dtype(np.int64):
+        negative, over, top = scan_lengths(values)
+        if over is not None:  # the same errors, in the same order, as the converting path below
+            raise ValueError(f"{where}: doc {top} has length {values[top]}, over the limit of "
+                             f"{MAX_DOC_TOKENS:,} tokens")
+        if negative is not None:
+            raise ValueError(f"{where}: doc {negative} has a negative length {int(values[negative])}")
+        return np.asarray(values)  # [num_docs] the caller's array (a plain view of a memory map)
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError) as e:
@@ -120,8 +141,13 @@ def jsonl_text(line: bytes, text_field: str, where: str) -> str:
 class LengthSource(Source):
     """Only lengths: enough to plan, not to materialize microbatches."""
 
-    def __init__(self, lengths: Any, name: str = "a list of lengths") -> None:
-        self.lengths = as_lengths(lengths)
+    def __init__(self, lengths: Any, name: str = "a list of lengths", *, checked: bool = False) -> None:
+        """``checked``: ``lengths`` is a ``[num_docs]`` int64 array already validated (``read_lengths``)."""
+        if checked:
+            assert isinstance(lengths, np.ndarray) and lengths.ndim == 1 and lengths.dtype == np.dtype(np.int64)
+            self.lengths = np.asarray(lengths)
+        else:
+            self.lengths = as_lengths(lengths)  # an int64 array or memory map is kept as is (no copy)
         self._name = name
 
     @property

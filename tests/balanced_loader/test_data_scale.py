@@ -9,8 +9,7 @@ import pytest
 
 from balanced_loader import cli
 from balanced_loader.cost import CostModel
-from balanced_loader.data.batching import release_pages
-from balanced_loader.data.lengths import read_lengths
+from balanced_loader.data.lengths import read_lengths, release_pages
 from balanced_loader.loader import BalancedLoader
 from balanced_loader.plan import Plan
 

@@ -38,6 +38,46 @@ def test_npy_lengths_file(tmp_path):
     assert open_source(str(txt)).lengths.tolist() == [3, 0, 9]
 
 
+def test_int64_lengths_and_memory_maps_are_not_copied(tmp_path, monkeypatch):
+    from balanced_loader.data import lengths as lengths_mod
+
+    monkeypatch.setattr(lengths_mod, "CHECK_DOCS", 3)  # several blocks even for a few docs
+    given = np.array([4, 0, 7, 1, 2, 9, 3], dtype=np.int64)
+    src = LengthSource(given)
+    assert np.shares_memory(src.lengths, given)  # the caller's array, as is
+    assert src.num_tokens == 26
+    p = tmp_path / "lengths.npy"
+    np.save(p, given)
+    src = open_source(str(p))
+    assert isinstance(src.lengths.base, np.memmap)  # still the memory map: nothing was copied
+    assert src.lengths.tolist() == given.tolist() and src.num_tokens == 26
+    mm = np.load(p, mmap_mode="r")
+    assert np.shares_memory(LengthSource(mm).lengths, mm)
+    converted = LengthSource(given.astype(np.int32)).lengths  # other dtypes are converted to int64
+    assert converted.dtype == np.int64 and converted.tolist() == given.tolist()
+
+
+@pytest.mark.parametrize("values,match", [
+    ([5, 1, -2, 3, -1, 4, 0], "lengths: doc 2 has a negative length -2"),  # the first negative, in block 0
+    ([5, 1, 3, 0, 0, -7, 4], "lengths: doc 5 has a negative length -7"),  # in a later block
+    ([1, 2, 3, 2**41, 0, 2**45, 2**45], r"lengths: doc 5 has length 35184372088832, over the limit"),  # the max
+    ([-1, 2, 3, 4, 2**50], r"doc 4 has length \d+, over the limit"),  # over the limit is reported first
+])
+def test_streamed_length_checks_keep_their_messages(values, match, monkeypatch, tmp_path):
+    from balanced_loader.data import lengths as lengths_mod
+
+    monkeypatch.setattr(lengths_mod, "CHECK_DOCS", 3)
+    arr = np.array(values, dtype=np.int64)
+    with pytest.raises(ValueError, match=match):
+        LengthSource(arr)
+    with pytest.raises(ValueError, match=match):  # the old converting path gives the same line
+        LengthSource(arr.tolist())
+    p = tmp_path / "bad.npy"
+    np.save(p, arr)
+    with pytest.raises(ValueError, match=f"length file {p}: doc"):  # read_lengths' own messages
+        open_source(str(p))
+
+
 def test_open_source_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         open_source(str(tmp_path / "nope.jsonl"))
