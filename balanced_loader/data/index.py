@@ -180,15 +180,22 @@ def build_index(folder: str, *, write: bool = True, progress: bool = False) -> d
 def read_index_json(path: str) -> dict[str, Any]:
     """``index.json`` or ``shards.json`` of a shard folder; one ``ValueError`` when unreadable."""
     try:
-        with open(path) as f:
-            d = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    return parse_index_json(data, path)
+
+
+def parse_index_json(data: bytes, where: str, *, fix: str = "delete it to rebuild the index") -> dict[str, Any]:
+    """The JSON of ``index.json`` / ``shards.json`` read from ``where`` (a path or URL); one
+    ``ValueError`` ending in ``fix`` when it is not a shard index this reader knows."""
+    try:
+        d = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ValueError(f"{path} is not JSON ({type(e).__name__}); delete it to rebuild the index") from None
+        raise ValueError(f"{where} is not JSON ({type(e).__name__}); {fix}") from None
     if not isinstance(d, dict) or d.get("format") not in (INDEX_FORMAT, META_FORMAT):
-        raise ValueError(f"{path} is not a balanced-loader shard index; delete it to rebuild the index")
+        raise ValueError(f"{where} is not a balanced-loader shard index; {fix}")
     if d.get("version") != INDEX_VERSION:
-        raise ValueError(f"{path} has version {d.get('version')}, this reader knows {INDEX_VERSION}; "
-                         f"delete it to rebuild the index")
+        raise ValueError(f"{where} has version {d.get('version')}, this reader knows {INDEX_VERSION}; {fix}")
     return d
