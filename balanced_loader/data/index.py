@@ -27,8 +27,13 @@ ARRAYS = ("lengths", "shard", "offset")
 TOKEN_EXT = ".npy"
 
 
+def array_name(name: str) -> str:
+    """The file name of index array ``name`` (``lengths``, ``shard``, ``offset``, ``crc_start``)."""
+    return f"index.{name}.npy"
+
+
 def array_path(folder: str, name: str) -> str:
-    return os.path.join(folder, f"index.{name}.npy")
+    return os.path.join(folder, array_name(name))
 
 
 def check_token_dtype(dtype: Any, where: str) -> np.dtype:
