@@ -35,7 +35,7 @@ class _Handler(BaseHTTPRequestHandler):
         # no Nagle delay between the header and body writes (with the client's delayed ACK it costs 40 ms a request)
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def _file(self) -> str | None:
@@ -57,10 +57,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
             self.server.count(self.path, len(body))
 
-    def do_HEAD(self) -> None:  # noqa: N802 (the stdlib's name)
+    def do_HEAD(self) -> None:
         self._serve(head=True)
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._serve(head=False)
 
     def _serve(self, head: bool) -> None:

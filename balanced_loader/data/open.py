@@ -2,7 +2,8 @@
 ``--lengths FILE | --source DIR``).
 
 The one module that knows every source type, so ``sources``, ``shards`` and ``lengths`` need not
-import each other (``shards`` imports ``sources``; ``lengths`` imports nothing of ours).
+import each other (``shards`` imports ``sources`` and ``stores``; ``lengths`` imports nothing of ours;
+``remote``, which imports fsspec, is imported only when a URL is opened).
 """
 
 from __future__ import annotations
@@ -15,13 +16,27 @@ import numpy as np
 from balanced_loader.data.lengths import LENGTH_SUFFIXES, doc_line, read_lengths
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.sources import JsonlSource, LengthSource, Source
+from balanced_loader.data.stores import is_url
 
 
-def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -> Source:
-    """Open a source: a shard folder, a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``;
-    planning only), or a list/array of lengths."""
+def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None, cache_dir: str | None = None,
+                cache_shards: bool = False, storage_options: dict[str, Any] | None = None) -> Source:
+    """Open a source: a shard folder (local, or a URL: ``http(s)://``, ``s3://``, ``gs://``, any fsspec
+    URL), a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``; planning only), or a
+    list/array of lengths.
+
+    Remote folders only (see :mod:`balanced_loader.data.remote`): ``cache_dir`` keeps the fetched
+    index files (and, with ``cache_shards=True``, whole shards on first read) in a local folder;
+    ``storage_options`` go to fsspec (credentials, endpoints).
+    """
     if isinstance(spec, Source):
         return spec
+    if isinstance(spec, str) and spec.startswith("file://"):
+        spec = spec[len("file://"):]
+    if is_url(spec):
+        from balanced_loader.data.remote import open_remote  # fsspec is imported only for URLs
+
+        return open_remote(spec, cache_dir=cache_dir, cache_shards=cache_shards, storage_options=storage_options)
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         if os.path.isdir(path):
@@ -41,9 +56,9 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None) -
                      f"path, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")
 
 
-def read_batch_source(lengths_path: str | None, source_path: str | None, *,
-                      positive: bool = False) -> tuple[np.ndarray, np.ndarray | None, str]:
-    """Lengths from ``--lengths FILE`` or ``--source DIR``: ``([num_docs], shard bounds or None, label)``.
+def read_batch_source(lengths_path: str | None, source_path: str | None, *, positive: bool = False,
+                      cache_dir: str | None = None) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """Lengths from ``--lengths FILE`` or ``--source DIR|URL``: ``([num_docs], shard bounds or None, label)``.
 
     ``positive``: a length of 0 or less in a lengths file is an error naming the doc and line
     (a source's empty docs are skipped later by the loader's rules instead).
@@ -57,7 +72,7 @@ def read_batch_source(lengths_path: str | None, source_path: str | None, *,
             raise ValueError(f"--lengths {lengths_path}: lengths must be positive; {where} "
                              f"has length {int(lengths[i])}")
         return lengths, None, lengths_path
-    src = open_source(source_path)
+    src = open_source(source_path, cache_dir=cache_dir)
     try:
         bounds = None if src.shard_bounds is None else np.asarray(src.shard_bounds, dtype=np.int64)
         return np.asarray(src.lengths, dtype=np.int64), bounds, str(source_path)
