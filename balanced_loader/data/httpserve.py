@@ -54,8 +54,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body) if length is None else length))
         self.end_headers()
         if not head and body:
+            self.server.count(self.path, len(body))  # before sending: a client that has the answer sees it counted
             self.wfile.write(body)
-            self.server.count(self.path, len(body))
 
     def do_HEAD(self) -> None:
         self._serve(head=True)
