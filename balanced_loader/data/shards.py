@@ -395,17 +395,26 @@ class ShardSource(Source):
                 break
         raise self._mismatch(d, shard, str(err))
 
+    def _headers_match(self, d: int, window: bytes | memoryview, base: int) -> bool:
+        """Whether ``window`` (the bytes just before the doc's token data) holds headers that agree with the index."""
+        name = f"{d:010d}{TOKEN_EXT}" if self._names_are_ids else None
+        try:
+            check_member(bytes(window), base - len(window), data_offset=base, length=int(self.lengths[d]),
+                         dtype=self.dtype, name=name)
+        except ValueError:
+            return False
+        return True
+
     def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
         d, start, length = self._check_range(doc_id, start, length)
         item = self.dtype.itemsize
         shard = int(self._shard[d])
         base = int(self._offset[d])
+        check = False  # the doc's headers still need their check
         if self.verify != "off":
             if self._header_ok is None:
                 self._header_ok = np.zeros(self.num_docs, dtype=bool)
-            if not self._header_ok[d]:
-                self._check_header(d, shard, base)
-                self._header_ok[d] = True
+            check = not self._header_ok[d]
         lo, hi = start * item, (start + length) * item  # bytes of the doc's token data
         crc = self._crc is not None and self.verify == "full" and hi > lo
         if crc:
@@ -418,7 +427,18 @@ class ShardSource(Source):
             if not whole:  # widen to whole checksum blocks
                 first, last = lo // b, -(-hi // b)
                 lo, hi = first * b, min(last * b, nbytes)
-        buf = self._pread(shard, hi - lo, base + lo)
+        if check and lo > 0:
+            self._check_header(d, shard, base)
+            self._header_ok[d] = check = False
+        # a read from the doc's start takes the headers in front of it along: the same bytes, one request
+        # fewer (what counts for a remote folder)
+        pre = min(base, TAR_BLOCK + NPY_HEADER_GUESS) if check else 0
+        buf: bytes | memoryview = self._pread(shard, pre + hi - lo, base + lo - pre)
+        if check:
+            if not self._headers_match(d, buf[:pre], base):
+                self._check_header(d, shard, base)  # a wider look (an unusual .npy header), or the mismatch
+            self._header_ok[d] = True
+            buf = memoryview(buf)[pre:]
         if len(buf) != hi - lo:
             raise ValueError(f"shard {self.shard_path(shard)} is truncated: doc {d} needs bytes "
                              f"[{base + lo}, {base + hi}) but the file ends first")
