@@ -429,7 +429,8 @@ class ShardSource(Source):
                 lo, hi = first * b, min(last * b, nbytes)
         if check and lo > 0:
             self._check_header(d, shard, base)
-            self._header_ok[d] = check = False
+            self._header_ok[d] = True
+            check = False
         # a read from the doc's start takes the headers in front of it along: the same bytes, one request
         # fewer (what counts for a remote folder)
         pre = min(base, TAR_BLOCK + NPY_HEADER_GUESS) if check else 0

@@ -20,7 +20,7 @@ from balanced_loader import cli
 from balanced_loader.cost import CostModel
 from balanced_loader.data.httpserve import RangeServer
 from balanced_loader.data.open import open_source
-from balanced_loader.data.shards import write_shards
+from balanced_loader.data.shards import ShardSource, write_shards
 from balanced_loader.loader import BalancedLoader
 
 WORLD = 4
@@ -222,3 +222,20 @@ def test_memory_filesystem(local):
             assert np.array_equal(src.read(d, 50, 30), local.read(d, 50, 30))
     finally:
         fs.rm("/remote-test", recursive=True)
+
+
+def test_headers_ride_along_once_per_doc(local):
+    """A doc's headers are read once per source: with its first read when that starts at the doc's start
+    (one request), else on their own; later reads fetch token bytes only."""
+    src = ShardSource(local.folder)
+    d, e = np.argsort(local.lengths)[-2:].tolist()
+    n = int(local.lengths[e])
+    for doc, start in ((d, 5000), (e, 0)):
+        before = src.bytes_read
+        src.read(doc, start, 10)  # one checksum block of 1 KiB, plus the 640 header bytes on first touch
+        assert src.bytes_read - before == 1024 + 640
+        before = src.bytes_read
+        src.read(doc, 0, 10)
+        assert src.bytes_read - before == 1024
+    before = src.bytes_read
+    assert np.array_equal(src.tokens(e), local.tokens(e)) and src.bytes_read - before == 2 * n
