@@ -58,7 +58,8 @@ class RemoteStore:
     """A shard folder at an fsspec URL: its index, fetched once (optionally cached), and exact range reads.
 
     Picklable (its URL and options; it reconnects where it is unpickled, e.g. in DataLoader
-    workers). ``bytes_fetched`` counts every byte transferred, the index files included.
+    workers), and it reconnects in a forked child. ``bytes_fetched`` counts every byte
+    transferred, the index files included.
     """
 
     remote = True
@@ -73,6 +74,7 @@ class RemoteStore:
         self.storage_options = dict(storage_options or {})
         self.bytes_fetched = 0
         self._fs: Any = None
+        self._pid = 0  # the process that made self._fs
         self._root = ""
         self._cache: str | None = None  # this index version's cache folder
         self._shards: dict[str, dict[str, Any]] = {}  # shard name -> its index entry (bytes, crc32)
@@ -86,8 +88,11 @@ class RemoteStore:
     # -- connecting and fetching ------------------------------------------------------------
 
     def _connect(self) -> Any:
-        if self._fs is not None:
+        if self._fs is not None and self._pid == os.getpid():
             return self._fs
+        # (re)connect: first use, or a forked child (DataLoader workers), where fsspec's async
+        # filesystems refuse to run ("not fork-safe") and a fresh instance is needed
+        self._pid = os.getpid()
         scheme = self.url.split("://", 1)[0].lower()
         try:
             import fsspec  # an optional dependency: imported only when a URL is opened

@@ -136,11 +136,25 @@ def test_cache_dir_keeps_the_index_and_whole_shards(local, server, tmp_path):
     assert tars == {k: sizes[k] for k in tars} and len(tars) == len(sizes)
 
 
-def test_server_without_range_support(local):
+def test_server_without_range_support(local, tmp_path):
     with RangeServer(local.folder, ranges=False) as s:
         with pytest.raises(ValueError, match="ignores HTTP range requests .* got \\d+\\)"):
             open_source(s.url)
         assert not any(k.endswith(".tar") for k in s.bytes_served)  # caught before any shard was touched
+        # whole-shard caching needs no Range: each shard is downloaded once, then read locally
+        src = open_source(s.url, cache_dir=str(tmp_path), cache_shards=True)
+        d = int(np.argmax(local.lengths))
+        assert np.array_equal(src.read(d, 7, 3000), local.read(d, 7, 3000))
+        assert np.array_equal(src.tokens(d), local.tokens(d))
+
+
+def test_no_fsspec_import_for_the_cli_and_local_folders(local):
+    code = ("import sys\nfrom balanced_loader.cli import main\nfrom balanced_loader.data.open import open_source\n"
+            f"open_source({local.folder!r}).tokens(0)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fsspec', 'aiohttp')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.stdout.strip() == "[]", out.stderr
 
 
 def test_errors_are_one_clear_line(local, tmp_path):
@@ -239,3 +253,26 @@ def test_headers_ride_along_once_per_doc(local):
         assert src.bytes_read - before == 1024
     before = src.bytes_read
     assert np.array_equal(src.tokens(e), local.tokens(e)) and src.bytes_read - before == 2 * n
+
+
+def _read_in_child(src, doc, q):
+    q.put(src.tokens(doc).tolist())
+
+
+def test_fork_and_pickle_reconnect(local, server):
+    """DataLoader workers: a forked child reads through the parent's remote source (fsspec's async
+    filesystems are not fork-safe, so the store reconnects), and an unpickled one reconnects too."""
+    import multiprocessing as mp
+
+    src = open_source(server.url)
+    d = int(np.argmax(local.lengths))
+    assert np.array_equal(src.tokens(0), local.tokens(0))  # connected in the parent first
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_read_in_child, args=(src, d, q))
+    p.start()
+    got = q.get(timeout=30)
+    p.join(30)
+    assert p.exitcode == 0 and got == local.tokens(d).tolist()
+    again = pickle.loads(pickle.dumps(src))
+    assert again.remote and np.array_equal(again.tokens(d), local.tokens(d))
