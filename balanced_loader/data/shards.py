@@ -21,11 +21,14 @@ doc_ids run in shard order, then member order, so the docs of shard ``s`` are
 ``[a, b)`` of a doc are one ``pread`` of ``(b - a) * itemsize`` bytes at ``offset + a * itemsize``.
 
 The index is scanned and written by :mod:`.index`. Reads are checked (:mod:`.integrity`): the
-first read of a doc checks its tar and ``.npy`` headers against the index, and every read checks
+first read of a doc checks its tar and ``.npy`` headers against the index (fetched with the doc's
+first bytes when that read starts at the doc's start: one request), and every read checks
 the checksums it covers, the whole-doc crc32 or the 1 KiB block crc32s of a partial read
 (``verify="full"``, the default; ``"header"`` skips the checksums, ``"off"`` both). A mismatch
 is one ``ValueError`` naming the shard file and the doc_id: wrong tokens are never returned.
 Every file is written complete or not at all (:func:`~balanced_loader.data.files.atomic_write`).
+Bytes come from a store (:mod:`.stores`): the local folder, or a remote one (:mod:`.remote`,
+fsspec byte ranges), with the same checks.
 """
 
 from __future__ import annotations
