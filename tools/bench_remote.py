@@ -11,10 +11,12 @@ and one source each, as real ranks: each fetches the index itself) read one epoc
   included) against the folder's size on disk; also split into index and shard bytes, and
   shard bytes against the token bytes the ranks' microbatches hold (needed).
 * **docs/s**: docs delivered per second of the whole epoch (all ranks), remote against local.
-  Localhost has no network latency: this is the cost of the HTTP path itself, not of a WAN.
+  Localhost has no network latency (``--latency-ms`` adds some per request); ``--sequential``
+  also times remote reads without the loader's prefetch (each read one request, in turn).
 
     python tools/bench_remote.py                      # 1000 synthetic docs, 4 ranks, lane cap 16384
     python tools/bench_remote.py --lane-cap 4096      # smaller CP chunks: more read widening per byte
+    python tools/bench_remote.py --latency-ms 5 --sequential --repeats 1
     python tools/bench_remote.py --shards DIR --world 8
 """
 
@@ -43,13 +45,16 @@ def synthetic_docs(n: int, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 65_000, size=int(k)).astype(np.uint16) for k in lengths]
 
 
-def epoch(spec: str, args: argparse.Namespace) -> dict:
+def epoch(spec: str, args: argparse.Namespace, prefetch: bool = True) -> dict:
     """One epoch of ``args.world`` ranks, each with its own source opened from ``spec``."""
     cost = CostModel.from_dict({"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0,
                                 "comm_bytes_per_token": 1e4, "bandwidth_gbs": {2: 10.0, 16: 1.0},
                                 "max_tokens_per_lane": args.lane_cap})
     t0 = time.perf_counter()
     sources = [open_source(spec) for _ in range(args.world)]
+    if not prefetch:
+        for src in sources:
+            src.prefetch = lambda reads: None  # each read fetched when it is made, one request after another
     loaders = [BalancedLoader(src, policy="greedy", cost=cost, world_size=args.world, rank=r,
                               global_batch_tokens=2 * args.world * args.lane_cap, seed=args.seed, epochs=1)
                for r, src in enumerate(sources)]
@@ -78,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-cap", type=int, default=16384, help="max_tokens_per_lane: longer docs use CP groups")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--latency-ms", type=float, default=0.0, help="the server waits this long per request")
+    p.add_argument("--sequential", action="store_true",
+                   help="also time remote reads without the loader's prefetch (one request after another)")
     args = p.parse_args(argv)
     logging.getLogger("balanced_loader").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,12 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                            if os.path.isfile(os.path.join(folder, f)))
         print(f"{folder}: {local.num_docs} docs, {local.num_tokens} tokens, {len(local.shard_names)} shards, "
               f"{folder_bytes} bytes on disk; world {args.world}, lane cap {args.lane_cap}, {args.repeats} repeats")
-        times: dict[str, list[float]] = {"local": [], "remote": []}
-        with RangeServer(folder) as server:
+        paths = ("local", "remote", "remote-sequential") if args.sequential else ("local", "remote")
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        with RangeServer(folder, latency_ms=args.latency_ms) as server:
             for i in range(args.repeats):
-                for what in (("local", "remote") if i % 2 == 0 else ("remote", "local")):
+                for what in paths[i % len(paths):] + paths[:i % len(paths)]:
                     server.reset()
-                    r = epoch(server.url if what == "remote" else folder, args)
+                    r = epoch(folder if what == "local" else server.url, args, prefetch=what == "remote")
                     assert r["docs"] == int((local.lengths > 0).sum()), "an epoch must deliver every doc"
                     times[what].append(r["seconds"])
                     if what == "remote":
@@ -107,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{index} = {index / folder_bytes:.3f} for {args.world} ranks, shards {shards} = "
               f"{shards / folder_bytes:.3f}); {requests} requests, {remote['runs']} token runs")
         print(f"shard bytes served / token bytes needed: {shards / remote['needed']:.3f}")
-        print(f"docs/s (all ranks, median of {args.repeats}): local {local.num_docs / med['local']:.0f}, "
-              f"remote {local.num_docs / med['remote']:.0f} (remote/local {med['local'] / med['remote']:.2f}x)")
+        rates = ", ".join(f"{k} {local.num_docs / v:.0f}" for k, v in med.items())
+        print(f"docs/s (all ranks, median of {args.repeats}, server latency {args.latency_ms:g} ms): {rates} "
+              f"(remote/local {med['local'] / med['remote']:.2f}x)")
     return 0
 
 

@@ -19,6 +19,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -64,6 +65,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(head=False)
 
     def _serve(self, head: bool) -> None:
+        if self.server.latency_s:
+            time.sleep(self.server.latency_s)
         path = self._file()
         if path is None:
             self._send(404, {}, b"not found")
@@ -95,9 +98,10 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, root: str, port: int, ranges: bool) -> None:
+    def __init__(self, root: str, port: int, ranges: bool, latency_s: float) -> None:
         self.root = os.path.realpath(root)
         self.ranges = ranges
+        self.latency_s = latency_s
         self.bytes_served: dict[str, int] = {}  # URL path -> body bytes sent
         self.requests = 0
         self._count_lock = threading.Lock()
@@ -111,10 +115,14 @@ class _Server(ThreadingHTTPServer):
 
 
 class RangeServer:
-    """Serve ``root`` on ``127.0.0.1:port`` (0: any free port) in a background thread until ``close()``."""
+    """Serve ``root`` on ``127.0.0.1:port`` (0: any free port) in a background thread until ``close()``.
 
-    def __init__(self, root: str, *, port: int = 0, ranges: bool = True) -> None:
-        self._server = _Server(root, port, ranges)
+    ``latency_ms``: each request waits this long before it is answered (a network round trip;
+    requests are served concurrently, one thread each).
+    """
+
+    def __init__(self, root: str, *, port: int = 0, ranges: bool = True, latency_ms: float = 0.0) -> None:
+        self._server = _Server(root, port, ranges, latency_ms / 1000)
         self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="range-server", daemon=True)

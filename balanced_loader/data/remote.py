@@ -9,7 +9,8 @@ local ones:
   into memory or, with ``cache_dir``, into a cache folder keyed by the URL and the exact
   ``index.json`` (a re-uploaded folder gets a fresh cache entry; stale ones are never read);
 * every token read is one ``fs.cat_file(path, start, end)``: exactly the bytes asked for, no
-  file object and so no read-ahead or block cache;
+  file object and so no read-ahead or block cache; the loader announces a step's reads
+  (``ShardSource.prefetch``), which are then fetched concurrently (``fs.cat_ranges``);
 * ``cache_shards=True`` (with ``cache_dir``) downloads a shard whole on its first read, checks
   its size and crc32, and reads it locally from then on. A rank that needs a few docs of a
   shard then transfers all of it: worth it when the cache is shared by several runs or epochs,
@@ -222,6 +223,25 @@ class RemoteStore:
                              f"{n} bytes, got {len(buf)}): serve the folder from a server that supports Range, or "
                              f"pass cache_dir= with cache_shards=True")
         return buf
+
+    def pread_many(self, reqs: list[tuple[str, int, int]]) -> list[bytes | None]:
+        """``(name, n, offset)`` ranges fetched concurrently (fsspec's ``cat_ranges``); ``None`` where a
+        range failed or came back longer than asked (the read then asks again and reports the problem)."""
+        if self.cache_shards or not reqs:
+            return [None] * len(reqs)
+        fs = self._connect()
+        try:
+            got = fs.cat_ranges([f"{self._root}/{name}" for name, _, _ in reqs], [off for _, _, off in reqs],
+                                [off + n for _, n, off in reqs], on_error="return")
+        except Exception:  # a prefetch is a hint: the reads themselves fetch again and report errors
+            return [None] * len(reqs)
+        out: list[bytes | None] = []
+        for (_, n, _), buf in zip(reqs, got, strict=True):
+            ok = isinstance(buf, bytes) and len(buf) <= n
+            out.append(buf if ok else None)
+        with self._lock:
+            self.bytes_fetched += sum(len(b) for b in got if isinstance(b, bytes))
+        return out
 
     def _download(self, name: str) -> None:
         """Fetch a shard whole into the cache folder once, checking its size and crc32 against the index."""

@@ -302,6 +302,7 @@ class ShardSource(Source):
         self._header_ok: np.ndarray | None = None  # [num_docs] bool, docs whose headers were checked
         self.shard_bounds = np.concatenate([[0], np.cumsum([s["docs"] for s in index["shards"]])]).astype(np.int64)
         self._lock = threading.Lock()
+        self._prefetched: dict[tuple[int, int, int], bytes] = {}  # (shard, n, offset) -> bytes, see prefetch
         self.bytes_read = 0
         self._fingerprint: str | None = index.get("lengths_fingerprint")
 
@@ -372,7 +373,9 @@ class ShardSource(Source):
         return self.shard_path(int(self._shard[d])), int(self._offset[d])
 
     def _pread(self, shard: int, n: int, off: int) -> bytes:
-        buf = self._store.pread(self.shard_names[shard], n, off)  # the store is thread-safe
+        buf = self._prefetched.pop((shard, n, off), None) if self._prefetched else None
+        if buf is None:
+            buf = self._store.pread(self.shard_names[shard], n, off)  # the store is thread-safe
         with self._lock:
             self.bytes_read += len(buf)
         return buf
@@ -408,6 +411,48 @@ class ShardSource(Source):
             return False
         return True
 
+    def _span(self, d: int, start: int, length: int) -> tuple[int, int]:
+        """Bytes ``[lo, hi)`` of doc ``d``'s token data that reading tokens ``[start, start + length)`` fetches:
+        widened to whole checksum blocks when they are checked (a whole doc is one crc32)."""
+        item = self.dtype.itemsize
+        lo, hi = start * item, (start + length) * item
+        if self._crc is not None and self.verify == "full" and hi > lo:
+            b = self._block
+            nbytes = int(self.lengths[d]) * item
+            if not (lo == 0 and hi == nbytes):
+                lo, hi = lo // b * b, min(-(-hi // b) * b, nbytes)
+        return lo, hi
+
+    def prefetch(self, reads: list[tuple[int, int, int]]) -> None:
+        """Fetch the byte ranges of these reads concurrently (remote folders; a local one reads on demand).
+
+        The ranges are exactly those :meth:`read` will ask for (headers on a doc's first read
+        included), kept until read; the reads themselves check them as always. Replaces the
+        ranges of an earlier call that were not read.
+        """
+        if not self._store.remote:
+            return
+        checked = set()  # docs whose headers a read before this one in the list fetches
+        want: list[tuple[int, int, int]] = []  # (shard, n, offset) in read order
+        for doc_id, start, length in reads:
+            try:
+                d, start, length = self._check_range(doc_id, start, length)
+                lo, hi = self._span(d, start, length)
+            except ValueError:
+                continue  # the read itself reports it
+            shard, base = int(self._shard[d]), int(self._offset[d])
+            pre = 0
+            if self.verify != "off" and (self._header_ok is None or not self._header_ok[d]) and d not in checked:
+                checked.add(d)
+                pre = min(base, TAR_BLOCK + NPY_HEADER_GUESS)
+                if lo > 0:  # the headers on their own (see read)
+                    want.append((shard, pre, base - pre))
+                    pre = 0
+            if pre + hi - lo > 0:
+                want.append((shard, pre + hi - lo, base + lo - pre))
+        got = self._store.pread_many([(self.shard_names[s], n, off) for s, n, off in want])
+        self._prefetched = {key: buf for key, buf in zip(want, got, strict=True) if buf is not None}
+
     def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
         d, start, length = self._check_range(doc_id, start, length)
         item = self.dtype.itemsize
@@ -418,7 +463,7 @@ class ShardSource(Source):
             if self._header_ok is None:
                 self._header_ok = np.zeros(self.num_docs, dtype=bool)
             check = not self._header_ok[d]
-        lo, hi = start * item, (start + length) * item  # bytes of the doc's token data
+        lo, hi = self._span(d, start, length)  # bytes of the doc's token data to read
         crc = self._crc is not None and self.verify == "full" and hi > lo
         if crc:
             b = self._block
@@ -426,10 +471,8 @@ class ShardSource(Source):
             k0, k1 = self._crc_start[d:d + 2].tolist()
             if k1 - k0 - 1 != -(-nbytes // b):
                 raise self._mismatch(d, shard, f"its length {nbytes // item} disagrees with its checksums")
-            whole = lo == 0 and hi == nbytes  # the whole doc: one crc32 call
-            if not whole:  # widen to whole checksum blocks
-                first, last = lo // b, -(-hi // b)
-                lo, hi = first * b, min(last * b, nbytes)
+            whole = start == 0 and length * item == nbytes  # the whole doc: one crc32 call
+            first, last = lo // b, -(-hi // b)  # the checksum blocks covered (the span is widened to them)
         if check and lo > 0:
             self._check_header(d, shard, base)
             self._header_ok[d] = True

@@ -9,7 +9,8 @@ gives byte ranges of the folder's files by name and loads the small index arrays
 * ``load_array(name, what, fix)``: a ``.npy`` file of the folder as an array (memory-mapped where possible);
 * ``close()``: release open files (reads reopen them).
 
-A remote store (:mod:`.remote`) also has ``open_index()``. Stdlib and numpy only; imports nothing of ours.
+A remote store (:mod:`.remote`) also has ``open_index()`` and ``pread_many(ranges)`` (concurrent).
+Stdlib and numpy only; imports nothing of ours.
 """
 
 from __future__ import annotations

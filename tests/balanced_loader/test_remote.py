@@ -276,3 +276,26 @@ def test_fork_and_pickle_reconnect(local, server):
     assert p.exitcode == 0 and got == local.tokens(d).tolist()
     again = pickle.loads(pickle.dumps(src))
     assert again.remote and np.array_equal(again.tokens(d), local.tokens(d))
+
+
+def test_prefetch_fetches_exactly_what_the_reads_take(local, server):
+    """prefetch(reads) fetches the ranges of those reads concurrently; the reads then cost no request and
+    return the same tokens, and the bytes are those of the same reads without prefetch."""
+    rng = np.random.default_rng(5)
+    reads = []
+    for d in rng.choice(local.num_docs, size=40, replace=False).tolist():
+        n = int(local.lengths[d])
+        a = int(rng.integers(0, n))
+        reads += [(d, a, int(rng.integers(1, n - a + 1))), (d, 0, n)]
+    plain = open_source(server.url)
+    server.reset()
+    for r in reads:
+        plain.read(*r)
+    sequential = server.total_bytes()
+    src = open_source(server.url)
+    server.reset()
+    src.prefetch(reads)
+    fetched, requests = server.total_bytes(), server.requests
+    for d, a, k in reads:
+        assert np.array_equal(src.read(d, a, k), local.read(d, a, k))
+    assert server.total_bytes() == fetched == sequential and server.requests == requests
