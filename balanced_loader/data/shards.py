@@ -279,8 +279,9 @@ class ShardSource(Source):
         index_path = store.path(INDEX_FILE)
         n = int(index["num_docs"])
         if any(len(arrays[k]) != n for k in ARRAYS) or ("crc_start" in arrays and len(arrays["crc_start"]) != n + 1):
-            raise ValueError(f"the index arrays of {self.folder} do not match {INDEX_FILE}; "
-                             f"delete {index_path} to rebuild the index")
+            fix = "upload the folder's index files again" if store.remote else \
+                f"delete {index_path} to rebuild the index"
+            raise ValueError(f"the index arrays of {self.folder} do not match {INDEX_FILE}; {fix}")
         self.index = index
         self.dtype = check_token_dtype(index["dtype"], index_path)
         self.tokenizer = index.get("tokenizer")
