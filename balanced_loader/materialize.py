@@ -292,6 +292,20 @@ def materialize_group(group: Group, lane: int, source: Source | None, *, cp_inne
     return ids, labels, pos_ids, cu, runs
 
 
+def group_reads(group: Group, lane: int, *, cp_inner: int = 1) -> list[tuple[int, int, int]]:
+    """The ``source.read(doc, start, count)`` calls :func:`materialize_group` makes for one lane, in order
+    (``count`` includes the look-ahead token of the last label)."""
+    d = len(group.lanes)
+    j = group.lanes.index(lane)
+    inner = math.gcd(cp_inner, d)
+    out = []
+    for doc, start, length in group.segments:
+        for first, count, real in lane_runs(length, d, j, inner):
+            if real:
+                out.append((doc, start + first, min(first + count + 1, length) - first))
+    return out
+
+
 def materialize_rank(plan: StepPlan, rank: int, source: Source | None, *, cp_inner: int = 1,
                      pad_id: int = 0) -> list[Microbatch]:
     """This rank's microbatches of a step, in execution order (microbatch index ``k``)."""
@@ -300,6 +314,9 @@ def materialize_rank(plan: StepPlan, rank: int, source: Source | None, *, cp_inn
     place = rank_place(plan, rank)
     pool = plan.pools[place.pool]
     reads = source is not None and place.stage in (0, place.pp - 1)
+    if reads:  # announce the step's reads: a remote source fetches them concurrently, a local one ignores this
+        source.prefetch([r for mb in pool.microbatches for g in mb if place.lane in g.lanes
+                         for r in group_reads(g, place.lane, cp_inner=cp_inner)])
     out: list[Microbatch] = []
     for k, mb in enumerate(pool.microbatches):
         for g in mb:

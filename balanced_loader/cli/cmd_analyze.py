@@ -17,8 +17,10 @@ DEFAULT_COST = "hydra-gpt7b-a100"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="SOURCE_OR_LENGTHS", nargs="+",
-                   help="length file (.txt, .txt.gz, .npy), shard folder or .jsonl file; or several shard folders "
-                        "(the parts of a build-shards --part build)")
+                   help="length file (.txt, .txt.gz, .npy), shard folder (local or a URL: http(s)://, s3://, ...) "
+                        "or .jsonl file; or several shard folders (the parts of a build-shards --part build)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="remote shard folder: keep its fetched index files here, so the next run reads them locally")
     g = p.add_argument_group("cost model (one of; default: --cost " + DEFAULT_COST + ")")
     g.add_argument("--cost-file", metavar="COST.yaml", help="contract-2 cost file (its lane cap drives the advice)")
     g.add_argument("--cost", metavar="PRESET", help="cost preset name (see 'balanced-loader presets')")
@@ -33,17 +35,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the text report")
 
 
-def read_source_lengths(path: str | list[str]) -> tuple[Any, str]:
-    """``[num_docs]`` lengths of a length file, a shard folder, a .jsonl file or several shard folders,
-    and a description."""
+def is_source(path: str) -> bool:
+    """Whether ``path`` names a source (a shard folder, local or a URL, or a .jsonl file), not a length file."""
     import os
 
+    from balanced_loader.data.stores import is_url
+
+    return is_url(path) or os.path.isdir(path) or path.endswith(".jsonl")
+
+
+def read_source_lengths(path: str | list[str], cache_dir: str | None = None) -> tuple[Any, str]:
+    """``[num_docs]`` lengths of a length file, a shard folder (local or remote), a .jsonl file or several
+    shard folders, and a description."""
     if isinstance(path, list):
         path = path[0] if len(path) == 1 else path
-    if isinstance(path, list) or os.path.isdir(path) or path.endswith(".jsonl"):
+    if isinstance(path, list) or is_source(path):
         from balanced_loader.data.open import open_source
 
-        src = open_source(path)
+        src = open_source(path, cache_dir=cache_dir)
         try:
             import numpy as np
 
@@ -70,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top must be >= 0, got {args.top}")
     if args.world_size is not None and args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
-    lengths, what = read_source_lengths(args.source)
+    lengths, what = read_source_lengths(args.source, args.cache_dir)
     args.first_source, args.source = args.source[0], " ".join(args.source)  # one label from here on
     preset = args.cost if (args.cost or args.cost_file) else DEFAULT_COST
     cost = load_cost(args.cost_file, preset, world_size=args.world_size or 64)
@@ -115,12 +124,11 @@ def run(args: argparse.Namespace) -> int:
 
 def next_command(args: argparse.Namespace, adv, *, cost_arg: str) -> str:
     """A ``balanced-loader compare`` command line that checks the advice."""
-    import os
 
     world = args.world_size or 64
     lanes = world // ((args.tp or 1) * (args.pp or 1)) or 1
     first = getattr(args, "first_source", args.source)
-    src = "--source" if os.path.isdir(first) or first.endswith(".jsonl") else "--lengths"
+    src = "--source" if is_source(first) else "--lengths"
     cmd = (f"balanced-loader compare {src} {args.source} --policies {','.join(adv.compare)} --world-size {world} "
            f"{cost_arg} --global-batch-tokens {lanes * adv.lane_cap * 4} --steps 5")
     if args.max_len is not None or adv.max_seq_len is not None:

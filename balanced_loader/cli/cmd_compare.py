@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _read(args: argparse.Namespace):
     from balanced_loader.data.open import read_batch_source
 
-    return read_batch_source(args.lengths, args.source, positive=False)
+    return read_batch_source(args.lengths, args.source, positive=False, cache_dir=args.cache_dir)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _lengths(args: argparse.Namespace):
     from balanced_loader.data.open import read_batch_source
 
-    return read_batch_source(args.lengths, args.source)  # zero lengths: rejected as batches read them
+    # zero lengths: rejected as batches read them
+    return read_batch_source(args.lengths, args.source, cache_dir=args.cache_dir)
 
 
 @contextlib.contextmanager

@@ -71,9 +71,12 @@ def add_batch_arguments(p: argparse.ArgumentParser, *, max_seq_len_default: str)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", metavar="FILE",
                      help="length file: .txt (one length a line, also .txt.gz) or .npy; doc_id = line")
-    src.add_argument("--source", metavar="DIR", nargs="+",
-                     help="a shard folder (balanced-loader build-shards) or .jsonl; several folders are opened as "
-                          "one source (the parts of a build-shards --part build, in part order)")
+    src.add_argument("--source", metavar="DIR|URL", nargs="+",
+                     help="a shard folder (balanced-loader build-shards), local or remote (http(s)://, s3://, gs://, "
+                          "any fsspec URL), or a .jsonl file; several folders are opened as one source (the parts "
+                          "of a build-shards --part build, in part order)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="remote --source: keep its fetched index files here, so the next run reads them locally")
     p.add_argument("--global-batch-tokens", type=TOKENS, metavar="N",
                    help="tokens per global batch, cut between docs (default: the whole input is one batch)")
     p.add_argument("--shuffle", action="store_true", help="shuffle docs by --seed before batching")

@@ -79,6 +79,37 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str
                 os.remove(tmp)
 
 
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
+    """A temporary path next to ``path`` for a writer that needs a file name (a download); on success
+    the file is synced and renamed to ``path``, on failure removed (``path`` is left as it was)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+    except OSError as e:
+        raise write_error(path, e) from None
+    ok = False
+    try:
+        yield tmp
+        try:
+            os.chmod(tmp, 0o666 & ~_umask())
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise write_error(path, e) from None
+        ok = True
+    finally:
+        if not ok:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+
 def write_text(path: str | os.PathLike[str], text: str) -> None:
     """``text`` to ``path``, complete or not at all."""
     with atomic_write(path, "w") as f:

@@ -28,8 +28,13 @@ TOKEN_EXT = ".npy"
 META_COPIED = ("part", "inputs")  # keys of shards.json that the index carries over
 
 
+def array_name(name: str) -> str:
+    """The file name of index array ``name`` (``lengths``, ``shard``, ``offset``, ``crc_start``)."""
+    return f"index.{name}.npy"
+
+
 def array_path(folder: str, name: str) -> str:
-    return os.path.join(folder, f"index.{name}.npy")
+    return os.path.join(folder, array_name(name))
 
 
 def check_token_dtype(dtype: Any, where: str) -> np.dtype:
@@ -184,15 +189,22 @@ def build_index(folder: str, *, write: bool = True, progress: bool = False) -> d
 def read_index_json(path: str) -> dict[str, Any]:
     """``index.json`` or ``shards.json`` of a shard folder; one ``ValueError`` when unreadable."""
     try:
-        with open(path) as f:
-            d = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    return parse_index_json(data, path)
+
+
+def parse_index_json(data: bytes, where: str, *, fix: str = "delete it to rebuild the index") -> dict[str, Any]:
+    """The JSON of ``index.json`` / ``shards.json`` read from ``where`` (a path or URL); one
+    ``ValueError`` ending in ``fix`` when it is not a shard index this reader knows."""
+    try:
+        d = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ValueError(f"{path} is not JSON ({type(e).__name__}); delete it to rebuild the index") from None
+        raise ValueError(f"{where} is not JSON ({type(e).__name__}); {fix}") from None
     if not isinstance(d, dict) or d.get("format") not in (INDEX_FORMAT, META_FORMAT):
-        raise ValueError(f"{path} is not a balanced-loader shard index; delete it to rebuild the index")
+        raise ValueError(f"{where} is not a balanced-loader shard index; {fix}")
     if d.get("version") != INDEX_VERSION:
-        raise ValueError(f"{path} has version {d.get('version')}, this reader knows {INDEX_VERSION}; "
-                         f"delete it to rebuild the index")
+        raise ValueError(f"{where} has version {d.get('version')}, this reader knows {INDEX_VERSION}; {fix}")
     return d

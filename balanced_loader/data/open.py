@@ -2,7 +2,8 @@
 ``--lengths FILE | --source DIR``).
 
 The one module that knows every source type, so ``sources``, ``shards`` and ``lengths`` need not
-import each other (``shards`` imports ``sources``; ``lengths`` imports nothing of ours).
+import each other (``shards`` imports ``sources`` and ``stores``; ``lengths`` imports nothing of ours;
+``remote``, which imports fsspec, is imported only when a URL is opened).
 """
 
 from __future__ import annotations
@@ -18,24 +19,39 @@ from balanced_loader.data.lengths import LENGTH_SUFFIXES, doc_line, read_lengths
 from balanced_loader.data.parts import PartsSource
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.sources import JsonlSource, LengthSource, Source
+from balanced_loader.data.stores import is_url
 
 
-def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None,
-                token_field: str = "input_ids") -> Source:
-    """Open a source: a shard folder, a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``;
-    planning only), a list/tuple of shard folders (str or PathLike: one source, see :mod:`.parts`), a
-    list/array of lengths, or a Hugging Face ``datasets.Dataset`` whose ``token_field`` column holds
-    token ids (read zero-copy from its Arrow files)."""
+def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None, token_field: str = "input_ids",
+                cache_dir: str | None = None, cache_shards: bool = False,
+                storage_options: dict[str, Any] | None = None) -> Source:
+    """Open a source: a shard folder (local, or a URL: ``http(s)://``, ``s3://``, ``gs://``, any fsspec
+    URL), a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``; planning only), a list/tuple
+    of shard folders (str or PathLike: one source, see :mod:`.parts`), a list/array of lengths, or a
+    Hugging Face ``datasets.Dataset`` whose ``token_field`` column holds token ids (read zero-copy from
+    its Arrow files).
+
+    Remote folders only (see :mod:`balanced_loader.data.remote`): ``cache_dir`` keeps the fetched
+    index files (and, with ``cache_shards=True``, whole shards on first read) in a local folder;
+    ``storage_options`` go to fsspec (credentials, endpoints).
+    """
     if isinstance(spec, Source):
         return spec
     if hf_kind(spec) is not None:  # checked without importing datasets (absent unless the caller imported it)
         if tokenizer is not None:
             raise ValueError(f"open_source does not tokenize a Hugging Face dataset; {TOKENIZE_HINT}")
         return HFDatasetSource(spec, token_field=token_field)
+    remote = {"cache_dir": cache_dir, "cache_shards": cache_shards, "storage_options": storage_options}
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(s, (str, os.PathLike)) for s in spec):
-        if len(spec) == 1 and not _is_part(spec[0]):
-            return open_source(spec[0], text_field=text_field, tokenizer=tokenizer)
-        return PartsSource(list(spec))
+        if len(spec) == 1 and (is_url(spec[0]) or not _is_part(spec[0])):
+            return open_source(spec[0], text_field=text_field, tokenizer=tokenizer, **remote)
+        return PartsSource(list(spec), remote=remote)
+    if isinstance(spec, str) and spec.startswith("file://"):
+        spec = spec[len("file://"):]
+    if is_url(spec):
+        from balanced_loader.data.remote import open_remote  # fsspec is imported only for URLs
+
+        return open_remote(spec, **remote)
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         if os.path.isdir(path):
@@ -62,9 +78,9 @@ def _is_part(path: Any) -> bool:
     return os.path.exists(meta) and "part" in read_index_json(meta)
 
 
-def read_batch_source(lengths_path: str | None, source_path: str | list[str] | None, *,
-                      positive: bool = False) -> tuple[np.ndarray, np.ndarray | None, str]:
-    """Lengths from ``--lengths FILE`` or ``--source DIR``: ``([num_docs], shard bounds or None, label)``.
+def read_batch_source(lengths_path: str | None, source_path: str | list[str] | None, *, positive: bool = False,
+                      cache_dir: str | None = None) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """Lengths from ``--lengths FILE`` or ``--source DIR|URL [...]``: ``([num_docs], shard bounds or None, label)``.
 
     ``positive``: a length of 0 or less in a lengths file is an error naming the doc and line
     (a source's empty docs are skipped later by the loader's rules instead).
@@ -83,7 +99,7 @@ def read_batch_source(lengths_path: str | None, source_path: str | list[str] | N
         spec: Any = source_path[0] if len(source_path) == 1 else list(source_path)
     else:
         label, spec = str(source_path), source_path
-    src = open_source(spec)
+    src = open_source(spec, cache_dir=cache_dir)
     try:
         bounds = None if src.shard_bounds is None else np.asarray(src.shard_bounds, dtype=np.int64)
         return np.asarray(src.lengths, dtype=np.int64), bounds, label

@@ -23,6 +23,7 @@ from balanced_loader.data.index import INDEX_FILE, META_FILE, check_token_dtype,
 from balanced_loader.data.integrity import lengths_fingerprint
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.sources import Source
+from balanced_loader.data.stores import is_url
 
 
 class _EmptyPart:
@@ -44,8 +45,13 @@ class _EmptyPart:
         pass
 
 
-def _open_part(folder: str, **kw: Any) -> Any:
-    """A :class:`ShardSource`, or an :class:`_EmptyPart` for a part folder the writer left without docs."""
+def _open_part(folder: str, remote: dict[str, Any] | None = None, **kw: Any) -> Any:
+    """A :class:`ShardSource` (``remote``: options of a URL's folder, see :func:`.remote.open_remote`), or
+    an :class:`_EmptyPart` for a local part folder the writer left without docs."""
+    if is_url(folder):
+        from balanced_loader.data.remote import open_remote  # fsspec is imported only for URLs
+
+        return open_remote(folder, verify=kw.get("verify", "full"), **(remote or {}))
     if os.path.isfile(folder):
         raise ValueError(f"{folder} is a file; a list of sources must be shard folders (one source from a "
                          f".jsonl or length file: pass its path alone)")
@@ -100,15 +106,16 @@ class PartsSource(Source):
     """Shard folders opened as one source (see the module doc). ``verify``/``max_open_files``: as
     :class:`~balanced_loader.data.shards.ShardSource`, for each folder."""
 
-    def __init__(self, folders: list[Any] | tuple[Any, ...], *, verify: str = "full", max_open_files: int = 64) -> None:
+    def __init__(self, folders: list[Any] | tuple[Any, ...], *, verify: str = "full", max_open_files: int = 64,
+                 remote: dict[str, Any] | None = None) -> None:
         folders = [os.fspath(f) for f in folders]
         if not folders:
             raise ValueError("no shard folders given; pass one folder or the part folders of a build")
-        self._args = {"folders": folders, "verify": verify, "max_open_files": max_open_files}
+        self._args = {"folders": folders, "verify": verify, "max_open_files": max_open_files, "remote": remote}
         opened: list[Any] = []
         try:
             for f in folders:
-                opened.append(_open_part(f, verify=verify, max_open_files=max_open_files))
+                opened.append(_open_part(f, remote, verify=verify, max_open_files=max_open_files))
             order = _order_parts(folders, opened)
             self._check_same(folders, opened)
         except BaseException:
@@ -195,4 +202,5 @@ class PartsSource(Source):
         return dict(self._args)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["folders"], verify=state["verify"], max_open_files=state["max_open_files"])  # type: ignore[misc]
+        self.__init__(state["folders"], verify=state["verify"], max_open_files=state["max_open_files"],  # type: ignore[misc]
+                      remote=state.get("remote"))

@@ -21,11 +21,14 @@ doc_ids run in shard order, then member order, so the docs of shard ``s`` are
 ``[a, b)`` of a doc are one ``pread`` of ``(b - a) * itemsize`` bytes at ``offset + a * itemsize``.
 
 The index is scanned and written by :mod:`.index`. Reads are checked (:mod:`.integrity`): the
-first read of a doc checks its tar and ``.npy`` headers against the index, and every read checks
+first read of a doc checks its tar and ``.npy`` headers against the index (fetched with the doc's
+first bytes when that read starts at the doc's start: one request), and every read checks
 the checksums it covers, the whole-doc crc32 or the 1 KiB block crc32s of a partial read
 (``verify="full"``, the default; ``"header"`` skips the checksums, ``"off"`` both). A mismatch
 is one ``ValueError`` naming the shard file and the doc_id: wrong tokens are never returned.
 Every file is written complete or not at all (:func:`~balanced_loader.data.files.atomic_write`).
+Bytes come from a store (:mod:`.stores`): the local folder, or a remote one (:mod:`.remote`,
+fsspec byte ranges), with the same checks.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ import os
 import tarfile
 import threading
 import zlib
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -69,6 +71,7 @@ from balanced_loader.data.integrity import (
     lengths_fingerprint,
 )
 from balanced_loader.data.sources import Source
+from balanced_loader.data.stores import LocalStore
 
 log = logging.getLogger("balanced_loader")
 
@@ -255,23 +258,67 @@ class ShardWriter:
 class ShardSource(Source):
     """A shard folder: memory-mapped length index and one checked ``pread`` per token range.
 
-    The index is built on first open when missing (or when the folder gained shards).
-    A listed shard that is missing or changed size is one ``ValueError`` naming the file.
+    The index of a local folder is built on first open when missing (or when the folder gained
+    shards). A listed shard that is missing or changed size is one ``ValueError`` naming the file.
     ``verify``: ``"full"`` (default: member headers once per doc, block checksums on every
     read), ``"header"`` (headers only) or ``"off"``. Folders written before checksums existed
     are read with the header check. File handles are cached (at most ``max_open_files``);
     reads are thread-safe.
+
+    ``store``: where the bytes come from (default: the local ``folder``); a remote store
+    (:func:`balanced_loader.data.remote.open_remote`) serves its complete index and byte ranges,
+    read and checked here exactly as local files are.
     """
 
     def __init__(self, folder: str, *, max_open_files: int = 64, progress: bool = False,
-                 verify: str = "full") -> None:
+                 verify: str = "full", store: Any = None) -> None:
         self.folder = os.fspath(folder)
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
         self.verify = verify
-        if not os.path.isdir(self.folder):
-            raise ValueError(f"shard folder {self.folder} does not exist")
         self.max_open_files = max_open_files
+        if store is None:
+            if not os.path.isdir(self.folder):
+                raise ValueError(f"shard folder {self.folder} does not exist")
+            store = LocalStore(self.folder, max_open_files)
+            index, arrays = self._local_index(progress)
+        else:
+            index, arrays = store.open_index()  # a complete index, fetched (never built over the network)
+        self._store = store
+        index_path = store.path(INDEX_FILE)
+        n = int(index["num_docs"])
+        if any(len(arrays[k]) != n for k in ARRAYS) or ("crc_start" in arrays and len(arrays["crc_start"]) != n + 1):
+            fix = "upload the folder's index files again" if store.remote else \
+                f"delete {index_path} to rebuild the index"
+            raise ValueError(f"the index arrays of {self.folder} do not match {INDEX_FILE}; {fix}")
+        self.index = index
+        self.dtype = check_token_dtype(index["dtype"], index_path)
+        self.tokenizer = index.get("tokenizer")
+        self.shard_names = [s["name"] for s in index["shards"]]
+        # plain ndarray views of the memory maps (np.memmap's Python-level indexing is slow)
+        self.lengths = np.asarray(arrays["lengths"])  # [num_docs] int64, memory-mapped
+        self._shard = np.asarray(arrays["shard"])  # [num_docs] int32, memory-mapped
+        self._offset = np.asarray(arrays["offset"])  # [num_docs] int64, memory-mapped
+        self._crc_start: np.ndarray | None = None  # [num_docs + 1] int64 where each doc's checksums start
+        self._crc: np.ndarray | None = None  # [num_docs + num_blocks] uint32: per doc, whole doc then blocks
+        self._block = int(index.get("check_block_bytes") or 0)
+        if "crc_start" in arrays:
+            self._crc_start = np.asarray(arrays["crc_start"])
+            self._crc = np.asarray(store.load_array(CRC_FILE, "checksum file", "rebuild the shards"))
+            if len(self._crc) != int(self._crc_start[-1]):
+                raise ValueError(f"checksum file {store.path(CRC_FILE)} does not match {INDEX_FILE}; "
+                                 f"rebuild the shards")
+        self._names_are_ids = index.get("member_names") == "doc_id"
+        self._header_ok: np.ndarray | None = None  # [num_docs] bool, docs whose headers were checked
+        self.shard_bounds = np.concatenate([[0], np.cumsum([s["docs"] for s in index["shards"]])]).astype(np.int64)
+        self._lock = threading.Lock()
+        self._prefetched: dict[tuple[int, int, int], bytes] = {}  # (shard, n, offset) -> bytes, see prefetch
+        self.bytes_read = 0
+        self._fingerprint: str | None = index.get("lengths_fingerprint")
+
+    def _local_index(self, progress: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The index of a local folder and its arrays (memory-mapped), checked against the shards and
+        (re)built when missing or when the set of shards changed."""
         index_path = os.path.join(self.folder, INDEX_FILE)
         index = read_index_json(index_path) if os.path.exists(index_path) else None
         if index is not None and index.get("format") != INDEX_FORMAT:
@@ -290,52 +337,20 @@ class ShardSource(Source):
             if set(list_shards(self.folder)) != listed:
                 log.info("%s: the set of shards changed; rebuilding the length index", self.folder)
                 index = None
-        arrays: dict[str, np.ndarray] | None = None
         if index is None:
             writable = os.access(self.folder, os.W_OK)
             index = build_index(self.folder, write=writable, progress=progress)
             if not writable:
                 log.warning("%s is read-only: the length index is kept in memory", self.folder)
-                arrays = index.pop("_arrays")
-        if arrays is None:
-            arrays = {}
-            for k in (*ARRAYS, "crc_start") if index.get("check_block_bytes") else ARRAYS:
-                try:
-                    arrays[k] = np.load(array_path(self.folder, k), mmap_mode="r", allow_pickle=False)
-                except (OSError, ValueError) as e:
-                    raise ValueError(f"index file {array_path(self.folder, k)} cannot be read ({e}); "
-                                     f"delete {index_path} to rebuild the index") from None
-        n = int(index["num_docs"])
-        if any(len(arrays[k]) != n for k in ARRAYS) or ("crc_start" in arrays and len(arrays["crc_start"]) != n + 1):
-            raise ValueError(f"the index arrays of {self.folder} do not match {INDEX_FILE}; "
-                             f"delete {index_path} to rebuild the index")
-        self.index = index
-        self.dtype = check_token_dtype(index["dtype"], index_path)
-        self.tokenizer = index.get("tokenizer")
-        self.shard_names = [s["name"] for s in index["shards"]]
-        # plain ndarray views of the memory maps (np.memmap's Python-level indexing is slow)
-        self.lengths = np.asarray(arrays["lengths"])  # [num_docs] int64, memory-mapped
-        self._shard = np.asarray(arrays["shard"])  # [num_docs] int32, memory-mapped
-        self._offset = np.asarray(arrays["offset"])  # [num_docs] int64, memory-mapped
-        self._crc_start: np.ndarray | None = None  # [num_docs + 1] int64 where each doc's checksums start
-        self._crc: np.ndarray | None = None  # [num_docs + num_blocks] uint32: per doc, whole doc then blocks
-        self._block = int(index.get("check_block_bytes") or 0)
-        if "crc_start" in arrays:
-            self._crc_start = np.asarray(arrays["crc_start"])
-            crc_path = os.path.join(self.folder, CRC_FILE)
+                return index, index.pop("_arrays")
+        arrays = {}
+        for k in (*ARRAYS, "crc_start") if index.get("check_block_bytes") else ARRAYS:
             try:
-                self._crc = np.asarray(np.load(crc_path, mmap_mode="r", allow_pickle=False))
+                arrays[k] = np.load(array_path(self.folder, k), mmap_mode="r", allow_pickle=False)
             except (OSError, ValueError) as e:
-                raise ValueError(f"checksum file {crc_path} cannot be read ({e}); rebuild the shards") from None
-            if len(self._crc) != int(self._crc_start[-1]):
-                raise ValueError(f"checksum file {crc_path} does not match {INDEX_FILE}; rebuild the shards")
-        self._names_are_ids = index.get("member_names") == "doc_id"
-        self._header_ok: np.ndarray | None = None  # [num_docs] bool, docs whose headers were checked
-        self.shard_bounds = np.concatenate([[0], np.cumsum([s["docs"] for s in index["shards"]])]).astype(np.int64)
-        self._fds: OrderedDict[int, int] = OrderedDict()
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-        self._fingerprint: str | None = index.get("lengths_fingerprint")
+                raise ValueError(f"index file {array_path(self.folder, k)} cannot be read ({e}); "
+                                 f"delete {index_path} to rebuild the index") from None
+        return index, arrays
 
     def describe(self) -> str:
         return f"shard folder {self.folder}"
@@ -353,32 +368,25 @@ class ShardSource(Source):
         ``offset`` [num_docs] int64."""
         return {"lengths": self.lengths, "shard": self._shard, "offset": self._offset}
 
+    @property
+    def remote(self) -> bool:
+        """Whether the folder is read through a remote store (a URL)."""
+        return bool(self._store.remote)
+
     def shard_path(self, shard: int) -> str:
-        return os.path.join(self.folder, self.shard_names[shard])
+        """The shard's path (its URL for a remote folder)."""
+        return self._store.path(self.shard_names[shard])
 
     def location(self, doc_id: int) -> tuple[str, int]:
         """(shard path, byte offset of the doc's token data)."""
         d = self._check_doc(doc_id)
         return self.shard_path(int(self._shard[d])), int(self._offset[d])
 
-    def _fd(self, shard: int) -> int:
-        fd = self._fds.get(shard)
-        if fd is not None:
-            self._fds.move_to_end(shard)
-            return fd
-        path = self.shard_path(shard)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise ValueError(f"shard {path} cannot be opened: {e.strerror}") from None
-        self._fds[shard] = fd
-        while len(self._fds) > self.max_open_files:
-            os.close(self._fds.popitem(last=False)[1])
-        return fd
-
     def _pread(self, shard: int, n: int, off: int) -> bytes:
+        buf = self._prefetched.pop((shard, n, off), None) if self._prefetched else None
+        if buf is None:
+            buf = self._store.pread(self.shard_names[shard], n, off)  # the store is thread-safe
         with self._lock:
-            buf = os.pread(self._fd(shard), n, off)
             self.bytes_read += len(buf)
         return buf
 
@@ -403,18 +411,69 @@ class ShardSource(Source):
                 break
         raise self._mismatch(d, shard, str(err))
 
+    def _headers_match(self, d: int, window: bytes | memoryview, base: int) -> bool:
+        """Whether ``window`` (the bytes just before the doc's token data) holds headers that agree with the index."""
+        name = f"{d:010d}{TOKEN_EXT}" if self._names_are_ids else None
+        try:
+            check_member(bytes(window), base - len(window), data_offset=base, length=int(self.lengths[d]),
+                         dtype=self.dtype, name=name)
+        except ValueError:
+            return False
+        return True
+
+    def _span(self, d: int, start: int, length: int) -> tuple[int, int]:
+        """Bytes ``[lo, hi)`` of doc ``d``'s token data that reading tokens ``[start, start + length)`` fetches:
+        widened to whole checksum blocks when they are checked (a whole doc is one crc32)."""
+        item = self.dtype.itemsize
+        lo, hi = start * item, (start + length) * item
+        if self._crc is not None and self.verify == "full" and hi > lo:
+            b = self._block
+            nbytes = int(self.lengths[d]) * item
+            if not (lo == 0 and hi == nbytes):
+                lo, hi = lo // b * b, min(-(-hi // b) * b, nbytes)
+        return lo, hi
+
+    def prefetch(self, reads: list[tuple[int, int, int]]) -> None:
+        """Fetch the byte ranges of these reads concurrently (remote folders; a local one reads on demand).
+
+        The ranges are exactly those :meth:`read` will ask for (headers on a doc's first read
+        included), kept until read; the reads themselves check them as always. Replaces the
+        ranges of an earlier call that were not read.
+        """
+        if not self._store.remote:
+            return
+        checked = set()  # docs whose headers a read before this one in the list fetches
+        want: list[tuple[int, int, int]] = []  # (shard, n, offset) in read order
+        for doc_id, start, length in reads:
+            try:
+                d, start, length = self._check_range(doc_id, start, length)
+                lo, hi = self._span(d, start, length)
+            except ValueError:
+                continue  # the read itself reports it
+            shard, base = int(self._shard[d]), int(self._offset[d])
+            pre = 0
+            if self.verify != "off" and (self._header_ok is None or not self._header_ok[d]) and d not in checked:
+                checked.add(d)
+                pre = min(base, TAR_BLOCK + NPY_HEADER_GUESS)
+                if lo > 0:  # the headers on their own (see read)
+                    want.append((shard, pre, base - pre))
+                    pre = 0
+            if pre + hi - lo > 0:
+                want.append((shard, pre + hi - lo, base + lo - pre))
+        got = self._store.pread_many([(self.shard_names[s], n, off) for s, n, off in want])
+        self._prefetched = {key: buf for key, buf in zip(want, got, strict=True) if buf is not None}
+
     def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
         d, start, length = self._check_range(doc_id, start, length)
         item = self.dtype.itemsize
         shard = int(self._shard[d])
         base = int(self._offset[d])
+        check = False  # the doc's headers still need their check
         if self.verify != "off":
             if self._header_ok is None:
                 self._header_ok = np.zeros(self.num_docs, dtype=bool)
-            if not self._header_ok[d]:
-                self._check_header(d, shard, base)
-                self._header_ok[d] = True
-        lo, hi = start * item, (start + length) * item  # bytes of the doc's token data
+            check = not self._header_ok[d]
+        lo, hi = self._span(d, start, length)  # bytes of the doc's token data to read
         crc = self._crc is not None and self.verify == "full" and hi > lo
         if crc:
             b = self._block
@@ -422,11 +481,21 @@ class ShardSource(Source):
             k0, k1 = self._crc_start[d:d + 2].tolist()
             if k1 - k0 - 1 != -(-nbytes // b):
                 raise self._mismatch(d, shard, f"its length {nbytes // item} disagrees with its checksums")
-            whole = lo == 0 and hi == nbytes  # the whole doc: one crc32 call
-            if not whole:  # widen to whole checksum blocks
-                first, last = lo // b, -(-hi // b)
-                lo, hi = first * b, min(last * b, nbytes)
-        buf = self._pread(shard, hi - lo, base + lo)
+            whole = start == 0 and length * item == nbytes  # the whole doc: one crc32 call
+            first, last = lo // b, -(-hi // b)  # the checksum blocks covered (the span is widened to them)
+        if check and lo > 0:
+            self._check_header(d, shard, base)
+            self._header_ok[d] = True
+            check = False
+        # a read from the doc's start takes the headers in front of it along: the same bytes, one request
+        # fewer (what counts for a remote folder)
+        pre = min(base, TAR_BLOCK + NPY_HEADER_GUESS) if check else 0
+        buf: bytes | memoryview = self._pread(shard, pre + hi - lo, base + lo - pre)
+        if check:
+            if not self._headers_match(d, buf[:pre], base):
+                self._check_header(d, shard, base)  # a wider look (an unusual .npy header), or the mismatch
+            self._header_ok[d] = True
+            buf = memoryview(buf)[pre:]
         if len(buf) != hi - lo:
             raise ValueError(f"shard {self.shard_path(shard)} is truncated: doc {d} needs bytes "
                              f"[{base + lo}, {base + hi}) but the file ends first")
@@ -450,26 +519,17 @@ class ShardSource(Source):
         return self._fingerprint
 
     def close(self) -> None:
-        with self._lock:
-            while self._fds:
-                os.close(self._fds.popitem()[1])
-
-    def __del__(self, _close: Any = os.close) -> None:
-        # may run at interpreter exit, when module globals (os, contextlib) are gone: os.close is bound
-        # as a default argument and errors are not reported
-        fds = getattr(self, "_fds", None)
-        while fds:
-            try:  # noqa: SIM105 - contextlib may already be torn down
-                _close(fds.popitem()[1])
-            except Exception:
-                pass
+        self._store.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"folder": self.folder, "max_open_files": self.max_open_files, "verify": self.verify}
+        state = {"folder": self.folder, "max_open_files": self.max_open_files, "verify": self.verify}
+        if self._store.remote:  # its configuration (URL, cache folder, options); it reconnects when unpickled
+            state["store"] = self._store
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["folder"], max_open_files=state["max_open_files"],  # type: ignore[misc]
-                      verify=state.get("verify", "full"))
+                      verify=state.get("verify", "full"), store=state.get("store"))
 
 
 def write_shards(docs: Any, out_dir: str, *, dtype: Any = np.uint16, tokenizer: dict[str, Any] | None = None,

@@ -57,6 +57,10 @@ class Source(ABC):
     def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of one doc."""
 
+    def prefetch(self, reads: list[tuple[int, int, int]]) -> None:  # noqa: B027 (a hint; most sources ignore it)
+        """Hint: ``read(doc_id, start, length)`` for each of ``reads`` follows soon (a remote source fetches
+        them concurrently)."""
+
     def close(self) -> None:  # noqa: B027 (sources without files have nothing to release)
         """Release file handles (reads reopen them)."""
 

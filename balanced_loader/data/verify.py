@@ -15,6 +15,7 @@ import numpy as np
 from balanced_loader.data.index import INDEX_FILE, build_index, list_shards, read_index_json
 from balanced_loader.data.integrity import file_crc32, lengths_fingerprint
 from balanced_loader.data.shards import ShardSource
+from balanced_loader.data.stores import is_url
 
 MAX_DOC_LINES = 100  # problem lines of single docs before the rest are counted only
 
@@ -84,6 +85,9 @@ def _compare(r: Report, src: ShardSource, fresh: dict[str, np.ndarray]) -> None:
 def verify_folder(folder: str) -> Report:
     """Check a shard folder fully (see the module doc); never raises for a corrupt folder."""
     folder = os.fspath(folder)
+    if is_url(folder):
+        raise ValueError(f"{folder}: verify checks a local folder (it reads every byte); run it before uploading, "
+                         f"or on a downloaded copy (reading from the URL checks every doc it reads anyway)")
     if not os.path.isdir(folder):
         raise ValueError(f"shard folder {folder} does not exist")
     r = Report(folder=folder)

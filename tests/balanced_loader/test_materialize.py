@@ -158,3 +158,30 @@ def test_degree_not_multiple_of_inner_uses_gcd():
     assert a.cp_inner == 2 and b.cp_inner == 1
     ids, _, _ = expected_lane(2, 0, 100, 2, 0, inner=2)
     np.testing.assert_array_equal(a.input_ids, ids)
+
+
+class _Recording(DatasetSource):
+    """Records what materialization announces (prefetch) and then reads."""
+
+    def __init__(self, docs):
+        super().__init__(docs)
+        self.announced: list[tuple[int, int, int]] = []
+        self.reads: list[tuple[int, int, int]] = []
+
+    def prefetch(self, reads):
+        self.announced += reads
+
+    def read(self, doc_id, start, length):
+        self.reads.append((doc_id, start, length))
+        return super().read(doc_id, start, length)
+
+
+@pytest.mark.parametrize("d,inner", [(1, 1), (2, 1), (4, 2), (8, 4), (3, 1)])
+def test_announced_reads_are_the_reads(d, inner):
+    """materialize_rank announces exactly the reads it makes, in order (a remote source prefetches them)."""
+    segs = [(2, 0, 100), (0, 3, 30), (7, 0, 77), (3, 0, 1)]
+    plan = one_pool(8, [[(list(range(d)), segs)], [([d % 8], [(4, 0, 64)])]])
+    for j in range(8):
+        src = _Recording(DOCS)
+        materialize_rank(plan, j, src, cp_inner=inner)
+        assert src.announced == src.reads
