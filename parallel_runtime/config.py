@@ -86,6 +86,9 @@ class WorldConfig:
     cp_inner: int = 1  # Ulysses size of the nested engine
     timeout_s: float = 300.0  # collective timeout: a crashed peer ends the others within it
     threads: int = 1  # torch intra-op threads per rank on CPU
+    # CPU (glibc): allocations of at least this many KiB get their own mapping, returned to the OS when
+    # freed (0: glibc's default, whose threshold grows and keeps freed activations resident)
+    heap_mmap_kb: int = 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -285,6 +288,9 @@ def validate(r: Recipe) -> None:
     _positive(w.size, "world.size")
     _positive(w.timeout_s, "world.timeout_s")
     _positive(w.threads, "world.threads")
+    if w.heap_mmap_kb < 0 or w.heap_mmap_kb > 1 << 20:
+        raise ValueError(f"world.heap_mmap_kb must be in 0..{1 << 20} (KiB; 0 keeps glibc's default), "
+                         f"got {w.heap_mmap_kb}")
     if w.device not in DEVICES:
         raise ValueError(f"world.device must be one of {', '.join(DEVICES)}, got '{w.device}'")
     if w.backend not in BACKENDS:

@@ -228,6 +228,20 @@ def release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
+
+
+def set_heap_mmap_threshold(nbytes: int) -> bool:
+    """Give every C allocation of at least ``nbytes`` its own mapping, returned to the OS when freed
+    (glibc ``mallopt(M_MMAP_THRESHOLD)``; ``0`` or a non-glibc C library: no change). Returns whether
+    it was set. Why: glibc's default threshold rises to the size of the largest freed block (up to
+    32 MiB), after which a step's activations and gradient temporaries of a few MB come from the heap
+    and their pages stay resident when freed, fragmented between live tensors (docs/results/memory.md)."""
+    if nbytes <= 0 or _LIBC is None:
+        return False
+    return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, int(nbytes)))
+
+
 def _libc():
     try:
         lib = ctypes.CDLL("libc.so.6")

@@ -324,12 +324,12 @@ class ShardedOptimizer:
 
     def __init__(self, layout: FlatLayout, full_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                  config: AdamWConfig, *, rank: int = 0, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str = "cpu", bucket_elems: int = 8 << 20) -> None:
+                 device: torch.device | str = "cpu", bucket_elems: int = 2 << 20) -> None:
         """``full_params``: every full parameter's initial value, as a mapping or as ``(name, tensor)``
         pairs (a generator keeps only one piece of the model in memory at a time); only the part
         inside this rank's shard is kept. Shards, moments and the pull/push buckets live on ``device``
         (the device of the working parameters; NCCL needs CUDA tensors). ``bucket_elems`` bounds
-        the send and the receive buffer of every pull/push collective (default 32 MB of fp32)."""
+        the send and the receive buffer of every pull/push collective (default 8 MB of fp32)."""
         if bucket_elems < 1:
             raise ValueError(f"bucket_elems must be >= 1, got {bucket_elems}")
         self.layout = layout

@@ -172,6 +172,7 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(w.threads)
+            M.set_heap_mmap_threshold(w.heap_mmap_kb << 10)  # before the model and shards are allocated
         self.dtype = DTYPES[recipe.train.dtype]
         self.cost = recipe.cost_model()
         if rank == 0:
