@@ -23,8 +23,14 @@ from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
 from balanced_loader.strict import from_dict, read_yaml, yaml_loads
 from parallel_runtime.engines.context import ENGINES
-from parallel_runtime.hf.config import (PRETRAINED, check_hf_config, check_hf_recompute, check_hf_shape, hf_config,
-                                       normalize)
+from parallel_runtime.hf.config import (
+    PRETRAINED,
+    check_hf_config,
+    check_hf_recompute,
+    check_hf_shape,
+    hf_config,
+    normalize,
+)
 from parallel_runtime.model import ModelConfig
 from parallel_runtime.training.optimizer import AdamWConfig as OptimizerConfig
 
