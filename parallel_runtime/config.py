@@ -23,7 +23,14 @@ from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
 from balanced_loader.strict import from_dict, read_yaml, yaml_loads
 from parallel_runtime.engines.context import ENGINES
-from parallel_runtime.hf.config import PRETRAINED, check_hf_config, check_hf_shape, hf_config, normalize
+from parallel_runtime.hf.config import (
+    PRETRAINED,
+    check_hf_config,
+    check_hf_recompute,
+    check_hf_shape,
+    hf_config,
+    normalize,
+)
 from parallel_runtime.model import ModelConfig
 from parallel_runtime.training.optimizer import AdamWConfig as OptimizerConfig
 
@@ -319,13 +326,16 @@ def validate(r: Recipe) -> None:
 
 
 def _validate_hf(r: Recipe) -> None:
-    """``model.hf`` names the whole model: the native keys stay unset, and the CP engines must run it."""
+    """``model.hf`` names the whole model: the native keys stay unset, the CP engines must run it, and
+    ``train.recompute`` needs a model class with activation checkpointing."""
     native = RecipeModelConfig()
     for f in dataclasses.fields(ModelConfig):
         if getattr(r.model, f.name) != getattr(native, f.name):
             raise ValueError(f"model.{f.name} is set but model.hf names the whole model; remove model.{f.name} "
                              f"(set it inside model.hf)")
     check_hf_config(hf_config(r.model.hf), max_seq_len=r.data.max_seq_len)
+    if r.train.recompute:
+        check_hf_recompute(hf_config(r.model.hf))
 
 
 def _validate_world_shapes(r: Recipe) -> None:

@@ -96,6 +96,19 @@ def check_hf_config(cfg, *, max_seq_len: int) -> None:
         raise ValueError(f"model.hf: head_dim ({head_dim}) must be even for rotary embeddings")
 
 
+def check_hf_recompute(cfg, model_class: type | None = None) -> None:
+    """ValueError when ``train.recompute`` asks activation checkpointing of a model class without it
+    (``model_class``: the built model's class; default: the causal LM class transformers builds for ``cfg``)."""
+    if model_class is None:
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING  # heavy optional dependency (the hf extra)
+
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    if model_class is None or not getattr(model_class, "supports_gradient_checkpointing", False):
+        name = model_class.__name__ if model_class is not None else f"model_type {cfg.model_type!r}"
+        raise ValueError(f"train.recompute: transformers' {name} has no activation checkpointing; "
+                         f"set train.recompute: false")
+
+
 def check_hf_shape(cfg, tp: int, pp: int, *, where: str, cp_engine: str, cp_inner: int,
                    degrees: list[int]) -> None:
     """An HF model runs on data- and context-parallel lanes only (tp = pp = 1)."""

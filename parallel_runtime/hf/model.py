@@ -10,7 +10,11 @@
   -> ``head_loss`` (and ``forward`` for the whole pass). ``run_layers`` runs the HF decoder on one
   packed sequence with the microbatch's ``position_ids`` (each lane's true positions in the CP
   layout, so RoPE sees them) and passes the microbatch's bound attention to every layer through
-  the registered ``bl_cp`` attention (:mod:`parallel_runtime.hf.attention`).
+  the registered ``bl_cp`` attention (:mod:`parallel_runtime.hf.attention`). Setting its
+  ``recompute`` (the trainer does, from ``train.recompute``) turns on transformers' activation
+  checkpointing of every decoder layer, non-reentrant: a layer keeps its input only and runs again
+  in backward, its attention's CP collectives included (every rank of a CP group replays its layers
+  in the same reverse order, so the collectives pair up as in the forward).
 * :class:`HFRuntime` is the :class:`~parallel_runtime.training.runtime.Runtime` of an HF model:
   one whole model per rank (pools must be tp=1, pp=1; the recipe check says so first).
 """
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel_runtime.hf.attention import BOUND_KWARG, NAME, register
-from parallel_runtime.hf.config import PRETRAINED, hf_config
+from parallel_runtime.hf.config import PRETRAINED, check_hf_recompute, hf_config
 from parallel_runtime.topology import Topology
 from parallel_runtime.training.optimizer import LocalParam, ParamSpec
 from parallel_runtime.training.runtime import Runtime, StageModel
@@ -49,6 +53,27 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf = hf
         self.config = StageShape(hidden=int(hf.config.hidden_size))
+        self._recompute = False
+
+    @property
+    def recompute(self) -> bool:
+        """Activation checkpointing per decoder layer (``train.recompute``); the math is unchanged."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, on: bool) -> None:
+        on = bool(on)
+        if on == self._recompute:  # the trainer sets it every step
+            return
+        if on:
+            check_hf_recompute(self.hf.config, type(self.hf))
+            self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            # transformers also hooks the embedding to make its output require grad (for frozen embeddings
+            # under reentrant checkpoints); the runtime trains the embedding and checkpoints non-reentrantly
+            self.hf.disable_input_require_grads()
+        else:
+            self.hf.activation_checkpointing_disable()
+        self._recompute = on
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T] -> [T, hidden]``."""

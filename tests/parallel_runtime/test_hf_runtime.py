@@ -1,7 +1,8 @@
 """transformers causal LMs in the runtime (``model.hf``): the ``bl_cp`` attention adapter against the
-model's own sdpa/eager attention on packed docs, the recipe checks, a pretrained folder, and
-``recipes/cpu-hf-llama.yaml`` on 4 gloo ranks (Ulysses, ring and nested CP) against ``--reference``
-(which also resumes exactly from a checkpoint)."""
+model's own sdpa/eager attention on packed docs, ``train.recompute`` (same gradients, fewer saved
+activations), the recipe checks, a pretrained folder, and ``recipes/cpu-hf-llama.yaml`` on 4 gloo ranks
+(Ulysses, ring and nested CP; and with recompute) against ``--reference`` (which also resumes exactly
+from a checkpoint)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from test_trainer import reference_losses, train_rank
 
 from parallel_runtime.config import apply_overrides, load_recipe, recipe_from_dict
 from parallel_runtime.engines.context import shard_microbatch
+from parallel_runtime.hf.config import check_hf_recompute
 from parallel_runtime.hf.model import HFModel
 from parallel_runtime.model import local_attention
+from parallel_runtime.training.metrics import SavedActivations
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = str(REPO / "recipes" / "cpu-hf-llama.yaml")
@@ -61,6 +64,44 @@ def test_the_cp_adapter_equals_the_models_own_attention_on_packed_docs(model_typ
     other = model(b["input_ids"], whole, b["labels"], attn=local_attention(torch.tensor([0, len(whole)]), "loop"),
                   num_valid_tokens=nvt)
     assert abs(float(other.detach()) - loss) > 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_recompute_gives_the_same_loss_and_gradients_and_saves_less(model_type: str) -> None:
+    spec = {"model_type": model_type, **TINY, "num_hidden_layers": 3, "initializer_range": 0.2}
+    b = {k: torch.from_numpy(v) for k, v in _packed().items()}
+    nvt = int((b["labels"] != -100).sum())
+    runs = {}
+    for recompute in (False, True):
+        model = HFModel(spec, seed=1).build(torch.device("cpu"), torch.float32)
+        model.recompute = recompute
+        assert model.hf.is_activation_checkpointing == recompute
+        saved = SavedActivations(exclude=list(model.parameters()))
+        with saved.hooks():
+            loss = model(b["input_ids"], b["position_ids"], b["labels"], attn=local_attention(b["cu_seqlens"], "loop"),
+                         num_valid_tokens=nvt)
+        loss.backward()
+        assert saved.current == 0  # every saved tensor (the checkpoints' too) is released after backward
+        runs[recompute] = model, float(loss.detach()), saved.peak
+    (plain, loss, peak), (again, loss_rc, peak_rc) = runs[False], runs[True]
+    assert loss_rc == loss
+    for (name, p), q in zip(plain.named_parameters(), again.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+    assert peak_rc * 3 < peak  # 3 layers keep their inputs only
+    again.recompute = False  # and off again
+    assert not again.hf.is_activation_checkpointing
+
+
+def test_recompute_of_a_model_without_checkpointing_fails_with_one_line() -> None:
+    from transformers import CTRLConfig, CTRLLMHeadModel  # a real causal LM class without activation checkpointing
+
+    for args in ((CTRLConfig(),), (CTRLConfig(), CTRLLMHeadModel)):
+        with pytest.raises(ValueError) as info:
+            check_hf_recompute(*args)
+        msg = str(info.value)
+        assert msg == ("train.recompute: transformers' CTRLLMHeadModel has no activation checkpointing; "
+                       "set train.recompute: false"), msg
+    load_recipe(RECIPE, ["train.recompute=true"])  # llama has it: the recipe check passes
 
 
 def _raw() -> dict:
@@ -133,3 +174,23 @@ def test_the_hf_llama_recipe_equals_the_reference_on_four_ranks(tmp_path) -> Non
     # a checkpoint of an HF run resumes exactly (the optimizer shards hold the HF parameters)
     reference_losses(RECIPE, sets, str(tmp_path / "resumed"), 2)
     assert reference_losses(RECIPE, sets, str(tmp_path / "resumed"), 4) == ref
+
+
+def _recomputed(rank: int, world: int, sets: list[str], tmp: str) -> dict:
+    sets = [*sets, "train.recompute=true"]
+    return {"ulysses": train_rank(rank, world, RECIPE, sets, f"{tmp}/ulysses", 2),
+            "ring": train_rank(rank, world, RECIPE, [*sets, "world.cp_engine=ring"], f"{tmp}/ring", 2)}
+
+
+@pytest.mark.multirank
+def test_the_hf_llama_recipe_with_recompute_equals_the_reference_on_four_ranks(tmp_path) -> None:
+    """Recomputed layers replay their attention's CP collectives in backward: every rank of a group in
+    the same order, so the losses (and the updates behind step 1's loss) match the plain reference."""
+    sets = [f"data.shards_dir={tmp_path / 'shards'}"]
+    ref = reference_losses(RECIPE, sets, str(tmp_path / "ref"), 2)
+    res = run_distributed(_recomputed, 4, sets, str(tmp_path), timeout=600)[0]
+    for engine, ms in res.items():
+        assert [m["step"] for m in ms] == [0, 1]
+        assert any(m["max_degree"] >= 2 for m in ms), engine  # CP groups did run under recompute
+        for m, r in zip(ms, ref):
+            assert abs(m["loss"] - r) <= 1e-5 * abs(r), (engine, m["step"], m["loss"], r)
