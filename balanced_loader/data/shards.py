@@ -20,7 +20,9 @@ doc_ids run in shard order, then member order, so the docs of shard ``s`` are
 ``shard_bounds[s]:shard_bounds[s + 1]``. A tar member's data is contiguous, so tokens
 ``[a, b)`` of a doc are one ``pread`` of ``(b - a) * itemsize`` bytes at ``offset + a * itemsize``.
 
-The index is scanned and written by :mod:`.index`. Reads are checked (:mod:`.integrity`): the
+The writer streams the index as it writes (:class:`~.index.IndexWriter`; the member bytes come from
+:mod:`.members`); a folder without one is scanned by :func:`~.index.build_index`, which gives the
+same bytes. Reads are checked (:mod:`.integrity`): the
 first read of a doc checks its tar and ``.npy`` headers against the index (fetched with the doc's
 first bytes when that read starts at the doc's start: one request), and every read checks
 the checksums it covers, the whole-doc crc32 or the 1 KiB block crc32s of a partial read
