@@ -235,7 +235,9 @@ class NpyStream:
 
 class IndexWriter:
     """The index arrays of a folder being written, streamed to their files (``index.*.npy``) as docs arrive:
-    memory is a buffer of ``CHUNK`` docs (~28 bytes each) whatever the number of docs.
+    memory is a buffer of ``CHUNK`` docs (a few MB of Python ints) whatever the number of docs; the disk
+    takes 28 bytes per doc, as for a scanned index (no second copy: the buffers go to the files' own
+    temporary files, renamed at ``commit``).
 
     ``add`` per doc (its length, shard, data offset and number of checksums); ``commit`` renames the
     arrays into place and writes ``index.json``: the same bytes as :func:`build_index` scanning the tars.
