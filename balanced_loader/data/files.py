@@ -79,6 +79,32 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str
                 os.remove(tmp)
 
 
+class _Discard(Exception):
+    """Thrown into an open :func:`atomic_write` to remove its temporary file."""
+
+
+class AtomicFile:
+    """An :func:`atomic_write` held open across calls (a file written piece by piece, e.g. a shard):
+    ``file`` takes the bytes, ``commit()`` syncs and renames it into place (``OSError`` naming the
+    path on failure, the temporary file removed), ``discard()`` removes the temporary file."""
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "wb") -> None:
+        self.path = os.fspath(path)
+        self._cm: Any = atomic_write(self.path, mode)
+        self.file: IO[Any] = self._cm.__enter__()
+
+    def commit(self) -> None:
+        cm, self._cm = self._cm, None
+        assert cm is not None, f"{self.path} was already committed or discarded"
+        cm.__exit__(None, None, None)
+
+    def discard(self) -> None:
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            with contextlib.suppress(_Discard):
+                cm.__exit__(_Discard, _Discard(), None)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
     """A temporary path next to ``path`` for a writer that needs a file name (a download); on success

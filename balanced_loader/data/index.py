@@ -1,8 +1,11 @@
-"""The length index of a shard folder: scanning tar headers into ``index.json`` and its arrays.
+"""The length index of a shard folder: ``index.json`` and its arrays, scanned from the tar headers or
+streamed by the writer.
 
-See :mod:`balanced_loader.data.shards` for the folder layout. Scanning reads only the tar and
-``.npy`` headers; the writer's checksums (``shards.crc.npy``) are taken over when they cover
-every shard, and the lengths fingerprint is recorded for loader states.
+See :mod:`balanced_loader.data.shards` for the folder layout. Scanning (:func:`build_index`) reads
+only the tar and ``.npy`` headers; the writer's checksums (``shards.crc.npy``) are taken over when
+they cover every shard, and the lengths fingerprint is recorded for loader states. The writer
+(:class:`IndexWriter`) knows every doc's length, shard and data offset as it writes, so it streams
+the same arrays to their files (byte-identical to a scan) instead of reading its tars again.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.files import atomic_write, write_json
+from balanced_loader.data.files import AtomicFile, atomic_write, write_json
 from balanced_loader.data.integrity import lengths_fingerprint, num_blocks
+from balanced_loader.data.members import numpy_header
 
 META_FILE = "shards.json"
 META_FORMAT = "balanced-loader/shards"
@@ -166,15 +170,9 @@ def build_index(folder: str, *, write: bool = True, progress: bool = False) -> d
     arrays = {"lengths": np.concatenate(lengths), "shard": np.concatenate(shard_of), "offset": np.concatenate(offsets)}
     checked = meta is not None and len(expected) == len(names)  # the writer's checksums cover every shard
     crc_start, block = _writer_checksums(folder, meta, arrays["lengths"], dtype.itemsize) if checked else (None, None)
-    index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "dtype": dtype.str,
-             "tokenizer": meta.get("tokenizer") if meta else None,
-             "num_docs": int(len(arrays["lengths"])), "num_tokens": int(arrays["lengths"].sum()),
-             "lengths_fingerprint": lengths_fingerprint(arrays["lengths"]),
-             "member_names": "doc_id" if named else "any",
-             "check_block_bytes": block, "shards": shards}
-    for key in META_COPIED:  # what build-shards recorded about the build (part K/N, the input set)
-        if meta and key in meta:
-            index[key] = meta[key]
+    index = index_json(dtype=dtype, meta=meta, num_docs=len(arrays["lengths"]),
+                       num_tokens=int(arrays["lengths"].sum()), fingerprint=lengths_fingerprint(arrays["lengths"]),
+                       named=named, block=block, shards=shards)
     if crc_start is not None:
         arrays["crc_start"] = crc_start
     if not write:
@@ -184,6 +182,116 @@ def build_index(folder: str, *, write: bool = True, progress: bool = False) -> d
         save_array(array_path(folder, k), arr)
     write_json(os.path.join(folder, INDEX_FILE), index, indent=1)
     return index
+
+
+def index_json(*, dtype: np.dtype, meta: dict[str, Any] | None, num_docs: int, num_tokens: int, fingerprint: str,
+               named: bool, block: int | None, shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON of ``index.json`` (one function for the scan and the writer: the same keys in the same order)."""
+    index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "dtype": dtype.str,
+             "tokenizer": meta.get("tokenizer") if meta else None,
+             "num_docs": int(num_docs), "num_tokens": int(num_tokens), "lengths_fingerprint": fingerprint,
+             "member_names": "doc_id" if named else "any", "check_block_bytes": block, "shards": shards}
+    for key in META_COPIED:  # what build-shards recorded about the build (part K/N, the input set)
+        if meta and key in meta:
+            index[key] = meta[key]
+    return index
+
+
+class NpyStream:
+    """A 1-D ``.npy`` file written in pieces (its length unknown until the end), complete or not at all.
+
+    A placeholder header goes first and the real one over it at ``commit()``: numpy's 1.0 header of
+    a 1-D array is 128 bytes for any length (its dict is padded to 64-byte alignment), so the
+    file is byte-identical to ``np.save`` of the whole array.
+    """
+
+    def __init__(self, path: str, dtype: Any) -> None:
+        self.dtype = np.dtype(dtype)
+        self.n = 0
+        self._out = AtomicFile(path)
+        self._head = len(numpy_header(self.dtype, 0))
+        self._out.file.write(b"\0" * self._head)
+
+    @property
+    def path(self) -> str:
+        return self._out.path
+
+    def write(self, values: Any) -> None:
+        arr = np.ascontiguousarray(values, dtype=self.dtype)  # [k]
+        self._out.file.write(arr.data)
+        self.n += len(arr)
+
+    def commit(self) -> None:
+        head = numpy_header(self.dtype, self.n)
+        assert len(head) == self._head, (len(head), self._head)  # see the class doc
+        f = self._out.file
+        f.seek(0)
+        f.write(head)
+        self._out.commit()
+
+    def discard(self) -> None:
+        self._out.discard()
+
+
+class IndexWriter:
+    """The index arrays of a folder being written, streamed to their files (``index.*.npy``) as docs arrive:
+    memory is a buffer of ``CHUNK`` docs (a few MB of Python ints) whatever the number of docs; the disk
+    takes 28 bytes per doc, as for a scanned index (no second copy: the buffers go to the files' own
+    temporary files, renamed at ``commit``).
+
+    ``add`` per doc (its length, shard, data offset and number of checksums); ``commit`` renames the
+    arrays into place and writes ``index.json``: the same bytes as :func:`build_index` scanning the tars.
+    """
+
+    CHUNK = 1 << 16
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        kinds = {"lengths": np.int64, "shard": np.int32, "offset": np.int64, "crc_start": np.int64}
+        self._streams: dict[str, NpyStream] = {}
+        try:
+            for k, dt in kinds.items():
+                self._streams[k] = NpyStream(array_path(folder, k), dt)
+        except BaseException:
+            self.discard()
+            raise
+        self._streams["crc_start"].write([0])
+        self._crc_end = 0
+        self._buf: dict[str, list[int]] = {k: [] for k in kinds}
+
+    def add(self, length: int, shard: int, offset: int, crcs: int) -> None:
+        buf = self._buf
+        buf["lengths"].append(length)
+        buf["shard"].append(shard)
+        buf["offset"].append(offset)
+        self._crc_end += crcs
+        buf["crc_start"].append(self._crc_end)
+        if len(buf["lengths"]) >= self.CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        for k, values in self._buf.items():
+            self._streams[k].write(values)
+            values.clear()
+
+    def commit(self, *, dtype: np.dtype, meta: dict[str, Any], num_tokens: int, shards: list[dict[str, Any]]
+               ) -> dict[str, Any]:
+        """Write the arrays and ``index.json`` (``meta``: the folder's ``shards.json`` content); returns the index."""
+        self._flush()
+        for s in self._streams.values():
+            s.commit()
+        # the fingerprint hashes the length count first, so it is taken from the finished file (in the page cache)
+        lengths = np.load(array_path(self.folder, "lengths"), mmap_mode="r", allow_pickle=False)  # [num_docs] int64
+        index = index_json(dtype=dtype, meta=meta, num_docs=len(lengths), num_tokens=num_tokens,
+                           fingerprint=lengths_fingerprint(lengths), named=True,
+                           block=int(meta["check_block_bytes"]), shards=shards)
+        del lengths
+        write_json(os.path.join(self.folder, INDEX_FILE), index, indent=1)
+        return index
+
+    def discard(self) -> None:
+        for s in self._streams.values():
+            s.discard()
 
 
 def read_index_json(path: str) -> dict[str, Any]:

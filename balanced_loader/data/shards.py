@@ -20,7 +20,9 @@ doc_ids run in shard order, then member order, so the docs of shard ``s`` are
 ``shard_bounds[s]:shard_bounds[s + 1]``. A tar member's data is contiguous, so tokens
 ``[a, b)`` of a doc are one ``pread`` of ``(b - a) * itemsize`` bytes at ``offset + a * itemsize``.
 
-The index is scanned and written by :mod:`.index`. Reads are checked (:mod:`.integrity`): the
+The writer streams the index as it writes (:class:`~.index.IndexWriter`; the member bytes come from
+:mod:`.members`); a folder without one is scanned by :func:`~.index.build_index`, which gives the
+same bytes. Reads are checked (:mod:`.integrity`): the
 first read of a doc checks its tar and ``.npy`` headers against the index (fetched with the doc's
 first bytes when that read starts at the doc's start: one request), and every read checks
 the checksums it covers, the whole-doc crc32 or the 1 KiB block crc32s of a partial read
@@ -34,17 +36,15 @@ fsspec byte ranges), with the same checks.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
-import tarfile
 import threading
 import zlib
 from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.files import atomic_write, write_error, write_json
+from balanced_loader.data.files import AtomicFile, write_error, write_json
 from balanced_loader.data.index import (
     ARRAYS,
     CRC_FILE,
@@ -54,32 +54,29 @@ from balanced_loader.data.index import (
     META_FILE,
     META_FORMAT,
     TOKEN_EXT,
+    IndexWriter,
+    NpyStream,
     array_path,
     build_index,
     check_token_dtype,
     list_shards,
     read_index_json,
-    save_array,
 )
 from balanced_loader.data.integrity import (
     CHECK_BLOCK_BYTES,
     NPY_HEADER_GUESS,
     TAR_BLOCK,
     CrcFile,
-    block_crcs,
     check_member,
     lengths_fingerprint,
 )
+from balanced_loader.data.members import NpyHeaders, tar_end, tar_member_header, tar_padding
 from balanced_loader.data.sources import Source
 from balanced_loader.data.stores import LocalStore
 
 log = logging.getLogger("balanced_loader")
 
 VERIFY_MODES = ("full", "header", "off")
-
-
-class _Abort(Exception):
-    """Thrown into an open :func:`atomic_write` to discard its temporary file."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,10 +92,17 @@ class ShardWriter:
     complete. A failure (an exception inside ``with``, a full disk) removes every file this
     writer made, so a failed build leaves no shards that could be indexed as a partial dataset.
 
+    Each member's bytes are built directly (:mod:`.members`: the bytes ``tarfile`` and numpy
+    would write), and the checksums and the length index are streamed to their (temporary) files
+    as docs arrive: memory stays a few buffered chunks for any number of docs, and ``close()``
+    does not read the tars again (the index equals a scan, :func:`~.index.build_index`, byte for byte).
+
     ``extra``: more JSON keys for ``shards.json`` (``build-shards`` records ``part`` and ``inputs``;
     the index copies them). ``allow_empty``: a writer given no docs writes only ``shards.json``
     and the empty checksum file (an empty part of a ``--part K/N`` build) instead of failing.
     """
+
+    CRC_CHUNK = 1 << 16  # checksums buffered before they go to the checksum file
 
     def __init__(self, out_dir: str, *, dtype: Any, tokenizer: dict[str, Any] | None = None,
                  max_shard_bytes: int = 256 << 20, max_docs_per_shard: int = 100_000,
@@ -125,51 +129,52 @@ class ShardWriter:
         self.shards: list[dict[str, Any]] = []
         self.num_docs = 0
         self.num_tokens = 0
-        self._tar: tarfile.TarFile | None = None
-        self._file: contextlib.ExitStack | None = None  # the open atomic_write of the current shard
-        self._crc_file: CrcFile | None = None
-        self._crcs: list[np.ndarray] = []  # per doc: [1 + blocks] uint32, whole doc then blocks
+        self._npy_header = NpyHeaders(self.dtype)
+        self._out: AtomicFile | None = None  # the shard being written
+        self._crc_file: CrcFile | None = None  # its bytes go through this (size and crc32 of the whole shard)
         self._written: list[str] = []  # files this writer completed (removed again on failure)
         self._docs = 0
         self._bytes = 0
+        self._crc_buf: list[int] = []  # checksums not yet in the checksum file
+        self._crcs: NpyStream | None = None
+        self._index: IndexWriter | None = None
+        self._meta: dict[str, Any] | None = None  # set by close()
+        try:
+            self._crcs = NpyStream(os.path.join(out_dir, CRC_FILE), np.uint32)
+            self._index = IndexWriter(out_dir)
+        except BaseException:
+            self._discard()
+            raise
 
     def _open(self) -> None:
         name = f"{self.prefix}-{len(self.shards):06d}.tar"
-        stack = contextlib.ExitStack()
-        f = stack.enter_context(atomic_write(os.path.join(self.out_dir, name), "wb"))
-        self._file = stack
-        self._crc_file = CrcFile(f)
-        self._tar = tarfile.open(fileobj=self._crc_file, mode="w", format=tarfile.GNU_FORMAT)  # noqa: SIM115
+        self._out = AtomicFile(os.path.join(self.out_dir, name))
+        self._crc_file = CrcFile(self._out.file)
         self._docs = 0
         self._bytes = 0
         self.shards.append({"name": name, "docs": 0, "bytes": 0})
 
     def _finish(self) -> None:
-        if self._tar is None:
+        if self._out is None:
             return
-        assert self._file is not None and self._crc_file is not None
-        path = os.path.join(self.out_dir, self.shards[-1]["name"])
+        assert self._crc_file is not None
         try:
-            self._tar.close()  # the end-of-archive blocks (may fail: disk full)
+            self._crc_file.write(tar_end(self._crc_file.size))  # the end-of-archive blocks (may fail: disk full)
         except OSError as e:
+            path = self._out.path
             self._discard()
             raise write_error(path, e) from None
-        except BaseException:
-            self._discard()
-            raise
-        self._tar = None
-        stack, self._file = self._file, None
-        stack.close()  # fsync and rename; on failure atomic_write removed the temporary file
-        self._written.append(path)
+        out, self._out = self._out, None
+        out.commit()  # fsync and rename; on failure the temporary file is removed
+        self._written.append(out.path)
         self.shards[-1].update(docs=self._docs, bytes=self._crc_file.size, crc32=self._crc_file.crc)
 
     def _discard(self) -> None:
-        """Drop the shard being written (its temporary file) and every file already completed."""
-        self._tar = None
-        if self._file is not None:
-            stack, self._file = self._file, None
-            with contextlib.suppress(_Abort):
-                stack.__exit__(_Abort, _Abort(), None)
+        """Drop the files being written (their temporary files) and every file already completed."""
+        for part in (self._out, self._crcs, self._index):
+            if part is not None:
+                part.discard()
+        self._out = self._crcs = self._index = None
         for path in self._written:
             with contextlib.suppress(OSError):
                 os.remove(path)
@@ -177,6 +182,9 @@ class ShardWriter:
 
     def add(self, tokens: Any) -> int:
         """Append one doc; returns its doc_id."""
+        if self._index is None:
+            raise ValueError("this shard writer is closed" if self._meta is not None else
+                             "this shard writer failed; its files were removed")
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise ValueError(f"doc {self.num_docs}: tokens must be 1-D, got shape {arr.shape}")
@@ -186,53 +194,81 @@ class ShardWriter:
                 raise ValueError(f"doc {self.num_docs}: token ids do not fit {self.dtype}")
             arr = arr.astype(self.dtype)
         arr = np.ascontiguousarray(arr)
-        buf = io.BytesIO()
-        np.lib.format.write_array(buf, arr, version=(1, 0), allow_pickle=False)
-        payload = buf.getvalue()
-        if self._tar is not None and self._docs and (
-                self._bytes + len(payload) + 512 > self.max_shard_bytes or self._docs >= self.max_docs_per_shard):
-            self._finish()
-        if self._tar is None:
-            self._open()
-        info = tarfile.TarInfo(f"{self.num_docs:010d}{TOKEN_EXT}")
-        info.size = len(payload)
-        info.mtime = 0
-        info.mode = 0o644
-        assert self._tar is not None
-        try:
-            self._tar.addfile(info, io.BytesIO(payload))
-        except OSError as e:  # the with-block's exit removes this writer's files
-            raise write_error(os.path.join(self.out_dir, self.shards[-1]["name"]), e) from None
         raw = memoryview(arr).cast("B")
-        doc_crc = np.array([zlib.crc32(raw)], dtype=np.uint32)
-        self._crcs.append(np.concatenate([doc_crc, block_crcs(raw, self.check_block_bytes)]))
+        n = len(arr)
+        npy = self._npy_header(n)
+        size = len(npy) + len(raw)  # the member's data: .npy header and token bytes
+        if self._out is not None and self._docs and (
+                self._bytes + size + 512 > self.max_shard_bytes or self._docs >= self.max_docs_per_shard):
+            self._finish()
+        if self._out is None:
+            self._open()
+        assert self._crc_file is not None
+        head = tar_member_header(f"{self.num_docs:010d}{TOKEN_EXT}", size) + npy
+        offset = self._crc_file.size + len(head)  # where the token data lands
+        try:  # one write (and one crc32 of the shard) per doc: the copy costs less than more calls
+            self._crc_file.write(b"".join((head, raw, tar_padding(size))))
+        except OSError as e:  # the with-block's exit removes this writer's files
+            raise write_error(self._out.path, e) from None
+        # checksums: the whole doc's, then each block's (a doc of one block: the same value twice)
+        b = self.check_block_bytes
+        whole = zlib.crc32(raw)
+        if len(raw) <= b:
+            crcs = [whole, whole] if len(raw) else [whole]
+        else:
+            crcs = [whole, *(zlib.crc32(raw[i:i + b]) for i in range(0, len(raw), b))]
+        self._crc_buf += crcs
+        if len(self._crc_buf) >= self.CRC_CHUNK:
+            self._flush_crcs()
+        self._index.add(n, len(self.shards) - 1, offset, len(crcs))
         self._docs += 1
-        self._bytes += len(payload) + 512
+        self._bytes += size + 512
         self.num_docs += 1
-        self.num_tokens += len(arr)
+        self.num_tokens += n
         return self.num_docs - 1
+
+    def _flush_crcs(self) -> None:
+        assert self._crcs is not None
+        try:
+            self._crcs.write(self._crc_buf)
+        except OSError as e:
+            raise write_error(self._crcs.path, e) from None
+        self._crc_buf.clear()
 
     def close(self) -> dict[str, Any]:
         """Finish the last shard, write the checksums, ``shards.json`` and the length index; returns
         the metadata. On failure every file of this writer is removed."""
+        if self._meta is not None:
+            return self._meta
+        if self._index is None:
+            raise ValueError("this shard writer failed; its files were removed")
         try:
             self._finish()
-            crcs = np.concatenate(self._crcs) if self._crcs else np.zeros(0, dtype=np.uint32)
-            save_array(os.path.join(self.out_dir, CRC_FILE), crcs)
-            self._written.append(os.path.join(self.out_dir, CRC_FILE))
+            self._flush_crcs()
+            assert self._crcs is not None
+            self._crcs.commit()
+            self._written.append(self._crcs.path)
+            self._crcs = None
             meta = {"format": META_FORMAT, "version": INDEX_VERSION, "dtype": self.dtype.str,
                     "tokenizer": self.tokenizer, "num_docs": self.num_docs, "num_tokens": self.num_tokens,
                     "check_block_bytes": self.check_block_bytes, "shards": self.shards, **self.extra}
             write_json(os.path.join(self.out_dir, META_FILE), meta, indent=1)
             self._written.append(os.path.join(self.out_dir, META_FILE))
-            if not self.num_docs and self.allow_empty:
-                return meta  # no shards, so no length index: a reader of parts counts this folder as 0 docs
+            if not self.num_docs:
+                if not self.allow_empty:
+                    raise ValueError(f"{self.out_dir} holds no .tar shards: the shard writer was given no docs")
+                self._index.discard()  # no shards, so no length index: a reader of parts counts this folder as 0 docs
+                self._index = None
+                self._meta = meta
+                return meta
             self._written += [array_path(self.out_dir, k) for k in (*ARRAYS, "crc_start")]
             self._written.append(os.path.join(self.out_dir, INDEX_FILE))
-            build_index(self.out_dir)
+            self._index.commit(dtype=self.dtype, meta=meta, num_tokens=self.num_tokens, shards=self.shards)
+            self._index = None
         except BaseException:
             self._discard()
             raise
+        self._meta = meta
         return meta
 
     def __enter__(self) -> ShardWriter:
@@ -243,11 +279,6 @@ class ShardWriter:
             self.close()
         else:
             self._discard()
-
-
-# ---------------------------------------------------------------------------------------------
-# The length index
-# ---------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------

@@ -250,7 +250,7 @@ def test_chart_failure_mid_savefig_leaves_no_partial_png(tmp_path, monkeypatch):
 
 
 def test_shard_writer_failures_leave_no_files(tmp_path, monkeypatch):
-    import tarfile
+    from balanced_loader.data.integrity import CrcFile
 
     docs = make_docs(0)
 
@@ -262,7 +262,20 @@ def test_shard_writer_failures_leave_no_files(tmp_path, monkeypatch):
         write_shards(gen(), str(tmp_path / "x"), max_docs_per_shard=DOCS_PER_SHARD)
     assert os.listdir(tmp_path / "x") == []  # the finished shards went too: no partial dataset to index
 
-    monkeypatch.setattr(tarfile.TarFile, "close", lambda self: _no_space())
-    with pytest.raises(OSError, match=r"cannot write .*shard-000000.tar: No space left on device"):
-        write_shards(docs, str(tmp_path / "y"), max_docs_per_shard=DOCS_PER_SHARD)
-    assert os.listdir(tmp_path / "y") == []
+    write = CrcFile.write
+
+    def full_at(limit):
+        """A disk that fills up once a shard holds ``limit`` bytes."""
+        def full(self, b):
+            if self.size + len(b) > limit:
+                _no_space()
+            return write(self, b)
+        return full
+
+    first = write_shards(docs, str(tmp_path / "ok"), max_docs_per_shard=DOCS_PER_SHARD)
+    # full while the first member is written, then while the end of the archive (>= 1024 bytes, the last write) is
+    for i, limit in enumerate([1, first.index["shards"][0]["bytes"] - 1]):
+        monkeypatch.setattr(CrcFile, "write", full_at(limit))
+        with pytest.raises(OSError, match=r"cannot write .*shard-000000.tar: No space left on device"):
+            write_shards(docs, str(tmp_path / f"y{i}"), max_docs_per_shard=DOCS_PER_SHARD)
+        assert os.listdir(tmp_path / f"y{i}") == []

@@ -403,3 +403,28 @@ def test_a_tokenizer_that_cannot_reach_workers_is_one_error(tmp_path):
         build_from_files([str(f)], str(tmp_path / "o"), tokenizer=Local(), workers=2)
     meta = build_from_files([str(f)], str(tmp_path / "o"), tokenizer=Local())  # encode per doc, no encode_batch
     assert meta["num_docs"] == 1 and meta["num_tokens"] == 3
+
+
+def test_part_folders_served_over_http_open_together(tmp_path, capsys):
+    """``--part 0/2`` and ``1/2`` folders, each behind its own HTTP server, open as one source through their URLs
+    and hold the docs of the local whole build. (A part without docs has no index, so it opens only as a local
+    folder; both parts here have docs.)"""
+    pytest.importorskip("fsspec")
+    pytest.importorskip("aiohttp")
+    from balanced_loader.data.httpserve import RangeServer
+
+    files = _shape(tmp_path, "many-files")
+    whole, p0, p1 = (str(tmp_path / x) for x in ("whole", "p0", "p1"))
+    assert cli.main(["build-shards", *files, "--out", whole, "--no-progress", "--docs-per-shard", "20"]) == 0
+    for k, d in enumerate((p0, p1)):
+        assert cli.main(["build-shards", *files, "--out", d, "--part", f"{k}/2", "--no-progress",
+                         "--docs-per-shard", "20"]) == 0
+    capsys.readouterr()
+    with RangeServer(p0) as s0, RangeServer(p1) as s1:
+        with ShardSource(whole) as ref, open_source([s1.url, s0.url]) as parts:  # any order: the parts say theirs
+            assert isinstance(parts, PartsSource) and [p.remote for p in parts.parts] == [True, True]
+            assert all(p.num_docs > 0 for p in parts.parts) and len(ref.shard_names) > 2
+            assert parts.folders == [s0.url, s1.url]
+            _same_docs(ref, parts)
+            assert parts.fingerprint() == ref.index["lengths_fingerprint"]
+        assert s0.total_bytes() > 0 and s1.total_bytes() > 0  # the tokens came over HTTP
