@@ -106,3 +106,49 @@ def test_recompute_is_a_strict_recipe_key() -> None:
     assert load_recipe(hetero, ["train.recompute=true"]).train.recompute is True
     with pytest.raises(ValueError, match="train.recompute: expected true or false"):
         load_recipe(hetero, ["train.recompute=maybe"])
+
+
+def test_gradients_accumulate_in_one_flat_buffer() -> None:
+    """The runtime's gradient buffer: views as .grad, zeroed on attach, equal to autograd's own gradients."""
+    from parallel_runtime.training.params import local_params
+    from parallel_runtime.training.runtime import GradBuffer
+
+    cfg = ModelConfig(vocab_size=64, hidden=32, ffn_hidden=64, num_layers=2, num_heads=2, num_kv_heads=2)
+    model = Transformer(cfg, seed=0)
+    params = local_params(model, {s.name: s for s in param_specs(cfg)})
+    ids = torch.randint(0, 64, (24,), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24) % 12
+    attn = local_attention(torch.tensor([0, 12, 24], dtype=torch.int32))
+
+    def two_microbatches() -> None:
+        for _ in range(2):
+            model(ids, pos, ids, attn=attn, num_valid_tokens=48).backward()
+
+    two_microbatches()
+    want = [lp.tensor.grad.clone() for lp in params]
+    buf = GradBuffer(torch.device("cpu"))
+    for _ in range(2):  # the second attach must zero what the first step left
+        buf.attach(params)
+        two_microbatches()
+    flat = buf._flat[torch.float32]
+    assert flat.numel() == sum(lp.tensor.numel() for lp in params)
+    for lp, w in zip(params, want, strict=True):
+        assert lp.tensor.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        torch.testing.assert_close(lp.tensor.grad, w, rtol=0, atol=1e-6)
+    GradBuffer.detach(params)
+    assert all(lp.tensor.grad is None for lp in params)
+
+
+def test_heap_threshold_is_a_checked_recipe_key() -> None:
+    import ctypes.util
+
+    from parallel_runtime.config import load_recipe
+    from parallel_runtime.training.metrics import set_heap_mmap_threshold
+
+    hetero = str(Path(__file__).resolve().parents[2] / "recipes" / "cpu-hetero.yaml")
+    assert load_recipe(hetero).world.heap_mmap_kb == 1024
+    with pytest.raises(ValueError, match="world.heap_mmap_kb must be in 0"):
+        load_recipe(hetero, ["world.heap_mmap_kb=-1"])
+    assert set_heap_mmap_threshold(0) is False  # 0 keeps the C library's default
+    if ctypes.util.find_library("c") and "libc.so.6" in (ctypes.util.find_library("c") or ""):
+        assert set_heap_mmap_threshold(1 << 20) is True  # glibc accepts it
