@@ -46,8 +46,9 @@ passes (:func:`balanced_loader.planning.packing.fill_passes`), so lanes run few 
 
 **Bound.** ``T*`` is hydra's own target, not a lower bound on other plans (it fixes aligned
 power-of-two degrees and charges ``beta`` per ``cap`` tokens rounded up). Plans are measured
-against :func:`balanced_loader.planning.solvers.bound.step_lower_bound`, the one bound valid for
-every plan.
+against :func:`balanced_loader.planning.solvers.bound.step_lower_bound`, the one home of step
+bounds: valid for every plan, or with ``degrees=`` the powers of two, for every plan that (like
+hydra's) uses only those degrees.
 """
 
 from __future__ import annotations
