@@ -1,4 +1,4 @@
-"""Planning-core benchmark: packing speed, hydra against its lower bound and mcore-dcp, planner scaling.
+"""Planning-core benchmark: packing speed, hydra against the step lower bound and mcore-dcp, planner scaling.
 
 Sections (each prints a markdown table; ``--only`` picks some):
 
@@ -12,8 +12,10 @@ Sections (each prints a markdown table; ``--only`` picks some):
 * ``hydra``: ``--batches`` global batches of 512 lanes per context (32K and 256K): docs <= context
   in a seeded shuffle of the Wikipedia lengths, each batch the next docs until
   ``lanes x 8192 x --passes`` tokens (cut before the doc that would exceed it). Cost preset
-  ``hydra-gpt7b-a100``. Modeled (contract 2) step time of hydra, its lower bound, mcore-dcp,
-  token-kk and maxlen; hydra's planning time (median of ``--repeats``).
+  ``hydra-gpt7b-a100``. Modeled (contract 2) step time of hydra, the lower bound
+  (``step_lower_bound``, tp = pp = 1: below every plan) and the same bound over power-of-two degrees
+  only (below every plan that, like hydra and mcore-dcp, uses only those), mcore-dcp, token-kk and
+  maxlen; hydra's planning time (median of ``--repeats``).
 * ``scaling``: hydra planning time for 64 .. 2048 lanes with batches of the same rule.
 * ``megatron``: mcore-dcp beside the real Megatron-Core ``BalancedCPScheduler`` (its plan
   rebuilt from the scheduler's per-rank sample lists) on the first ``--megatron-batches``
@@ -54,7 +56,7 @@ from balanced_loader.planning import (
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.kernels import order_desc
 from balanced_loader.planning.policies.common import one_pool_plan
-from balanced_loader.planning.policies.hydra import LowerBound
+from balanced_loader.planning.solvers.bound import step_lower_bound
 from balanced_loader.presets import cost_preset
 from balanced_loader.simulate import step_ms
 
@@ -228,6 +230,11 @@ def bench_pack(name: str, docs: np.ndarray, cap: int, repeats: int, slow_rows: b
           "from CPU time (the machine is shared).")
 
 
+def pow2(lanes: int) -> list[int]:
+    """The degrees hydra and mcore-dcp use: powers of two up to the lanes."""
+    return [1 << v for v in range(lanes.bit_length()) if 1 << v <= lanes]
+
+
 def batches(lengths: np.ndarray, context: int, lanes: int, passes: int, count: int, seed: int = 0):
     """The benchmark's global batches: docs <= context, seeded shuffle, lanes x 8192 x passes tokens."""
     docs = lengths[lengths <= context]
@@ -247,14 +254,15 @@ def bench_hydra(lengths, contexts, lanes, passes, count, repeats) -> None:
     for ctx in contexts:
         print(f"\n### hydra at {ctx // 1024}K context, {lanes} lanes, {count} batches "
               f"({lanes} x 8192 x {passes} tokens each), cost {COST}\n")
-        print("| batch | docs | longest | bound ms | hydra ms | hydra / bound | mcore-dcp ms | mcore / hydra "
-              "| token-kk ms | maxlen ms | hydra plan ms (wall / cpu) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| batch | docs | longest | bound ms | 2^k bound ms | hydra ms | hydra / bound | hydra / 2^k bound "
+              "| mcore-dcp ms | mcore / hydra | token-kk ms | maxlen ms | hydra plan ms (wall / cpu) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         tot = {"hydra": 0.0, "mcore-dcp": 0.0, "token-kk": 0.0, "maxlen": 0.0, "bound": 0.0}
-        ratios, over, plan_wall, plan_cpu = [], [], [], []
+        ratios, over, over2, plan_wall, plan_cpu = [], [], [], [], []
         for k, b in enumerate(batches(lengths, ctx, lanes, passes, count)):
             items = BatchItems.from_lengths(b)
-            lb = LowerBound.of(items, cost, lanes).bound_ms
+            lb = step_lower_bound(b, cost, lanes, [(1, 1)]).bound_ms
+            lb2 = step_lower_bound(b, cost, lanes, [(1, 1)], degrees=pow2(lanes)).bound_ms
             row = {}
             for pol in ("hydra", "mcore-dcp", "token-kk", "maxlen"):
                 cfg = PlanConfig(policy=pol, world_size=lanes)
@@ -269,10 +277,13 @@ def bench_hydra(lengths, contexts, lanes, passes, count, repeats) -> None:
             tot["bound"] += lb
             ratios.append(row["mcore-dcp"] / row["hydra"])
             over.append(row["hydra"] / lb)
-            print(f"| {k} | {len(b):,} | {int(b.max()):,} | {lb:,.0f} | {row['hydra']:,.0f} | {over[-1]:.4f} | "
+            over2.append(row["hydra"] / lb2)
+            print(f"| {k} | {len(b):,} | {int(b.max()):,} | {lb:,.0f} | {lb2:,.0f} | {row['hydra']:,.0f} | "
+                  f"{over[-1]:.4f} | {over2[-1]:.4f} | "
                   f"{row['mcore-dcp']:,.0f} | {ratios[-1]:.3f} | {row['token-kk']:,.0f} | {row['maxlen']:,.0f} | "
                   f"{plan_wall[-1] * 1e3:.1f} / {plan_cpu[-1] * 1e3:.1f} |")
         print(f"\nAll {count} batches: hydra / bound max {max(over):.4f}, median {statistics.median(over):.4f}; "
+              f"hydra / 2^k bound max {max(over2):.4f}, median {statistics.median(over2):.4f}; "
               f"mcore-dcp / hydra per batch min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
               f"total modeled time mcore-dcp / hydra {tot['mcore-dcp'] / tot['hydra']:.3f}, "
               f"token-kk / hydra {tot['token-kk'] / tot['hydra']:.3f}, maxlen / hydra "
@@ -283,8 +294,9 @@ def bench_hydra(lengths, contexts, lanes, passes, count, repeats) -> None:
 def bench_scaling(lengths, passes, repeats) -> None:
     cost = cost_preset(COST)
     print(f"\n### hydra planning time against batch size (32K context, {passes} passes of 8192 tokens per lane)\n")
-    print("| lanes | docs | plan ms wall | plan ms cpu | cpu us per doc | cpu / (n log2 n) ns | step / bound |")
-    print("|---|---|---|---|---|---|---|")
+    print("| lanes | docs | plan ms wall | plan ms cpu | cpu us per doc | cpu / (n log2 n) ns | step / bound "
+          "| step / 2^k bound |")
+    print("|---|---|---|---|---|---|---|---|")
     for lanes in (64, 128, 256, 512, 1024, 2048):
         b = batches(lengths, 32768, lanes, passes, 1)[0]
         items = BatchItems.from_lengths(b)
@@ -292,9 +304,10 @@ def bench_scaling(lengths, passes, repeats) -> None:
         plan = make_plan(items, cost, cfg)
         wall, cpu = plan_time(items, cost, cfg, repeats)
         n = len(b)
-        lb = LowerBound.of(items, cost, lanes).bound_ms
+        lb = step_lower_bound(b, cost, lanes, [(1, 1)]).bound_ms
+        lb2 = step_lower_bound(b, cost, lanes, [(1, 1)], degrees=pow2(lanes)).bound_ms
         print(f"| {lanes} | {n:,} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {cpu / n * 1e6:.2f} | "
-              f"{cpu / (n * np.log2(n)) * 1e9:.1f} | {plan.predicted_ms / lb:.4f} |")
+              f"{cpu / (n * np.log2(n)) * 1e9:.1f} | {plan.predicted_ms / lb:.4f} | {plan.predicted_ms / lb2:.4f} |")
 
 
 def megatron_rounds(mod, b: np.ndarray, lanes: int, cap: int) -> tuple[list, float]:

@@ -76,3 +76,43 @@ def test_cheapest_degree_tables():
         assert lane_ms[i] == pytest.approx(min(d * sc.segment_ms(x, d) for d in ds))
         assert group_ms[i] == pytest.approx(min(sc.segment_ms(x, d) for d in ds))
     assert np.isinf(cheapest(sc, np.asarray([900.0]), 4)[0][0])  # 900 tokens fit no degree <= 4
+
+
+def test_cheapest_over_given_degrees():
+    # bandwidth 20 GB/s from 4 lanes, 5 from 8: a 750-token doc (cap 100) fits from 8 lanes, a
+    # 450-token doc from 5; over powers of two the latter must take 8 lanes and the slow links
+    cost = cost_of(1e-3, 0.0, 0.0, 1e6, 100, False)
+    sc = cost.shape(1, 1)
+    s = np.asarray([50.0, 150.0, 450.0, 750.0])
+    pow2 = [1, 2, 4, 8]
+    lane_ms, group_ms = cheapest(sc, s, 8, pow2)
+    for i, x in enumerate(s):
+        ds = [d for d in pow2 if x <= 100 * d]
+        assert lane_ms[i] == pytest.approx(min(d * sc.segment_ms(x, d) for d in ds))
+        assert group_ms[i] == pytest.approx(min(sc.segment_ms(x, d) for d in ds))
+    any_lane, _ = cheapest(sc, s, 8)
+    assert any_lane[2] < lane_ms[2]  # degree 5 (20 GB/s) is cheaper than 8 (5 GB/s)
+    assert np.all(any_lane <= lane_ms * (1 + 1e-12))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.sampled_from([4, 8, 16]), st.sampled_from([0.0, 5.0, 40.0]))
+def test_power_of_two_bound_is_below_power_of_two_policies(seed, world, beta):
+    """The bound over degrees 1, 2, 4, .. is at least the general one and below the plans of hydra
+    and mcore-dcp (which use only those degrees)."""
+    rng = np.random.default_rng(seed)
+    cost = cost_of(float(rng.uniform(0, 2e-4)), float(rng.uniform(0.001, 0.1)), beta, float(rng.uniform(0, 1e6)),
+                   int(rng.integers(200, 2000)), False)
+    cap = cost.base.max_tokens_per_lane
+    lengths = np.minimum(rng.pareto(1.2, int(rng.integers(1, 120))) * 60 + 1, cap * world // 2).astype(np.int64)
+    degrees = [1 << v for v in range(world.bit_length()) if 1 << v <= world]
+    general = step_lower_bound(lengths, cost, world, [(1, 1)])
+    pow2 = step_lower_bound(lengths, cost, world, [(1, 1)], degrees=degrees)
+    assert general.area_ms <= pow2.area_ms * (1 + 1e-12) and general.longest_ms <= pow2.longest_ms * (1 + 1e-12)
+    # the passes LP is bisected to REL_TOL, so the general one may land up to that above
+    assert general.bound_ms <= pow2.bound_ms * (1 + 2e-3)
+    for policy in ("hydra", "mcore-dcp"):
+        plan = make_plan(BatchItems.from_lengths(lengths), cost, PlanConfig(policy=policy, world_size=world))
+        degs = {len(g.lanes) for mb in plan.pools[0].microbatches for g in mb}
+        assert degs <= set(degrees)
+        assert pow2.bound_ms <= simulate_step(plan, cost).step_ms * (1 + 1e-9), (policy, pow2)

@@ -43,6 +43,12 @@ lower the step time). Widest first keeps every block's lanes level, so groups ne
 The degree-1 docs, longest first, then fill the deficits: each goes to the lane that is
 least loaded counting ``beta`` when it must open a new pass, best fit among that lane's
 passes (:func:`balanced_loader.planning.packing.fill_passes`), so lanes run few passes.
+
+**Bound.** ``T*`` is hydra's own target, not a lower bound on other plans (it fixes aligned
+power-of-two degrees and charges ``beta`` per ``cap`` tokens rounded up). Plans are measured
+against :func:`balanced_loader.planning.solvers.bound.step_lower_bound`, the one home of step
+bounds: valid for every plan, or with ``degrees=`` the powers of two, for every plan that (like
+hydra's) uses only those degrees.
 """
 
 from __future__ import annotations
@@ -183,35 +189,6 @@ def load_target(items: BatchItems, sc: ShapeCost, lanes: int, *, policy: str = "
     target = max(t_cur, fc)
     return LoadTarget(target_ms=target, t_min_ms=t_min, area_ms=fc, levels=levels, memory_levels=lv_mem,
                       cand=cand, cand_times=g)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LowerBound:
-    """The step-time lower bound hydra is measured against (whole-model ms, pp = 1)."""
-
-    area_ms: float  # (a) W / lanes + microbatch_ms * ceil(tokens / (lanes * cap))
-    longest_ms: float  # (b) the longest doc's best group time over allowed degrees
-    bound_ms: float  # max of the two
-
-    @staticmethod
-    def of(items: BatchItems, cost: CostModel, lanes: int, tp: int = 1, pp: int = 1) -> LowerBound:
-        """``W`` sums every doc's work plus the least communication lane time it needs at or
-        above its memory-fit degree (``B s / bw(c_mem)`` when bandwidth falls with degree)."""
-        sc = cost.shape(tp, pp)
-        if not len(items):
-            return LowerBound(area_ms=0.0, longest_ms=0.0, bound_ms=0.0)
-        top = floor_level(lanes)
-        lv = memory_fit_levels(items, sc.max_tokens_per_lane, top, "hydra")
-        deg, comm = _level_tables(sc, top)
-        lane_comm = comm * deg  # [levels] ms per token over all lanes
-        least = np.minimum.accumulate(lane_comm[::-1])[::-1]  # [levels] min over levels >= v
-        s = items.lengths.astype(np.float64)
-        w = float(sc.compute_ms(s).sum() + (least[lv] * s).sum())
-        passes = -(-int(items.lengths.sum()) // (lanes * sc.max_tokens_per_lane))
-        a = w / lanes + sc.microbatch_ms * passes
-        i = int(np.argmax(items.lengths))
-        b = float(group_times(sc, items.lengths[i:i + 1], top)[0, lv[i]:].min())
-        return LowerBound(area_ms=a, longest_ms=b, bound_ms=max(a, b))
 
 
 ESCALATE = 2  # a wide doc may take a block up to 2**ESCALATE times its target degree

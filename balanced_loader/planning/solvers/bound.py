@@ -49,9 +49,11 @@ class StepBound:
                 "passes_ms": self.passes_ms}
 
 
-def cheapest(sc: ShapeCost, s: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+def cheapest(sc: ShapeCost, s: np.ndarray, lanes: int, degrees: Sequence[int] | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
     """``([n] lane-ms, [n] ms)``: each doc's least ``d * seg(s, d)`` and least ``seg(s, d)`` over the
-    degrees ``d <= lanes`` that hold it (``s <= d * cap``; ``inf`` where none does).
+    degrees ``d <= lanes`` that hold it (``s <= d * cap``; ``inf`` where none does), ``d`` in
+    ``degrees`` when given (then every one of them is tried).
 
     ``bw(d)`` is constant between bandwidth keys, where ``d * seg`` is constant (least at the lowest
     feasible ``d``) and ``seg`` falls (least at the interval's top): so the keys, the keys minus one,
@@ -60,11 +62,13 @@ def cheapest(sc: ShapeCost, s: np.ndarray, lanes: int) -> tuple[np.ndarray, np.n
     cap = sc.max_tokens_per_lane
     dmin = np.maximum(1, -(-s.astype(np.int64) // cap))  # [n] memory-fit degree
     keys = [k for k, _ in sc.bandwidth_gbs]
-    cands = sorted({1, 2, lanes, *keys, *(k - 1 for k in keys)})
+    cands = sorted({1, 2, lanes, *keys, *(k - 1 for k in keys)}) if degrees is None else sorted(set(degrees))
     lane_ms = np.full(len(s), np.inf)  # [n]
     group_ms = np.full(len(s), np.inf)  # [n]
     for c in cands:
-        for d in (np.full(len(s), c, dtype=np.int64), np.maximum(dmin, c)):
+        # a given degree set is tried as is: a memory-fit degree raised to c may not be in it
+        raised = (np.maximum(dmin, c),) if degrees is None else ()
+        for d in (np.full(len(s), c, dtype=np.int64), *raised):
             ok = (d <= lanes) & (d >= dmin)
             if not ok.any():
                 continue
@@ -133,9 +137,14 @@ def passes_bound(lane_ms: np.ndarray, s: np.ndarray, sc: ShapeCost, lanes: int, 
 
 
 def step_lower_bound(lengths: np.ndarray, cost: CostModel, world_size: int,
-                     shapes: Sequence[tuple[int, int]] | None = None, *, passes: bool = True) -> StepBound:
+                     shapes: Sequence[tuple[int, int]] | None = None, *, passes: bool = True,
+                     degrees: Sequence[int] | None = None) -> StepBound:
     """:class:`StepBound` of a batch ``lengths`` ``[n]`` on ``world_size`` ranks over ``shapes``
-    (default: every usable shape of the cost model whose ``tp * pp`` divides the world)."""
+    (default: every usable shape of the cost model whose ``tp * pp`` divides the world).
+
+    ``degrees`` (e.g. the powers of two hydra and mcore-dcp use) restricts the bound to plans whose
+    groups all have one of these degrees: every term then takes its minima over those degrees only,
+    so it holds for exactly those plans (a tighter figure for them, not a bound on every plan)."""
     s = np.asarray(lengths, dtype=np.float64)  # [n]
     if s.size == 0:
         return StepBound(area_ms=0.0, longest_ms=0.0)
@@ -149,14 +158,15 @@ def step_lower_bound(lengths: np.ndarray, cost: CostModel, world_size: int,
     tables = []
     for sc in scs:
         lanes = world_size // sc.gpus
-        lane_ms, group_ms = cheapest(sc, s, lanes)
+        lane_ms, group_ms = cheapest(sc, s, lanes, degrees)
         tables.append(lane_ms)
         # the fixed cost: a lane-slot of a group holds at most cap tokens, so beta per cap tokens
         rank_ms = np.minimum(rank_ms, sc.tp * (lane_ms + sc.microbatch_ms * s / sc.max_tokens_per_lane))
         longest = np.minimum(longest, sc.microbatch_ms + group_ms)
     area = float(rank_ms.sum()) / world_size
     if not np.isfinite(area):
-        raise ValueError("a doc fits no shape of the cost model at any degree")
+        raise ValueError("a doc fits no shape of the cost model at any degree"
+                         + ("" if degrees is None else f" in {sorted(set(degrees))}"))
     out = StepBound(area_ms=area, longest_ms=float(longest.max()))
     if passes and len(scs) == 1:
         sc = scs[0]
