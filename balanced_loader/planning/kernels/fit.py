@@ -19,6 +19,47 @@ from numba import njit
 
 from balanced_loader.planning.kernels.order import order_desc
 
+# ---- segment trees: leaf i at ``tree[size + i]``, node k's children at 2k and 2k + 1 ----------
+
+
+@njit(cache=True)
+def first_fit_leaf(tree, size, s):
+    """The leftmost leaf of a max tree holding at least ``s`` (the root must hold it)."""
+    node = 1
+    while node < size:  # why left first: the leftmost leaf with room >= s is the lowest-numbered bin that fits
+        node *= 2
+        if tree[node] < s:
+            node += 1
+    return node - size
+
+
+@njit(cache=True)
+def max_tree_set(tree, size, leaf, value):
+    """Set a leaf of a max tree and update its ancestors (stops where nothing changes)."""
+    node = size + leaf
+    tree[node] = value
+    node //= 2
+    while node >= 1:
+        m = max(tree[2 * node], tree[2 * node + 1])
+        if tree[node] == m:
+            break
+        tree[node] = m
+        node //= 2
+
+
+@njit(cache=True)
+def min_tree_set(tree, size, leaf, value):
+    """Set a leaf of a min tree and update its ancestors (stops where nothing changes)."""
+    node = size + leaf
+    tree[node] = value
+    node //= 2
+    while node >= 1:
+        m = min(tree[2 * node], tree[2 * node + 1])
+        if tree[node] == m:
+            break
+        tree[node] = m
+        node //= 2
+
 
 @njit(cache=True)
 def ffd_kernel(lengths, capacity):
@@ -47,26 +88,13 @@ def ffd_kernel(lengths, capacity):
         while j < n and lengths[order[j]] == s:
             j += 1
         while i < j:
-            # why left first: the leftmost leaf with room >= s is the lowest-numbered bin that fits
-            node = 1
-            while node < size:
-                node *= 2
-                if tree[node] < s:
-                    node += 1
-            b = node - size
-            room = tree[node]
+            b = first_fit_leaf(tree, size, s)
+            room = tree[size + b]
             k = min(j - i, room // s)
             for t in range(i, i + k):
                 bins[order[t]] = b
             i += k
-            tree[node] = room - k * s
-            node //= 2
-            while node >= 1:  # rooms only shrink: stop once an ancestor's max is unchanged
-                m = max(tree[2 * node], tree[2 * node + 1])
-                if tree[node] == m:
-                    break
-                tree[node] = m
-                node //= 2
+            max_tree_set(tree, size, b, room - k * s)
             if b >= nbins:
                 nbins = b + 1
     return bins, nbins

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from balanced_loader.planning.kernels.fit import min_tree_set
+
 
 @njit(cache=True)
 def _min_load_with_room(mroom, mload, size, s, stack, bound_load, bound_leaf):
@@ -303,19 +305,6 @@ def block_place_kernel(times, pref, load0, next_k0, target):
 
 
 @njit(cache=True)
-def _set_min(tree, size, leaf, value):
-    node = size + leaf
-    tree[node] = value
-    node //= 2
-    while node >= 1:
-        m = min(tree[2 * node], tree[2 * node + 1])
-        if tree[node] == m:
-            break
-        tree[node] = m
-        node //= 2
-
-
-@njit(cache=True)
 def fill_passes_kernel(tokens, work, load0, cap, beta):
     """Single-lane items (in the given order) onto lanes, packed into passes of ``cap`` tokens.
 
@@ -377,7 +366,7 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
                 wk[pos], wl[pos], wv[pos] = key, lk, vk
             if retired[lane] and rver[lane] == ver:
                 retired[lane] = False
-                _set_min(tree, size, lane, load[lane])
+                min_tree_set(tree, size, lane, load[lane])
         while True:
             node = 1  # the leftmost cheapest lane
             while node < size:
@@ -399,7 +388,7 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
                 else:
                     break
             wk[pos], wl[pos], wv[pos] = maxroom[best], best, rver[best]
-            _set_min(tree, size, best, load[best] + beta)
+            min_tree_set(tree, size, best, load[best] + beta)
         bp = -1
         for p in range(npass[best]):
             r = rooms[best, p]
@@ -425,5 +414,5 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
         if retired[best]:
             retired[best] = False
             rver[best] += 1
-        _set_min(tree, size, best, load[best])
+        min_tree_set(tree, size, best, load[best])
     return out_lane, out_pass, npass, load

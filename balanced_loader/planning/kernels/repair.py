@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from balanced_loader.planning.kernels.fit import or_tree_set
+from balanced_loader.planning.kernels.fit import first_fit_leaf, max_tree_set, or_tree_set
 from balanced_loader.planning.kernels.order import order_desc
 
 TWO_FOR_ONE_MAX_ITEMS = 8  # pairs are tried in bins of at most this many items (O(m^2) per bin)
@@ -248,23 +248,11 @@ def repair_round(lengths, bins, nbins, capacity, pool_bins):
     for t in range(npool):
         it = pool[t]
         s = lengths[it]
-        node = 1
-        while node < tsize:  # leftmost leaf with room >= s: the first bin that fits
-            node *= 2
-            if mroom[node] < s:
-                node += 1
-        b = node - tsize
+        b = first_fit_leaf(mroom, tsize, s)  # the first bin that fits
         out[it] = b
         if b + 1 > used:
             used = b + 1
-        mroom[node] -= s
-        node //= 2
-        while node >= 1:
-            m = max(mroom[2 * node], mroom[2 * node + 1])
-            if mroom[node] == m:
-                break
-            mroom[node] = m
-            node //= 2
+        max_tree_set(mroom, tsize, b, mroom[tsize + b] - s)
     if used < nbins:
         return out, used
     return bins, nbins
