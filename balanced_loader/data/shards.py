@@ -68,7 +68,6 @@ from balanced_loader.data.integrity import (
     TAR_BLOCK,
     CrcFile,
     check_member,
-    lengths_fingerprint,
 )
 from balanced_loader.data.members import NpyHeaders, tar_end, tar_member_header, tar_padding
 from balanced_loader.data.sources import Source
@@ -345,6 +344,7 @@ class ShardSource(Source):
         self._lock = threading.Lock()
         self._prefetched: dict[tuple[int, int, int], bytes] = {}  # (shard, n, offset) -> bytes, see prefetch
         self.bytes_read = 0
+        # recorded at build time; Source.fingerprint computes it (once) for older indexes
         self._fingerprint: str | None = index.get("lengths_fingerprint")
 
     def _local_index(self, progress: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -542,12 +542,6 @@ class ShardSource(Source):
                                                    f"differs (the token data is corrupt)")
         skip = start * item - lo
         return np.frombuffer(buf, dtype=self.dtype, count=length, offset=skip)  # [length]
-
-    def fingerprint(self) -> str:
-        """The lengths fingerprint recorded in ``index.json`` at build time (computed for older indexes)."""
-        if self._fingerprint is None:
-            self._fingerprint = lengths_fingerprint(self.lengths)
-        return self._fingerprint
 
     def close(self) -> None:
         self._store.close()
