@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -464,7 +465,7 @@ class ShardSource(Source):
                 lo, hi = lo // b * b, min(-(-hi // b) * b, nbytes)
         return lo, hi
 
-    def prefetch(self, reads: list[tuple[int, int, int]]) -> None:
+    def prefetch(self, reads: Iterable[tuple[int, int, int]]) -> None:
         """Fetch the byte ranges of these reads concurrently (remote folders; a local one reads on demand).
 
         The ranges are exactly those :meth:`read` will ask for (headers on a doc's first read
