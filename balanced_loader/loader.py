@@ -286,7 +286,6 @@ class BalancedLoader:
         self._epochs: OrderedDict[int, _Epoch] = OrderedDict()
         self._futures: dict[int, tuple[int, int, Future]] = {}  # global step -> (epoch, step_in_epoch, plan)
         self._executor: Executor | None = None
-        self._source_tokens: int | None = None
         self._valid_lengths: np.ndarray | None = None
         self.epoch = 0
         self.step_in_epoch = 0
@@ -464,17 +463,12 @@ class BalancedLoader:
         return self._valid_lengths
 
     # ---- resume ------------------------------------------------------------------
-    def _source_num_tokens(self) -> int:
-        if self._source_tokens is None:  # the source's own total where it has one (a shard index), else streamed
-            self._source_tokens = int(self.source.num_tokens)
-        return self._source_tokens
-
     def _identity(self) -> dict[str, Any]:
         return {"policy": self.policy, "seed": self.seed,
                 "global_batch_tokens": self.global_batch_tokens, "max_seq_len": self.max_seq_len,
                 "long_docs": self.long_docs, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
                 "tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp,
-                "num_docs": self.source.num_docs, "num_tokens": self._source_num_tokens(),
+                "num_docs": self.source.num_docs, "num_tokens": int(self.source.num_tokens),  # cached by the source
                 # a hash of the lengths in doc order (computed once; a shard folder's comes from index.json):
                 # a permuted or edited dataset with the same totals is a different source
                 "lengths_fingerprint": self.source.fingerprint()}

@@ -315,8 +315,9 @@ def materialize_rank(plan: StepPlan, rank: int, source: Source | None, *, cp_inn
     pool = plan.pools[place.pool]
     reads = source is not None and place.stage in (0, place.pp - 1)
     if reads:  # announce the step's reads: a remote source fetches them concurrently, a local one ignores this
-        source.prefetch([r for mb in pool.microbatches for g in mb if place.lane in g.lanes
-                         for r in group_reads(g, place.lane, cp_inner=cp_inner)])
+        # (lazily: a source that ignores the hint never pays for listing the reads, every step on every rank)
+        source.prefetch(r for mb in pool.microbatches for g in mb if place.lane in g.lanes
+                        for r in group_reads(g, place.lane, cp_inner=cp_inner))
     out: list[Microbatch] = []
     for k, mb in enumerate(pool.microbatches):
         for g in mb:

@@ -75,10 +75,6 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.data.files import write_json
     from balanced_loader.presets import load_cost
 
-    if args.top < 0:
-        raise ValueError(f"--top must be >= 0, got {args.top}")
-    if args.world_size is not None and args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     lengths, what = read_source_lengths(args.source, args.cache_dir)
     args.first_source, args.source = args.source[0], " ".join(args.source)  # one label from here on
     preset = args.cost if (args.cost or args.cost_file) else DEFAULT_COST
@@ -87,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
     if args.max_len is not None:
         from balanced_loader.data.batching import to_items
 
-        if args.max_len < 1:
-            raise ValueError(f"--max-seq-len must be >= 1, got {args.max_len}")
         items, _ = to_items(lengths, np.arange(len(lengths), dtype=np.int64), args.max_len, "split")
         analyzed = items.lengths
         what += f", docs split at {args.max_len:,} tokens"

@@ -41,8 +41,6 @@ def _part(text: str) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     from balanced_loader.data.build import build_from_files, expand_inputs
 
-    if args.shard_mb <= 0 or args.docs_per_shard < 1:
-        raise ValueError("--shard-mb must be > 0 and --docs-per-shard >= 1")
     files = expand_inputs(args.inputs)
     meta = build_from_files(files, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
                             max_shard_bytes=int(args.shard_mb * 2**20), max_docs_per_shard=args.docs_per_shard,

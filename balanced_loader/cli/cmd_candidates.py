@@ -57,8 +57,6 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.planning.solvers import candidates as cands
     from balanced_loader.presets import load_cost
 
-    if args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
     shapes = cands.usable_shapes(cost, args.world_size)
     max_len = args.max_len if args.max_len is not None else max(s.max_tokens_per_lane for s in shapes)

@@ -56,14 +56,6 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.presets import load_cost
 
     names = cmp.check_policies(args.policies.split(","))
-    if args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if args.global_batch_tokens is not None and args.global_batch_tokens < 1:
-        raise ValueError(f"--global-batch-tokens must be >= 1, got {args.global_batch_tokens}")
-    if args.shuffle_window < 1:
-        raise ValueError(f"--shuffle-window must be >= 1, got {args.shuffle_window}")
     model, hw = model_and_hardware(args.model, args.hardware)
     cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
     os.makedirs(args.out, exist_ok=True)  # before the planning work: a bad --out fails at once

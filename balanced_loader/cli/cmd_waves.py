@@ -31,8 +31,6 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.spindle import load_graph, plan_waves
 
     graph = load_graph(args.graph)
-    if args.gpus is not None and args.gpus < 1:
-        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
     if args.workload:
         from balanced_loader.data.lengths import read_lengths
 

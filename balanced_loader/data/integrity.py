@@ -29,13 +29,6 @@ NPY_HEADER_GUESS = 128
 _NPY_DICT = re.compile(rb"\{'descr': '([<>|=]?[a-z]\d+)', 'fortran_order': (True|False), 'shape': \((\d+),\), \}")
 
 
-def block_crcs(data: bytes | memoryview, block: int = CHECK_BLOCK_BYTES) -> np.ndarray:
-    """``[ceil(len(data) / block)]`` uint32: the crc32 of each block of ``data``."""
-    mv = memoryview(data).cast("B")
-    return np.fromiter((zlib.crc32(mv[i:i + block]) for i in range(0, len(mv), block)), dtype=np.uint32,
-                       count=-(-len(mv) // block))
-
-
 def num_blocks(nbytes: np.ndarray | int, block: int) -> np.ndarray | int:
     """Checksum blocks of docs of ``nbytes`` token bytes (0 for an empty doc)."""
     return -(-nbytes // block)

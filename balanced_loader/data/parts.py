@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.data.index import INDEX_FILE, META_FILE, check_token_dtype, list_shards, read_index_json
-from balanced_loader.data.integrity import lengths_fingerprint
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.sources import Source
 from balanced_loader.data.stores import is_url
@@ -133,7 +132,6 @@ class PartsSource(Source):
             bounds.append(np.asarray(p.shard_bounds[1:], dtype=np.int64) + off)
         self.shard_bounds = np.concatenate(bounds)  # [num_shards + 1]
         self._lengths: np.ndarray | None = None
-        self._fingerprint: str | None = None
 
     @staticmethod
     def _check_same(folders: list[str], parts: list[Any]) -> None:
@@ -187,12 +185,6 @@ class PartsSource(Source):
     def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
         part, d = self._locate(doc_id)
         return part.read(d, start, length)
-
-    def fingerprint(self) -> str:
-        """The lengths fingerprint of the combined doc order: a whole build's, when the parts make one up."""
-        if self._fingerprint is None:
-            self._fingerprint = lengths_fingerprint(self.lengths)
-        return self._fingerprint
 
     def close(self) -> None:
         for p in self.parts:

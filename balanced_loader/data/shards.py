@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -68,7 +69,6 @@ from balanced_loader.data.integrity import (
     TAR_BLOCK,
     CrcFile,
     check_member,
-    lengths_fingerprint,
 )
 from balanced_loader.data.members import NpyHeaders, tar_end, tar_member_header, tar_padding
 from balanced_loader.data.sources import Source
@@ -345,6 +345,7 @@ class ShardSource(Source):
         self._lock = threading.Lock()
         self._prefetched: dict[tuple[int, int, int], bytes] = {}  # (shard, n, offset) -> bytes, see prefetch
         self.bytes_read = 0
+        # recorded at build time; Source.fingerprint computes it (once) for older indexes
         self._fingerprint: str | None = index.get("lengths_fingerprint")
 
     def _local_index(self, progress: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -464,7 +465,7 @@ class ShardSource(Source):
                 lo, hi = lo // b * b, min(-(-hi // b) * b, nbytes)
         return lo, hi
 
-    def prefetch(self, reads: list[tuple[int, int, int]]) -> None:
+    def prefetch(self, reads: Iterable[tuple[int, int, int]]) -> None:
         """Fetch the byte ranges of these reads concurrently (remote folders; a local one reads on demand).
 
         The ranges are exactly those :meth:`read` will ask for (headers on a doc's first read
@@ -542,12 +543,6 @@ class ShardSource(Source):
                                                    f"differs (the token data is corrupt)")
         skip = start * item - lo
         return np.frombuffer(buf, dtype=self.dtype, count=length, offset=skip)  # [length]
-
-    def fingerprint(self) -> str:
-        """The lengths fingerprint recorded in ``index.json`` at build time (computed for older indexes)."""
-        if self._fingerprint is None:
-            self._fingerprint = lengths_fingerprint(self.lengths)
-        return self._fingerprint
 
     def close(self) -> None:
         self._store.close()

@@ -15,6 +15,7 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -57,9 +58,9 @@ class Source(ABC):
     def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of one doc."""
 
-    def prefetch(self, reads: list[tuple[int, int, int]]) -> None:  # noqa: B027 (a hint; most sources ignore it)
+    def prefetch(self, reads: Iterable[tuple[int, int, int]]) -> None:  # noqa: B027 (a hint; most sources ignore it)
         """Hint: ``read(doc_id, start, length)`` for each of ``reads`` follows soon (a remote source fetches
-        them concurrently)."""
+        them concurrently). ``reads`` may be a lazy iterable: a source that ignores the hint leaves it unread."""
 
     def close(self) -> None:  # noqa: B027 (sources without files have nothing to release)
         """Release file handles (reads reopen them)."""
