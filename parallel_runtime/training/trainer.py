@@ -360,7 +360,7 @@ class Trainer:
                                              device=self.device, attention=_ref_attention(self.recipe))
         self._note_memory(self.ref_params, saved)
         self.optimizer.push(self.ref_params)
-        _zero(self.ref_params)
+        GradBuffer.detach(self.ref_params)
         return res
 
     # ---- memory report ---------------------------------------------------------------------
@@ -452,9 +452,3 @@ def _step_peers(topo: Topology, plan, rank: int) -> list[int]:
         if w is not None:
             peers.update(w.cp_ranks)
     return sorted(peers)
-
-
-def _zero(params) -> None:
-    for lp in params:
-        lp.tensor.grad = None
-
