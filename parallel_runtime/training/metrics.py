@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import resource
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -300,3 +301,8 @@ def gather_values(mine: dict[str, int], comm_device: torch.device | None) -> dic
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set of this process so far, MiB (Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
