@@ -287,15 +287,20 @@ class MemoryProbe:
         return (_proc_status_kb("VmHWM") or 0) * 1024
 
 
+def gather_rows(values: Sequence[float], comm_device: torch.device) -> np.ndarray:
+    """``[world, len(values)]`` float64: every rank's ``values`` (collective: one all-gather)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device)
+    every = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, t)
+    return torch.stack(every).cpu().numpy()
+
+
 def gather_values(mine: dict[str, int], comm_device: torch.device | None) -> dict[str, list[int]]:
     """Every rank's integer figures by key (``[world]`` lists; collective unless ``comm_device`` is None)."""
     names = list(mine)
     if comm_device is None:
         return {n: [int(mine[n])] for n in names}
-    t = torch.tensor([float(mine[n]) for n in names], dtype=torch.float64, device=comm_device)
-    every = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, t)
-    rows = torch.stack(every).cpu().numpy()  # [world, keys]
+    rows = gather_rows([mine[n] for n in names], comm_device)  # [world, keys]
     return {n: [int(v) for v in rows[:, i]] for i, n in enumerate(names)}
 
 

@@ -125,13 +125,10 @@ class RankStats:
                          microbatches=np.array([float(res.microbatches)]),
                          pipeline_bytes=np.array([float(res.pipeline_bytes)]))
 
-    def gather(self, world_size: int, comm_device: torch.device) -> RankStats:
+    def gather(self, comm_device: torch.device) -> RankStats:
         """Every rank's figures (collective): one all-gather of this rank's fields, packed in field order."""
         names = [f.name for f in fields(self)]
-        mine = torch.tensor([float(getattr(self, n)[0]) for n in names], dtype=torch.float64, device=comm_device)
-        every = [torch.zeros_like(mine) for _ in range(world_size)]
-        dist.all_gather(every, mine)
-        rows = torch.stack(every).cpu().numpy()  # [world, fields]
+        rows = M.gather_rows([getattr(self, n)[0] for n in names], comm_device)  # [world, fields]
         return RankStats(**{n: rows[:, i] for i, n in enumerate(names)})
 
 
@@ -327,7 +324,7 @@ class Trainer:
                 self.optimizer.push(sm.params)
             GradBuffer.detach(sm.params)
             self._trim()
-            stats = RankStats.of(res, batch.planner_wait_s).gather(self.info.world_size, self.comm_device)
+            stats = RankStats.of(res, batch.planner_wait_s).gather(self.comm_device)
         return stats, new_groups
 
     @property
