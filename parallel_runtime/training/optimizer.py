@@ -412,19 +412,18 @@ class ShardedOptimizer:
     def gather_full(self) -> torch.Tensor:
         """The full flat fp32 parameter buffer (``[padded]``), gathered from every owner. Allocates the
         whole model on this rank: checks and tests only, never the training path."""
-        if not self.distributed:
-            return self.master.clone()
-        full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.device)
-        _all_gather(full, self.master, self.group)
-        return full
+        return self._gather(self.master)
 
     def gather_grad(self) -> torch.Tensor:
         """The full flat gradient (``[padded]``) after :meth:`push`, gathered from every owner. Allocates
         the whole model on this rank: checks and tests only, never the training path."""
+        return self._gather(self.grad)
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         if not self.distributed:
-            return self.grad.clone()
+            return shard.clone()
         full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.device)
-        _all_gather(full, self.grad, self.group)
+        _all_gather(full, shard, self.group)
         return full
 
     # ---- pull / push -----------------------------------------------------------------------
