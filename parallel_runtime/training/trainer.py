@@ -81,15 +81,16 @@ def open_data_world(recipe: Recipe, *, rank: int, local_rank: int):
     if recipe.data.source != STDLIB:
         return open_data(recipe, build=False)
     wait = new_group(range(dist.get_world_size()), backend="gloo", timeout_s=DATA_BUILD_TIMEOUT_S)
+    source = None  # a builder keeps what it built (the same ShardSource a plain open gives)
     with phase("building the stdlib corpus (data.shards_dir)", [0]):
         if rank == 0:
-            open_data(recipe, build=True)
+            source = open_data(recipe, build=True)
         dist.barrier(group=wait)
         if local_rank == 0 and rank != 0:
-            open_data(recipe, build=True)
+            source = open_data(recipe, build=True)
         dist.barrier(group=wait)
     dist.destroy_process_group(wait)
-    return open_data(recipe, build=False)
+    return source if source is not None else open_data(recipe, build=False)
 
 
 def declared_topologies(recipe: Recipe) -> list[Topology]:
