@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from balanced_loader.cost import CostModel
+from balanced_loader.data.files import write_text
 from balanced_loader.plan import StepPlan
 from balanced_loader.simulate import simulate_step
 
@@ -87,12 +88,7 @@ class MetricsLog:
         if partial:
             print(f"metrics: dropped a partial last line of {self.path} (a run stopped while writing it)",
                   flush=True)
-        keep = [line for line in records if line["step"] < step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            for line in keep:
-                f.write(json.dumps(line) + "\n")
-        os.replace(tmp, self.path)
+        write_text(self.path, "".join(json.dumps(line) + "\n" for line in records if line["step"] < step))
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
