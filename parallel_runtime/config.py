@@ -29,6 +29,7 @@ from parallel_runtime.hf.config import (
     check_hf_recompute,
     check_hf_shape,
     hf_config,
+    kv_heads,
     normalize,
 )
 from parallel_runtime.model import ModelConfig
@@ -365,23 +366,23 @@ def check_shape(model: ModelConfig, tp: int, pp: int, world: WorldConfig, *, whe
                 degrees: list[int] | None = None) -> None:
     """ValueError naming the field when the model cannot run on a pool shape (tp, pp)."""
     if getattr(model, "hf", None) is not None:
-        degrees = degrees if degrees is not None else allowed_degrees(world.size // (tp * pp))
-        check_hf_shape(hf_config(model.hf), tp, pp, where=where, cp_engine=world.cp_engine,
-                       cp_inner=world.cp_inner, degrees=list(degrees))
-        return
-    if model.num_layers < pp:
-        raise ValueError(f"{where}: model.num_layers ({model.num_layers}) is smaller than pp={pp}; "
-                         f"every pipeline stage needs a layer")
-    try:
-        model.check_parallel(tp=tp)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        check_hf_shape(tp, pp, where=where)
+        cfg = hf_config(model.hf)
+        kv_local, kv_name = kv_heads(cfg), "model.hf.num_key_value_heads"
+    else:
+        if model.num_layers < pp:
+            raise ValueError(f"{where}: model.num_layers ({model.num_layers}) is smaller than pp={pp}; "
+                             f"every pipeline stage needs a layer")
+        try:
+            model.check_parallel(tp=tp)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        kv_local, kv_name = model.num_kv_heads // tp, "model.num_kv_heads / tp"
     if world.cp_engine == "ring":
         return
     for d in degrees if degrees is not None else allowed_degrees(world.size // (tp * pp)):
         inner = d if world.cp_engine == "ulysses" else math.gcd(world.cp_inner, d)
-        kv_local = model.num_kv_heads // tp
         if inner > 1 and kv_local % inner:
             raise ValueError(f"{where}: world.cp_engine {world.cp_engine} with Ulysses size {inner} needs "
-                             f"model.num_kv_heads / tp ({kv_local}) divisible by it; use cp_engine ring or "
+                             f"{kv_name} ({kv_local}) divisible by it; use cp_engine ring or "
                              f"a smaller world.cp_inner")

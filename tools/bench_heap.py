@@ -27,7 +27,7 @@ def child(threshold_kb: int, steps: int, tokens: int, doc: int) -> dict:
     import torch
 
     from parallel_runtime.model import ModelConfig, Transformer, local_attention
-    from parallel_runtime.training.metrics import set_heap_mmap_threshold
+    from parallel_runtime.training.metrics import peak_rss_mb, set_heap_mmap_threshold
 
     set_heap_mmap_threshold(threshold_kb << 10)
     torch.manual_seed(0)
@@ -45,12 +45,8 @@ def child(threshold_kb: int, steps: int, tokens: int, doc: int) -> dict:
     pos = torch.arange(tokens) % doc
     attn = local_attention(cu, "loop")
 
-    def hwm_kb() -> int:
-        with open("/proc/self/status") as f:
-            return next((int(x.split()[1]) for x in f if x.startswith("VmHWM")), 0)
-
     times = []
-    start_kb = None
+    start_mb = 0.0
     for s in range(steps + 1):
         ids = torch.randint(0, 256, (tokens,))
         t0 = time.perf_counter()
@@ -58,8 +54,8 @@ def child(threshold_kb: int, steps: int, tokens: int, doc: int) -> dict:
             model(ids, pos, ids, attn=attn, num_valid_tokens=4 * tokens).backward()
         times.append(time.perf_counter() - t0)
         if s == 0:  # after the first step: model, gradients and the allocator's first growth
-            start_kb = hwm_kb()
-    return {"step_s": statistics.median(times[1:]), "hwm_mb": hwm_kb() / 1024, "first_mb": start_kb / 1024}
+            start_mb = peak_rss_mb()
+    return {"step_s": statistics.median(times[1:]), "hwm_mb": peak_rss_mb(), "first_mb": start_mb}
 
 
 def main() -> None:

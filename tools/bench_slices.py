@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import statistics
 import time
 
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_runtime.launch import spawn_world
+from parallel_runtime.training.metrics import peak_rss_mb
 from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
 
 SIDE = 2048
@@ -42,10 +42,6 @@ def _specs(params: int) -> list[ParamSpec]:
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def _old_pull(opt: ShardedOptimizer, local: list[LocalParam]) -> None:
@@ -90,7 +86,7 @@ def _rank(rank: int, world: int, mode: str, params: int, bucket_elems: int) -> d
     else:
         opt.push(local)
     t2 = time.perf_counter()
-    peak = _peak_mb()
+    peak = peak_rss_mb()
     for i, lp in enumerate(local):  # every slice holds its matrix's value, every gradient element landed once
         if not torch.equal(lp.tensor.detach(), torch.full_like(lp.tensor, 0.001 * i)):
             raise AssertionError(f"rank {rank}: {mode} pull gave wrong values for {lp.spec.name}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -35,15 +34,11 @@ from parallel_runtime.groups import ProcessGroups
 from parallel_runtime.launch import WorldError, spawn_world
 from parallel_runtime.model import ModelConfig, Transformer, local_attention
 from parallel_runtime.topology import Topology
+from parallel_runtime.training.metrics import peak_rss_mb
 
 TOLERANCE = 1e-5  # fp32, relative
 CUDA_TOLERANCE = 1e-4  # fp32 CUDA kernels reduce in other orders
 DENSE_REFERENCE_TOKENS = 4096  # the reference uses the dense masked formula up to this many tokens
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set of this process so far, MiB (Linux ``ru_maxrss`` is in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ name to whichever parameters the installed version declares. Not exercised by th
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 
+@functools.cache  # asked per ring block and attention call: a failed import is not cached by Python
 def flash_available() -> bool:
     """True when the optional ``flash_attn`` package imports."""
     try:

@@ -12,7 +12,6 @@ transformers is an optional dependency (the ``hf`` extra): it is imported inside
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
@@ -109,17 +108,9 @@ def check_hf_recompute(cfg, model_class: type | None = None) -> None:
                          f"set train.recompute: false")
 
 
-def check_hf_shape(cfg, tp: int, pp: int, *, where: str, cp_engine: str, cp_inner: int,
-                   degrees: list[int]) -> None:
-    """An HF model runs on data- and context-parallel lanes only (tp = pp = 1)."""
+def check_hf_shape(tp: int, pp: int, *, where: str) -> None:
+    """An HF model runs on data- and context-parallel lanes only (tp = pp = 1); its Ulysses sizes are
+    checked with the native model's (:func:`parallel_runtime.config.check_shape`)."""
     if tp > 1 or pp > 1:
         raise ValueError(f"{where}: model.hf runs on tp=1, pp=1 lanes only (TP and PP are for the native model); "
                          f"use a policy or pools of shape 1x1")
-    if cp_engine == "ring":
-        return
-    for d in degrees:
-        inner = d if cp_engine == "ulysses" else math.gcd(cp_inner, d)
-        if inner > 1 and kv_heads(cfg) % inner:
-            raise ValueError(f"{where}: world.cp_engine {cp_engine} with Ulysses size {inner} needs "
-                             f"model.hf.num_key_value_heads ({kv_heads(cfg)}) divisible by it; use cp_engine "
-                             f"ring or a smaller world.cp_inner")

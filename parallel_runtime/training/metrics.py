@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import resource
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from balanced_loader.cost import CostModel
+from balanced_loader.data.files import write_text
 from balanced_loader.plan import StepPlan
 from balanced_loader.simulate import simulate_step
 
@@ -86,12 +88,7 @@ class MetricsLog:
         if partial:
             print(f"metrics: dropped a partial last line of {self.path} (a run stopped while writing it)",
                   flush=True)
-        keep = [line for line in records if line["step"] < step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            for line in keep:
-                f.write(json.dumps(line) + "\n")
-        os.replace(tmp, self.path)
+        write_text(self.path, "".join(json.dumps(line) + "\n" for line in records if line["step"] < step))
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
@@ -286,17 +283,27 @@ class MemoryProbe:
         return (_proc_status_kb("VmHWM") or 0) * 1024
 
 
+def gather_rows(values: Sequence[float], comm_device: torch.device) -> np.ndarray:
+    """``[world, len(values)]`` float64: every rank's ``values`` (collective: one all-gather)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device)
+    every = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, t)
+    return torch.stack(every).cpu().numpy()
+
+
 def gather_values(mine: dict[str, int], comm_device: torch.device | None) -> dict[str, list[int]]:
     """Every rank's integer figures by key (``[world]`` lists; collective unless ``comm_device`` is None)."""
     names = list(mine)
     if comm_device is None:
         return {n: [int(mine[n])] for n in names}
-    t = torch.tensor([float(mine[n]) for n in names], dtype=torch.float64, device=comm_device)
-    every = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, t)
-    rows = torch.stack(every).cpu().numpy()  # [world, keys]
+    rows = gather_rows([mine[n] for n in names], comm_device)  # [world, keys]
     return {n: [int(v) for v in rows[:, i]] for i, n in enumerate(names)}
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set of this process so far, MiB (Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

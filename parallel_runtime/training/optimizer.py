@@ -311,12 +311,41 @@ def _put(flat: torch.Tensor, s: np.ndarray, e: np.ndarray, values: torch.Tensor,
 
 
 @dataclass(frozen=True, slots=True)
-class _Plan:
-    """One exchange: this rank's runs, every rank's runs inside this rank's shard, the buckets."""
+class _Bucket:
+    """One window ``[a, b)`` of every shard, resolved once per plan (pulls and pushes reuse it)."""
 
-    mine: _Runs  # flat coordinates, with local parameter and offset
-    theirs: _Runs  # every rank's runs inside this rank's shard (see _their_runs)
-    windows: tuple[tuple[int, int], ...]  # shard-relative [a, b) of each bucket
+    mine_n: list[int]  # [world] elements of this rank's slices in each owner's window
+    peer_n: list[int]  # [world] elements of each rank's slices in this rank's window
+    ps: np.ndarray  # [m] int64 shard-relative starts of those parts, in rank order
+    pe: np.ndarray  # [m] int64 ... and ends
+    parts: tuple[tuple[int, np.ndarray, np.ndarray, np.ndarray], ...]  # per local parameter j: (j, offset in
+    # this rank's buffer, offset in the parameter's flat view, length) of its parts ([k] int64 each)
+
+
+def _bucket(mine: _Runs, theirs: _Runs, a: int, b: int, world: int, size: int) -> _Bucket:
+    shards = np.arange(world, dtype=np.int64) * size
+    # this rank's runs inside window [a, b) of every owner's shard, in owner (= flat) order
+    ms, me, mi, mw = mine.clip(shards + a, shards + b)
+    n = me - ms
+    moff = np.cumsum(n) - n  # where each part sits in this rank's buffer
+    mj = mine.param[mi]  # ... in which local parameter
+    mloc = mine.local[mi] + ms - mine.start[mi]  # ... and where in it
+    # every rank's runs inside this rank's window, in rank order, shard-relative
+    ps, pe, _, pw = theirs.clip(shards + a, shards + b)
+    parts = []
+    for j in np.unique(mj).tolist():
+        sel = mj == j
+        parts.append((j, moff[sel], mloc[sel], n[sel]))
+    return _Bucket(mine_n=np.bincount(mw, weights=n, minlength=world).astype(np.int64).tolist(),
+                   peer_n=np.bincount(pw, weights=pe - ps, minlength=world).astype(np.int64).tolist(),
+                   ps=ps - pw * size, pe=pe - pw * size, parts=tuple(parts))
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One exchange: its buckets (derived from this rank's runs and every rank's runs inside its shard)."""
+
+    buckets: tuple[_Bucket, ...]
 
 
 class ShardedOptimizer:
@@ -383,19 +412,18 @@ class ShardedOptimizer:
     def gather_full(self) -> torch.Tensor:
         """The full flat fp32 parameter buffer (``[padded]``), gathered from every owner. Allocates the
         whole model on this rank: checks and tests only, never the training path."""
-        if not self.distributed:
-            return self.master.clone()
-        full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.device)
-        _all_gather(full, self.master, self.group)
-        return full
+        return self._gather(self.master)
 
     def gather_grad(self) -> torch.Tensor:
         """The full flat gradient (``[padded]``) after :meth:`push`, gathered from every owner. Allocates
         the whole model on this rank: checks and tests only, never the training path."""
+        return self._gather(self.grad)
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         if not self.distributed:
-            return self.grad.clone()
+            return shard.clone()
         full = torch.empty(self.layout.padded, dtype=torch.float32, device=self.device)
-        _all_gather(full, self.grad, self.group)
+        _all_gather(full, shard, self.group)
         return full
 
     # ---- pull / push -----------------------------------------------------------------------
@@ -478,7 +506,8 @@ class ShardedOptimizer:
             t = torch.from_numpy(load).to(self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             load = t.cpu().numpy()
-        plan = _Plan(mine=own, theirs=theirs, windows=_windows(load, cell, size, self.bucket_elems))
+        plan = _Plan(buckets=tuple(_bucket(own, theirs, a, b, world, size)
+                                   for a, b in _windows(load, cell, size, self.bucket_elems)))
         if len(self._plans) >= _MAX_PLANS:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
@@ -487,38 +516,21 @@ class ShardedOptimizer:
 
     def _run(self, plan: _Plan, flats: list[torch.Tensor], *, push: bool) -> None:
         """Every bucket of ``plan``: a pull (owners -> slices) or a push (slices -> owners, summed)."""
-        world, size = self.layout.world_size, self.layout.shard_size
-        shards = np.arange(world, dtype=np.int64) * size
-        for a, b in plan.windows:
-            # this rank's runs inside window [a, b) of every owner's shard, in owner (= flat) order
-            ms, me, mi, mw = plan.mine.clip(shards + a, shards + b)
-            mine_n = np.bincount(mw, weights=me - ms, minlength=world).astype(np.int64).tolist()
-            n = me - ms
-            moff = np.cumsum(n) - n  # where each part sits in this rank's buffer
-            mj = plan.mine.param[mi]  # ... in which local parameter
-            mloc = plan.mine.local[mi] + ms - plan.mine.start[mi]  # ... and where in it
-            # every rank's runs inside this rank's window, in rank order, shard-relative
-            ps, pe, _, pw = plan.theirs.clip(shards + a, shards + b)
-            peer_n = np.bincount(pw, weights=pe - ps, minlength=world).astype(np.int64).tolist()
-            ps, pe = ps - pw * size, pe - pw * size
-            mine = torch.empty(sum(mine_n), dtype=torch.float32, device=self.device)
+        for bk in plan.buckets:
+            mine = torch.empty(sum(bk.mine_n), dtype=torch.float32, device=self.device)
             if push:
-                for j in np.unique(mj).tolist():  # gradients of local parameter j -> send buffer
-                    sel = mj == j
-                    _put(mine, moff[sel], moff[sel] + n[sel], _take(flats[j], mloc[sel], mloc[sel] + n[sel]),
-                         add=False)
-                recv = torch.empty(sum(peer_n), dtype=torch.float32, device=self.device)
-                self._all_to_all(recv, peer_n, mine, mine_n)
-                _put(self.grad, ps, pe, recv, add=True)
+                for j, off, loc, n in bk.parts:  # gradients of local parameter j -> send buffer
+                    _put(mine, off, off + n, _take(flats[j], loc, loc + n), add=False)
+                recv = torch.empty(sum(bk.peer_n), dtype=torch.float32, device=self.device)
+                self._all_to_all(recv, bk.peer_n, mine, bk.mine_n)
+                _put(self.grad, bk.ps, bk.pe, recv, add=True)
                 self.bytes_pushed += mine.numel() * 4
                 self.bytes_push_received += recv.numel() * 4
             else:
-                send = _take(self.master, ps, pe)
-                self._all_to_all(mine, mine_n, send, peer_n)
-                for j in np.unique(mj).tolist():  # receive buffer -> local parameter j
-                    sel = mj == j
-                    _put(flats[j], mloc[sel], mloc[sel] + n[sel], _take(mine, moff[sel], moff[sel] + n[sel]),
-                         add=False)
+                send = _take(self.master, bk.ps, bk.pe)
+                self._all_to_all(mine, bk.mine_n, send, bk.peer_n)
+                for j, off, loc, n in bk.parts:  # receive buffer -> local parameter j
+                    _put(flats[j], loc, loc + n, _take(mine, off, off + n), add=False)
                 self.bytes_pulled += mine.numel() * 4
                 self.bytes_pull_sent += send.numel() * 4
 

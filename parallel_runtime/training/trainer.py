@@ -81,15 +81,16 @@ def open_data_world(recipe: Recipe, *, rank: int, local_rank: int):
     if recipe.data.source != STDLIB:
         return open_data(recipe, build=False)
     wait = new_group(range(dist.get_world_size()), backend="gloo", timeout_s=DATA_BUILD_TIMEOUT_S)
+    source = None  # a builder keeps what it built (the same ShardSource a plain open gives)
     with phase("building the stdlib corpus (data.shards_dir)", [0]):
         if rank == 0:
-            open_data(recipe, build=True)
+            source = open_data(recipe, build=True)
         dist.barrier(group=wait)
         if local_rank == 0 and rank != 0:
-            open_data(recipe, build=True)
+            source = open_data(recipe, build=True)
         dist.barrier(group=wait)
     dist.destroy_process_group(wait)
-    return open_data(recipe, build=False)
+    return source if source is not None else open_data(recipe, build=False)
 
 
 def declared_topologies(recipe: Recipe) -> list[Topology]:
@@ -125,13 +126,10 @@ class RankStats:
                          microbatches=np.array([float(res.microbatches)]),
                          pipeline_bytes=np.array([float(res.pipeline_bytes)]))
 
-    def gather(self, world_size: int, comm_device: torch.device) -> RankStats:
+    def gather(self, comm_device: torch.device) -> RankStats:
         """Every rank's figures (collective): one all-gather of this rank's fields, packed in field order."""
         names = [f.name for f in fields(self)]
-        mine = torch.tensor([float(getattr(self, n)[0]) for n in names], dtype=torch.float64, device=comm_device)
-        every = [torch.zeros_like(mine) for _ in range(world_size)]
-        dist.all_gather(every, mine)
-        rows = torch.stack(every).cpu().numpy()  # [world, fields]
+        rows = M.gather_rows([getattr(self, n)[0] for n in names], comm_device)  # [world, fields]
         return RankStats(**{n: rows[:, i] for i, n in enumerate(names)})
 
 
@@ -327,7 +325,7 @@ class Trainer:
                 self.optimizer.push(sm.params)
             GradBuffer.detach(sm.params)
             self._trim()
-            stats = RankStats.of(res, batch.planner_wait_s).gather(self.info.world_size, self.comm_device)
+            stats = RankStats.of(res, batch.planner_wait_s).gather(self.comm_device)
         return stats, new_groups
 
     @property
@@ -360,7 +358,7 @@ class Trainer:
                                              device=self.device, attention=_ref_attention(self.recipe))
         self._note_memory(self.ref_params, saved)
         self.optimizer.push(self.ref_params)
-        _zero(self.ref_params)
+        GradBuffer.detach(self.ref_params)
         return res
 
     # ---- memory report ---------------------------------------------------------------------
@@ -452,9 +450,3 @@ def _step_peers(topo: Topology, plan, rank: int) -> list[int]:
         if w is not None:
             peers.update(w.cp_ranks)
     return sorted(peers)
-
-
-def _zero(params) -> None:
-    for lp in params:
-        lp.tensor.grad = None
-
