@@ -16,11 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.strict import check_keys, number, read_yaml
+from balanced_loader.strict import check_keys, check_number, number, read_yaml
+
+# contract 2's keys for clusters that are not uniform: device classes, a rank-to-class map, lane speeds
+CLUSTER_KEYS = ("device_classes", "rank_classes", "lane_speed")
+MAX_SPEED = 1e3  # a lane at most 1000x its class's keys (a bound, so a typo is one line, not a silent plan)
 
 _BASE_KEYS = ("quadratic_ms", "linear_ms", "microbatch_ms", "comm_bytes_per_token", "max_tokens_per_lane")
-_OPTIONAL_KEYS = ("gpus_per_node", "strategies", "name", "bandwidth_gbs")
+_OPTIONAL_KEYS = ("gpus_per_node", "strategies", "name", "bandwidth_gbs", *CLUSTER_KEYS)
 _STRATEGY_KEYS = {"tp", "pp", *_BASE_KEYS, "bandwidth_gbs"}
+_TIME_KEYS = ("quadratic_ms", "linear_ms", "microbatch_ms")  # what a device class scales in inherited strategies
 
 
 # sane upper bounds of the cost keys: far above any real device, low enough that sums of times stay exact
@@ -134,6 +139,10 @@ class CostModel:
     gpus_per_node: int = 8
     strategies: tuple[ShapeCost, ...] = ()
     name: str = ""
+    # contract 2 for clusters that are not uniform (all empty: every lane the keys above at speed 1)
+    device_classes: tuple[tuple[str, CostModel], ...] = ()  # [classes] (name, that class's own uniform model)
+    rank_classes: tuple[tuple[str, int], ...] = ()  # [runs] (class name, ranks) in rank order
+    lane_speed: tuple[tuple[int, float], ...] = ()  # [ranks listed] (rank, speed), sorted by rank
     _shapes: dict[tuple[int, int], ShapeCost] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +161,13 @@ class CostModel:
         check_keys(d, (*_BASE_KEYS, *_OPTIONAL_KEYS), where)
         if "bandwidth_gbs" not in d:
             raise ValueError(f"{where}: missing key 'bandwidth_gbs'")
+        top = CostModel._uniform_from_dict(d, where)
+        classes, runs, speeds = _parse_cluster(d, top, where)
+        return top.replace(device_classes=classes, rank_classes=runs, lane_speed=speeds)
+
+    @staticmethod
+    def _uniform_from_dict(d: dict[str, Any], where: str) -> CostModel:
+        """The keys of one kind of device (top level, or one device class with the top level's keys filled in)."""
         base = {k: _base_value(d, k, where) for k in _BASE_KEYS}
         base["bandwidth_gbs"] = _bandwidth(d["bandwidth_gbs"], where)
         gpn = number(d, "gpus_per_node", where, integer=True, minimum=1, maximum=1 << 20, default=8)
@@ -202,6 +218,11 @@ class CostModel:
                     e["bandwidth_gbs"] = {deg: bw for deg, bw in s.bandwidth_gbs}
                 out.append(e)
             d["strategies"] = out
+        if self.device_classes:
+            d["device_classes"] = {n: _class_dict(m) for n, m in self.device_classes}
+            d["rank_classes"] = [{"class": n, "ranks": k} for n, k in self.rank_classes]
+        if self.lane_speed:
+            d["lane_speed"] = {r: v for r, v in self.lane_speed}
         return d
 
     def to_yaml(self) -> str:
@@ -223,6 +244,101 @@ class CostModel:
         """A copy with keys changed for every shape (strategies too)."""
         strategies = tuple(replace(s, **changes) for s in self.strategies)
         return self.replace(strategies=strategies, **changes)
+
+    def scaled(self, factor: float) -> CostModel:
+        """The same device ``factor`` times slower (every time key of every shape times ``factor``;
+        communication through ``comm_bytes_per_token``): contract 2's ``formula / speed`` with
+        ``factor = 1 / speed``. Caps, bandwidths and the cluster keys are kept."""
+        if factor == 1.0:
+            return self
+        keys = (*_TIME_KEYS, "comm_bytes_per_token")
+        strategies = tuple(replace(sc, **{k: getattr(sc, k) * factor for k in keys}) for sc in self.strategies)
+        return self.replace(strategies=strategies, **{k: getattr(self, k) * factor for k in keys})
+
+    # ---- the cluster: device classes and lane speeds (contract 2) -----------------
+    @property
+    def uniform(self) -> bool:
+        """Every lane is the top-level keys at speed 1 (no device classes, no speed other than 1)."""
+        return not self.device_classes and all(v == 1.0 for _, v in self.lane_speed)
+
+    def device(self) -> CostModel:
+        """The top-level keys alone (no classes, no speeds): one kind of device at speed 1."""
+        if not self.device_classes and not self.lane_speed:
+            return self
+        return self.replace(device_classes=(), rank_classes=(), lane_speed=())
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.device_classes)
+
+    def class_model(self, name: str) -> CostModel:
+        """The uniform cost model of one device class (the top level for ``""``)."""
+        if not name:
+            return self.device()
+        for n, m in self.device_classes:
+            if n == name:
+                return m
+        raise ValueError(f"unknown device class '{name}'; the cost file lists: {', '.join(self.class_names)}")
+
+    def rank_class_index(self, world_size: int) -> np.ndarray:
+        """``[world_size]`` int64: each rank's index in :attr:`device_classes` (all 0 without classes).
+
+        The runs of ``rank_classes`` must cover the world exactly (one line naming both counts otherwise)."""
+        if not self.device_classes:
+            return np.zeros(world_size, dtype=np.int64)
+        covered = sum(k for _, k in self.rank_classes)
+        if covered != world_size:
+            raise ValueError(f"rank_classes covers {covered} ranks but the world has {world_size}; list a class "
+                             f"for every rank (runs of ranks in rank order)")
+        names = self.class_names
+        return np.repeat(np.asarray([names.index(n) for n, _ in self.rank_classes], dtype=np.int64),
+                         [k for _, k in self.rank_classes])
+
+    def rank_speeds(self, world_size: int) -> np.ndarray:
+        """``[world_size]`` float64: each rank's speed (1 where ``lane_speed`` does not list it)."""
+        out = np.ones(world_size, dtype=np.float64)
+        for r, v in self.lane_speed:
+            if r >= world_size:
+                raise ValueError(f"lane_speed lists rank {r} but the world has {world_size} ranks (0..{world_size - 1})")
+            out[r] = v
+        return out
+
+    def with_speeds(self, speeds: Sequence[float] | np.ndarray | dict[int, float]) -> CostModel:
+        """A copy with ``lane_speed`` set (a rank -> speed mapping, or one speed per rank; 1s are left out)."""
+        items = speeds.items() if isinstance(speeds, dict) else enumerate(np.asarray(speeds, dtype=np.float64).tolist())
+        pairs = tuple(sorted((int(r), _speed(v, f"lane_speed of rank {r}")) for r, v in items if float(v) != 1.0))
+        return self.replace(lane_speed=pairs)
+
+    def lanes(self, ranks: Sequence[Sequence[int]] | np.ndarray, tp: int, world_size: int) -> LaneProfile:
+        """Class and speed of every lane of a pool with rank grid ``ranks`` (``[pp][lanes * tp]``).
+
+        Contract 2: a lane is its ``tp`` ranks at every stage; its speed is the smallest of theirs; a
+        lane whose ranks are of several classes takes, key by key, the slower value and the smaller
+        cap of them (the slowest applies)."""
+        grid = np.asarray(ranks, dtype=np.int64)  # [pp][lanes * tp]
+        nl = grid.shape[1] // tp if grid.size else 0
+        per_lane = grid.reshape(grid.shape[0], nl, tp).transpose(1, 0, 2).reshape(nl, -1)  # [lanes, pp * tp]
+        speed = self.rank_speeds(world_size)[per_lane].min(axis=1) if nl else np.ones(0)  # [lanes]
+        if not self.device_classes:
+            return LaneProfile(cls=np.zeros(nl, dtype=np.int64), speed=speed, models=(self.device(),))
+        rc = self.rank_class_index(world_size)[per_lane]  # [lanes, pp * tp]
+        lo, hi = rc.min(axis=1), rc.max(axis=1)
+        models = [m for _, m in self.device_classes]
+        cls = lo.copy()  # [lanes]
+        for a, b in sorted({(int(x), int(y)) for x, y in zip(lo, hi) if x != y}):  # mixed lanes (rare)
+            mixed = set(rc[(lo == a) & (hi == b)].ravel().tolist())
+            models.append(_slowest([models[c] for c in sorted(mixed)]))
+            cls[(lo == a) & (hi == b)] = len(models) - 1
+        return LaneProfile(cls=cls, speed=speed, models=tuple(models))
+
+    def pool_lane_caps(self, tp: int, pp: int, ranks: Sequence[Sequence[int]], world_size: int) -> np.ndarray | None:
+        """``[lanes]`` each lane's ``max_tokens_per_lane`` for shape ``(tp, pp)``, or ``None`` when every lane
+        has the top level's (what :meth:`balanced_loader.plan.StepPlan.validate` checks memory with)."""
+        if not self.device_classes:
+            return None
+        prof = self.lanes(ranks, tp, world_size)
+        caps = np.asarray([m.lane_cap(tp, pp) for m in prof.models], dtype=np.int64)  # [classes]
+        return caps[prof.cls]
 
     # ---- shapes ----------------------------------------------------------
     def shape(self, tp: int = 1, pp: int = 1) -> ShapeCost:
@@ -250,6 +366,127 @@ class CostModel:
         """:meth:`ShapeCost.group_ms` of shape ``(tp, pp)`` (lane schedules, pool and step times:
         :mod:`balanced_loader.simulate`)."""
         return self.shape(tp, pp).group_ms(lengths, d)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaneProfile:
+    """What contract 2 says of each lane of one pool: its device class and its speed."""
+
+    cls: np.ndarray  # [lanes] int64, index into models
+    speed: np.ndarray  # [lanes] float64, relative speed (1: as the class's keys say)
+    models: tuple[CostModel, ...]  # [classes] uniform cost model of each class (mixed lanes last)
+
+    @property
+    def uniform(self) -> bool:
+        """One class, every lane at speed 1: the lanes are alike."""
+        return len(set(self.cls.tolist())) <= 1 and bool(np.all(self.speed == 1.0))
+
+    def lane_models(self) -> list[CostModel]:
+        """``[lanes]`` each lane's cost model with its speed applied (``scaled(1 / speed)``)."""
+        return [self.models[c].scaled(1.0 / v) for c, v in zip(self.cls.tolist(), self.speed.tolist())]
+
+
+def _speed(v: Any, what: str) -> float:
+    """A lane speed: a finite number in (0, MAX_SPEED] (one line naming ``what`` otherwise)."""
+    x = check_number(v, what, maximum=MAX_SPEED)
+    if x <= 0:
+        raise ValueError(f"{what} must be > 0 (1 = as its class's keys say, 0.5 = half as fast), got {v!r}")
+    return x
+
+
+def _slowest(models: Sequence[CostModel]) -> CostModel:
+    """One model that is, key by key, the slowest of ``models`` (largest times, smallest caps and bandwidths)."""
+    first = models[0]
+    if len(models) == 1:
+        return first
+    shapes = {}
+    for tp, pp in first._shapes:
+        scs = [m.shape(tp, pp) for m in models]
+        kw = {k: max(getattr(x, k) for x in scs) for k in (*_TIME_KEYS, "comm_bytes_per_token")}
+        kw["max_tokens_per_lane"] = min(x.max_tokens_per_lane for x in scs)
+        kw["bandwidth_gbs"] = min((x.bandwidth_gbs for x in scs), key=lambda b: b[0][1])
+        shapes[(tp, pp)] = replace(scs[0], **kw)
+    base = shapes.pop((1, 1))
+    return first.replace(strategies=tuple(shapes.values()), name="+".join(m.name for m in models),
+                         **{k: getattr(base, k) for k in (*_BASE_KEYS, "bandwidth_gbs")})
+
+
+def _class_dict(m: CostModel) -> dict[str, Any]:
+    """A device class as written in a cost file: its keys (all of them: the file stays readable alone)."""
+    d = m.to_dict()
+    d.pop("name", None)
+    d.pop("gpus_per_node", None)
+    return d
+
+
+def _parse_cluster(d: dict[str, Any], top: CostModel, where: str
+                   ) -> tuple[tuple[tuple[str, CostModel], ...], tuple[tuple[str, int], ...], tuple[tuple[int, float], ...]]:
+    """Contract 2's ``device_classes``, ``rank_classes`` and ``lane_speed`` (each one line when wrong).
+
+    A class lists any of the top-level keys and inherits the others; a class without ``strategies`` has
+    the top level's shapes with their time keys and caps scaled by the class's own base ratios."""
+    raw = d.get("device_classes")
+    runs_raw = d.get("rank_classes")
+    classes: list[tuple[str, CostModel]] = []
+    if raw is not None:
+        if not isinstance(raw, dict) or not raw:
+            raise ValueError(f"{where}: 'device_classes' must be a mapping name -> cost keys")
+        if runs_raw is None:
+            raise ValueError(f"{where}: 'device_classes' needs 'rank_classes' (runs of ranks: [{{class: NAME, "
+                             f"ranks: N}}, ...])")
+        for name, keys in raw.items():
+            cw = f"{where}: device_classes.{name}"
+            if not isinstance(keys, dict):
+                raise ValueError(f"{cw}: expected a mapping of cost keys")
+            check_keys(keys, (*_BASE_KEYS, "bandwidth_gbs", "strategies"), cw)
+            merged = {**top.to_dict(), **keys}
+            merged.pop("device_classes", None)
+            if "strategies" not in keys:
+                merged["strategies"] = _scaled_strategies(top, keys, cw)
+            classes.append((str(name), CostModel._uniform_from_dict(merged, cw).replace(name=str(name))))
+    elif runs_raw is not None:
+        raise ValueError(f"{where}: 'rank_classes' names classes but there is no 'device_classes'")
+    runs: list[tuple[str, int]] = []
+    if runs_raw is not None:
+        if not isinstance(runs_raw, list) or not runs_raw:
+            raise ValueError(f"{where}: 'rank_classes' must be a list of {{class: NAME, ranks: N}}")
+        names = [n for n, _ in classes]
+        for i, run in enumerate(runs_raw):
+            rw = f"{where}: rank_classes[{i}]"
+            if not isinstance(run, dict):
+                raise ValueError(f"{rw}: expected {{class: NAME, ranks: N}}")
+            check_keys(run, ("class", "ranks"), rw)
+            if run.get("class") not in names:
+                raise ValueError(f"{rw}: unknown device class {run.get('class')!r}; device_classes lists: "
+                                 f"{', '.join(names)}")
+            runs.append((str(run["class"]), number(run, "ranks", rw, integer=True, minimum=1, maximum=1 << 24)))
+    speeds: list[tuple[int, float]] = []
+    raw_speed = d.get("lane_speed")
+    if raw_speed is not None:
+        if not isinstance(raw_speed, dict):
+            raise ValueError(f"{where}: 'lane_speed' must be a mapping rank -> speed (1 = as its class's keys say)")
+        for r, v in raw_speed.items():
+            r = int(r) if isinstance(r, str) and r.isdigit() else r  # JSON writes mapping keys as strings
+            rank = check_number(r, f"{where}: lane_speed key", integer=True, minimum=0, maximum=1 << 24)
+            speeds.append((rank, _speed(v, f"{where}: lane_speed of rank {r}")))
+    return tuple(classes), tuple(runs), tuple(sorted(speeds))
+
+
+def _scaled_strategies(top: CostModel, keys: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The top level's strategies for a class that lists none: each key scaled by the class's base ratio."""
+    out = []
+    for sc in top.strategies:
+        e: dict[str, Any] = {"tp": sc.tp, "pp": sc.pp}
+        for k in (*_TIME_KEYS, "max_tokens_per_lane"):
+            mine = keys.get(k, getattr(top, k))
+            ratio = float(mine) / getattr(top, k) if getattr(top, k) else 1.0
+            e[k] = getattr(sc, k) * ratio if k != "max_tokens_per_lane" else int(getattr(sc, k) * ratio)
+        if sc.comm_bytes_per_token != top.comm_bytes_per_token:
+            e["comm_bytes_per_token"] = sc.comm_bytes_per_token
+        if sc.bandwidth_gbs != top.bandwidth_gbs:
+            e["bandwidth_gbs"] = dict(sc.bandwidth_gbs)
+        out.append(e)
+    return out
 
 
 # ---- degree helpers (the one home of power-of-two and memory-fit degree arithmetic) ----------

@@ -244,10 +244,14 @@ class StepPlan:
                     raise ValueError(f"{pw}: rank {r} appears twice")
                 seen_ranks.add(r)
             cap = None
+            lane_caps = None  # [lanes] per-lane caps of a cluster with device classes (contract 2)
             if caps is not None:
                 cap = caps.lane_cap(pool.tp, pool.pp)
                 if cap <= 0:
                     raise ValueError(f"{pw}: shape is marked unusable (max_tokens_per_lane: 0)")
+                per_lane = getattr(caps, "pool_lane_caps", None)
+                if per_lane is not None:
+                    lane_caps = per_lane(pool.tp, pool.pp, pool.ranks, self.world_size)
             pool.check_lanes(pw)
             pool.check_barriers(pw)
             for k, mb in enumerate(pool.microbatches):
@@ -259,6 +263,8 @@ class StepPlan:
                         if length <= 0 or start < 0:
                             raise ValueError(f"{gw}, doc {doc}: segment ({doc}, {start}, {length}) is empty")
                         pieces.setdefault(doc, []).append((start, length, gw))
+                    if lane_caps is not None and len(g.lanes) and max(g.lanes) < len(lane_caps):
+                        cap = int(min(lane_caps[x] for x in g.lanes))  # memory holds on every lane of its class
                     if cap is not None and g.tokens > cap * g.degree:
                         raise ValueError(
                             f"{gw}: {g.tokens} tokens on {g.degree} lane(s) exceed max_tokens_per_lane "

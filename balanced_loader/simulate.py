@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numba import njit
 
-from balanced_loader.cost import CostModel, ShapeCost
+from balanced_loader.cost import CostModel, LaneProfile, ShapeCost
 from balanced_loader.plan import Plan, Pool, StepPlan
 
 if TYPE_CHECKING:
@@ -236,10 +236,29 @@ class PoolArrays:
         group_of_seg = np.repeat(np.arange(n, dtype=np.int64), nseg)  # [S]
         return sc.microbatch_ms + np.bincount(group_of_seg, weights=seg, minlength=n)
 
-    def schedule(self, sc: ShapeCost, pp: int, num_lanes: int
+    def lane_group_ms(self, prof: LaneProfile, tp: int, pp: int) -> np.ndarray:
+        """``[G]`` contract-2 group times on lanes that are not alike: the largest over each group's lanes
+        of its class's formula divided by its speed."""
+        classes = np.unique(prof.cls[self.lanes]) if len(self.lanes) else np.zeros(0, np.int64)
+        per_class = np.zeros((len(prof.models), len(self.degree)), dtype=np.float64)  # [classes, G]
+        for c in classes.tolist():
+            per_class[c] = self.group_ms(prof.models[c].shape(tp, pp))
+        group_of_lane = np.repeat(np.arange(len(self.degree), dtype=np.int64), self.degree)  # [sum degree]
+        on_lane = per_class[prof.cls[self.lanes], group_of_lane] / prof.speed[self.lanes]  # [sum degree]
+        return np.maximum.reduceat(on_lane, self.lane_ptr[:-1]) if len(on_lane) else on_lane
+
+    def times(self, cost: CostModel, tp: int, pp: int, ranks: np.ndarray | None, world_size: int) -> np.ndarray:
+        """``[G]`` group times of this pool under ``cost`` (lane classes and speeds when it has them;
+        ``ranks`` ``[pp][lanes * tp]`` is the pool's rank grid)."""
+        if cost.uniform or ranks is None:
+            return self.group_ms(cost.shape(tp, pp))
+        return self.lane_group_ms(cost.lanes(ranks, tp, world_size), tp, pp)
+
+    def schedule(self, sc: ShapeCost | np.ndarray, pp: int, num_lanes: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(group_ms [G], finish, busy, barrier wait [num_lanes])``: the pool's contract-2 lane schedule."""
-        gms = self.group_ms(sc)
+        """``(group_ms [G], finish, busy, barrier wait [num_lanes])``: the pool's contract-2 lane schedule
+        (``sc``: the shape's coefficients, or the group times ``[G]`` themselves)."""
+        gms = self.group_ms(sc) if isinstance(sc, ShapeCost) else np.asarray(sc, dtype=np.float64)
         finish, busy, wait = lane_schedule(self.lane_ptr, self.lanes, gms, pp, num_lanes, self.barrier_g)
         return gms, finish, busy, wait
 
@@ -303,6 +322,7 @@ class StepMetrics:
     pools: tuple[PoolMetrics, ...]
     rank_barrier_ms: np.ndarray  # [world_size] time each rank waits at barriers
     barrier_idle: float = 0.0  # share of all rank-time spent waiting at barriers (part of pp_bubble, idle)
+    classes: dict[str, dict[str, float]] = field(default_factory=dict)  # per device class (cluster cost models)
 
     def to_json(self, *, pools: bool = True) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -312,15 +332,17 @@ class StepMetrics:
         }
         if self.mfu is not None:
             d["mfu"] = self.mfu
+        if self.classes:
+            d["classes"] = self.classes
         if pools:
             d["pools"] = [p.to_json() for p in self.pools]
         return d
 
 
 def _pool_metrics(tp: int, pp: int, ranks: np.ndarray, arr: PoolArrays,
-                  cost: CostModel) -> tuple[PoolMetrics, float]:
+                  cost: CostModel, world_size: int) -> tuple[PoolMetrics, float]:
     """Metrics of one pool (rank grid ``[pp][lanes * tp]``) and its sum of squared segment lengths."""
-    sc = cost.shape(tp, pp)
+    cost.shape(tp, pp)  # one line when the shape is not in the cost file
     nl = ranks.shape[1] // tp if ranks.size else 0
     nranks = int(ranks.size)
     if len(arr.degree) == 0:
@@ -330,7 +352,7 @@ def _pool_metrics(tp: int, pp: int, ranks: np.ndarray, arr: PoolArrays,
                            lane_barrier_ms=z.copy(), barriers=len(arr.barrier_g)), 0.0
     if int(arr.lanes.min()) < 0 or int(arr.lanes.max()) >= nl:
         raise ValueError(f"pool tp={tp} pp={pp}: a group uses a lane outside 0..{nl - 1}")
-    gms, finish, busy, wait = arr.schedule(sc, pp, nl)  # [G], [nl], [nl], [nl]
+    gms, finish, busy, wait = arr.schedule(arr.times(cost, tp, pp, ranks, world_size), pp, nl)  # [G], [nl] x 3
     gmax = float(gms.max())
     makespan = makespan_ms(finish, gmax, pp)
     ppb = 1.0 - float(busy.mean()) / makespan if makespan > 0 else 0.0
@@ -354,7 +376,7 @@ def _step_metrics(step: int, world_size: int, plan_seconds: float,
     rank_wait = np.zeros(w, dtype=np.float64)  # [world_size]
     tokens2 = 0.0
     for tp, pp, ranks, arr in pools_in:
-        pm, t2 = _pool_metrics(tp, pp, ranks, arr, cost)
+        pm, t2 = _pool_metrics(tp, pp, ranks, arr, cost, w)
         pools.append(pm)
         tokens2 += t2
         if pm.num_lanes:
@@ -381,7 +403,26 @@ def _step_metrics(step: int, world_size: int, plan_seconds: float,
     return StepMetrics(step=step, world_size=w, step_ms=step_ms, pp_bubble=pp_bubble, dp_bubble=dp_bubble,
                        idle=idle, skew=skew, tokens=tokens, tokens_per_s=tps, mfu=mfu,
                        plan_seconds=plan_seconds, rank_busy_ms=rank_busy, pools=tuple(pools),
-                       rank_barrier_ms=rank_wait, barrier_idle=barrier_idle)
+                       rank_barrier_ms=rank_wait, barrier_idle=barrier_idle,
+                       classes=class_figures(cost, rank_busy, step_ms) if not cost.uniform else {})
+
+
+def class_figures(cost: CostModel, rank_busy: np.ndarray, step_ms: float) -> dict[str, dict[str, float]]:
+    """Per device class (or ``"all"`` with lane speeds only): its ranks, their mean busy ms, busy share of
+    the step (1 - idle) and skew, and the slowest speed among them."""
+    w = len(rank_busy)
+    names = cost.class_names or ("all",)
+    cls, speed = cost.rank_class_index(w), cost.rank_speeds(w)  # [world_size] each
+    out = {}
+    for c, name in enumerate(names):
+        b = rank_busy[cls == c]
+        if not b.size:
+            continue
+        mean = float(b.mean())
+        out[name] = {"ranks": int(b.size), "mean_busy_ms": mean,
+                     "busy_share": mean / step_ms if step_ms > 0 else 0.0,
+                     "skew": float(b.max()) / mean if mean > 0 else 1.0, "min_speed": float(speed[cls == c].min())}
+    return out
 
 
 def _ranks(ranks: Sequence[Sequence[int]]) -> np.ndarray:
@@ -409,24 +450,29 @@ def simulate_step_json(step: dict[str, Any], world_size: int, cost: CostModel, *
         raise ValueError(f"malformed plan step: {type(e).__name__}: {e}") from None
 
 
-def lane_finish_ms(pool: Pool, cost: CostModel) -> tuple[np.ndarray, float]:
-    """Per-lane finish times (``[num_lanes]`` ms, one stage's share) and the largest group time."""
+def lane_finish_ms(pool: Pool, cost: CostModel, world_size: int | None = None) -> tuple[np.ndarray, float]:
+    """Per-lane finish times (``[num_lanes]`` ms, one stage's share) and the largest group time
+    (``world_size``: the plan's, needed when the cost model has lane classes or speeds)."""
     arr = PoolArrays.from_pool(pool)
     if len(arr.degree) == 0:
         return np.zeros(pool.num_lanes, dtype=np.float64), 0.0
-    gms, finish, _, _ = arr.schedule(cost.shape(pool.tp, pool.pp), pool.pp, pool.num_lanes)
+    if not cost.uniform and world_size is None:
+        raise ValueError("a cost model with device classes or lane speeds needs the plan's world size")
+    ranks = _ranks(pool.ranks) if world_size is not None else None
+    gms, finish, _, _ = arr.schedule(arr.times(cost, pool.tp, pool.pp, ranks, world_size or 0), pool.pp,
+                                     pool.num_lanes)
     return finish, float(gms.max())
 
 
-def pool_ms(pool: Pool, cost: CostModel) -> float:
+def pool_ms(pool: Pool, cost: CostModel, world_size: int | None = None) -> float:
     """Contract-2 time of a pool: its last lane's finish plus pipeline fill and drain."""
-    finish, gmax = lane_finish_ms(pool, cost)
+    finish, gmax = lane_finish_ms(pool, cost, world_size)
     return makespan_ms(finish, gmax, pool.pp)
 
 
 def step_ms(plan: StepPlan, cost: CostModel) -> float:
     """Contract-2 step time: the slowest pool."""
-    return max((pool_ms(p, cost) for p in plan.pools), default=0.0)
+    return max((pool_ms(p, cost, plan.world_size) for p in plan.pools), default=0.0)
 
 
 def simulate_plan(plan: Plan | Sequence[StepPlan], cost: CostModel, *, model: ModelShape | None = None,

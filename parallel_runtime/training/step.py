@@ -63,6 +63,8 @@ def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: 
     # its buffers only for the microbatch in flight
     inputs: dict[int, Callable[[], StageInput]] = {}
     for mb in microbatches:
+        if mb.padding:  # cp=1 fillers even out a DDP loop's pass count; the runtime has no per-pass collective
+            continue
         w = work[mb.k]
         assert w is not None and w.group.lanes == mb.lanes, "microbatches do not match the plan"
         inputs[mb.k] = _input_builder(rt, mb, w.cp_ranks, stage.first, stage.last)
