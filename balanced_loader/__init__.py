@@ -30,6 +30,10 @@ _EXPORTS = {
     "wrap": "balanced_loader.wrapping",
     "pack": "balanced_loader.planning.packing",
     "cp_positions": "balanced_loader.materialize",
+    "MicrobatchTimer": "balanced_loader.calibration",
+    "CalibrationOptions": "balanced_loader.calibration",
+    "Calibrator": "balanced_loader.calibration",
+    "Samples": "balanced_loader.calibration",
 }
 
 __all__ = sorted(_EXPORTS)

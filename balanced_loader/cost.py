@@ -299,7 +299,8 @@ class CostModel:
         out = np.ones(world_size, dtype=np.float64)
         for r, v in self.lane_speed:
             if r >= world_size:
-                raise ValueError(f"lane_speed lists rank {r} but the world has {world_size} ranks (0..{world_size - 1})")
+                raise ValueError(f"lane_speed lists rank {r} but the world has {world_size} ranks "
+                                 f"(0..{world_size - 1})")
             out[r] = v
         return out
 
@@ -308,6 +309,14 @@ class CostModel:
         items = speeds.items() if isinstance(speeds, dict) else enumerate(np.asarray(speeds, dtype=np.float64).tolist())
         pairs = tuple(sorted((int(r), _speed(v, f"lane_speed of rank {r}")) for r, v in items if float(v) != 1.0))
         return self.replace(lane_speed=pairs)
+
+    def with_classes(self, classes: dict[str, CostModel], runs: Sequence[tuple[str, int]]) -> CostModel:
+        """A copy with device classes (each a uniform model, e.g. a preset per GPU kind) and the rank-to-class
+        map as runs ``[(class, ranks), ...]`` in rank order; checked like a cost file's keys."""
+        d = self.to_dict()
+        d["device_classes"] = {n: _class_dict(m) for n, m in classes.items()}
+        d["rank_classes"] = [{"class": n, "ranks": k} for n, k in runs]
+        return CostModel.from_dict(d, where="with_classes")
 
     def lanes(self, ranks: Sequence[Sequence[int]] | np.ndarray, tp: int, world_size: int) -> LaneProfile:
         """Class and speed of every lane of a pool with rank grid ``ranks`` (``[pp][lanes * tp]``).
@@ -330,6 +339,12 @@ class CostModel:
             models.append(_slowest([models[c] for c in sorted(mixed)]))
             cls[(lo == a) & (hi == b)] = len(models) - 1
         return LaneProfile(cls=cls, speed=speed, models=tuple(models))
+
+    def ranks_model(self, ranks: Sequence[int], world_size: int) -> CostModel:
+        """The uniform model of one lane made of ``ranks``: its class (the slowest, key by key, if they mix)
+        with its times divided by its speed (the smallest of theirs)."""
+        prof = self.lanes([list(ranks)], len(ranks), world_size)
+        return prof.lane_models()[0]
 
     def pool_lane_caps(self, tp: int, pp: int, ranks: Sequence[Sequence[int]], world_size: int) -> np.ndarray | None:
         """``[lanes]`` each lane's ``max_tokens_per_lane`` for shape ``(tp, pp)``, or ``None`` when every lane
@@ -419,8 +434,11 @@ def _class_dict(m: CostModel) -> dict[str, Any]:
     return d
 
 
+Classes = tuple[tuple[str, "CostModel"], ...]  # [classes] (name, uniform model)
+
+
 def _parse_cluster(d: dict[str, Any], top: CostModel, where: str
-                   ) -> tuple[tuple[tuple[str, CostModel], ...], tuple[tuple[str, int], ...], tuple[tuple[int, float], ...]]:
+                   ) -> tuple[Classes, tuple[tuple[str, int], ...], tuple[tuple[int, float], ...]]:
     """Contract 2's ``device_classes``, ``rank_classes`` and ``lane_speed`` (each one line when wrong).
 
     A class lists any of the top-level keys and inherits the others; a class without ``strategies`` has

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.calibration.schedule import CostSchedule
 from balanced_loader.cost import CostModel
 from balanced_loader.data.batching import LONG_DOC_MODES, Cut, DocStats, EpochBatches
 from balanced_loader.data.open import open_source
@@ -202,29 +203,6 @@ def resolve_world(rank: Any, world_size: Any) -> tuple[int, int]:
     return rank, world_size
 
 
-_VIEW: list[type] = []  # the IterableDataset view class, made on first use (torch is imported only then)
-
-
-def _iterable_view(loader: BalancedLoader) -> Any:
-    if not _VIEW:
-        from torch.utils.data import IterableDataset  # torch only when a DataLoader view is asked for
-
-        class LoaderView(IterableDataset):
-            """A BalancedLoader as a torch IterableDataset: iteration continues the loader."""
-
-            def __init__(self, loader: BalancedLoader) -> None:
-                self.loader = loader
-
-            def __iter__(self) -> Any:
-                return iter(self.loader)
-
-            def __len__(self) -> int:
-                return len(self.loader) - self.loader.step
-
-        _VIEW.append(LoaderView)
-    return _VIEW[0](loader)
-
-
 class BalancedLoader:
     """Length-aware loader: global batches by token budget, planned by a policy, materialized per rank.
 
@@ -247,7 +225,7 @@ class BalancedLoader:
                  long_docs: str = "split", shuffle: bool = True, shuffle_window: int = 1 << 16,
                  epochs: int | None = 1, prefetch_steps: int = 2, planner_workers: int = 0,
                  plan_config: dict[str, Any] | PlanConfig | None = None, cp: int | None = None, cp_inner: int = 1,
-                 pad_id: int = 0, validate: bool = False) -> None:
+                 pad_id: int = 0, validate: bool = False, calibrate: Any = False) -> None:
         # every argument is checked before the source is opened (no pass over the data for a typo)
         rank, world_size = resolve_world(rank, world_size)
         if not isinstance(global_batch_tokens, int) or global_batch_tokens < 1:
@@ -265,6 +243,8 @@ class BalancedLoader:
         if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         self.cost = resolve_cost(cost, world_size)
+        # which cost model plans which step; calibrate=True: the closed loop (observe) extends it
+        self.costs = CostSchedule(self.cost, world_size, calibrate)
         self.config = self._plan_config(policy, world_size, seed, plan_config, cp)
         get_policy(self.config.policy)  # fail now, not in the first step
         self.policy = self.config.policy
@@ -386,12 +366,17 @@ class BalancedLoader:
                 self._executor = ProcessPoolExecutor(self.planner_workers)
             else:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="balanced-loader-planner")
-        self._futures[step] = (epoch, s, self._executor.submit(_plan_job, items, self.cost, self.config, step))
+        cost = self.costs.at(step)
+        self._futures[step] = (epoch, s, self._executor.submit(_plan_job, items, cost, self.config, step))
 
-    def _schedule(self) -> None:
-        """Keep plans for the current step and the next ``prefetch_steps`` in flight."""
+    def _schedule(self, ahead: int = 0) -> None:
+        """Keep plans for the current step and the next ``prefetch_steps`` in flight (from ``ahead`` steps on:
+        the refill after the current step's plan was taken must not plan it again)."""
         epoch, s, step = self.epoch, self.step_in_epoch, self.step
-        for _ in range(self.prefetch_steps + 1):
+        for _ in range(ahead):
+            epoch, s = self._cursor_after(epoch, s)
+            step += 1
+        for _ in range(self.prefetch_steps + 1 - ahead):
             if self._finished(epoch):
                 break
             if step not in self._futures:
@@ -402,7 +387,8 @@ class BalancedLoader:
     def _plan_now(self) -> tuple[StepPlan, float]:
         t0 = time.perf_counter()
         if self.prefetch_steps == 0 and self.planner_workers == 0:
-            plan = make_plan(self._cut(self.epoch, self.step_in_epoch).items, self.cost, self.config, self.step)
+            plan = make_plan(self._cut(self.epoch, self.step_in_epoch).items, self.costs.at(self.step), self.config,
+                             self.step)
             return plan, time.perf_counter() - t0
         self._schedule()
         epoch, s, fut = self._futures.pop(self.step)
@@ -414,7 +400,8 @@ class BalancedLoader:
             raise RuntimeError(f"the planner process pool died ({e}); with the spawn start method guard the "
                                f"script with if __name__ == '__main__', or use planner_workers=0") from e
         wait = time.perf_counter() - t0
-        self._schedule()  # refill behind this step
+        if not self._finished(self.epoch):
+            self._schedule(ahead=1)  # refill behind this step
         return plan, wait
 
     # ---- iteration -----------------------------------------------------------
@@ -428,7 +415,8 @@ class BalancedLoader:
         cut = self._cut(self.epoch, self.step_in_epoch)
         plan, wait = self._plan_now()
         if self.validate:
-            plan.validate(self._lengths_for_validation(), self.cost, doc_ids=np.unique(cut.items.doc_ids))
+            plan.validate(self._lengths_for_validation(), self.costs.at(self.step),
+                          doc_ids=np.unique(cut.items.doc_ids))
         batch = StepBatch(step=self.step, epoch=self.epoch, step_in_epoch=self.step_in_epoch, plan=plan,
                           microbatches=tuple(self.microbatches(plan, self.rank)),
                           num_valid_tokens=num_valid_tokens(plan), planner_wait_s=wait, doc_stats=cut.stats,
@@ -437,6 +425,18 @@ class BalancedLoader:
         self.step += 1
         self._get_epoch(self.epoch).forget_before(self.step_in_epoch)
         return batch
+
+    # ---- the closed loop ------------------------------------------------------
+    def set_cost(self, cost: CostModel) -> int:
+        """Plan with ``cost`` from the first step not planned yet (returned, the same on every rank)."""
+        return self.costs.set(cost, self.step + self.prefetch_steps)
+
+    def observe(self, step: Any, samples: Any, *, gathered: bool = False, agree: Any = None) -> Any:
+        """Measured microbatches of a step (``calibrate=True``): every few steps a fitted cost model with
+        lane speeds plans the steps not planned yet (:meth:`balanced_loader.calibration.CostSchedule.observe`);
+        returns the fit's :class:`~balanced_loader.calibration.Update` or None."""
+        return self.costs.observe(getattr(step, "step", step), samples, self.step + self.prefetch_steps,
+                                  gathered=gathered, agree=agree)
 
     def microbatches(self, plan: StepPlan, rank: int) -> list[Microbatch]:
         """Any rank's microbatches of a plan (a whole cluster can be materialized in one process).
@@ -482,7 +482,8 @@ class BalancedLoader:
         """
         position = self._get_epoch(self.epoch).starts[self.step_in_epoch] if not self._finished(self.epoch) else 0
         return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "world_size": self.world_size,
-                "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "step": self.step, "position": position}
+                "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "step": self.step, "position": position,
+                **self.costs.state_dict(self.step)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where ``state`` was saved, at this loader's world size; refuses a different setup."""
@@ -523,6 +524,7 @@ class BalancedLoader:
         # a step starts at position 0 only as the first of its epoch, and before the last doc
         if (s == 0) != (pos == 0) or pos >= max(1, self.source.num_docs):
             raise ValueError(f"loader state cursor (epoch {epoch}, step {s}, position {pos}) is outside the epoch")
+        self.costs.load_state_dict(state)
         self._cancel()
         self._epochs.clear()  # cut afresh from the saved position
         if not self._finished(epoch):
@@ -573,7 +575,9 @@ class BalancedLoader:
         ``DataLoader`` that plans and reads the ``n`` skipped steps and drops them. To resume
         without that work, save ``loader.state_dict()`` and ``load_state_dict`` it instead.
         """
-        return _iterable_view(self)
+        from balanced_loader.wrapping import iterable_view
+
+        return iterable_view(self)
 
     def describe(self) -> str:
         fields_ = ", ".join(f"{f.name}={getattr(self.config, f.name)!r}" for f in fields(self.config)

@@ -19,7 +19,12 @@ What a DDP loop needs from the loader, and where it comes from:
   Each rank's loss is its token sum divided by it, times the number of processes because DDP
   averages gradients over ranks: the summed gradient is then exactly the global mean's.
 
-``--out DIR`` writes ``rank{r}.json`` (losses, microbatch counts) and, on rank 0, ``params.pt``.
+``--calibrate`` closes the loop: each rank times its microbatches (``bl.MicrobatchTimer``:
+thread CPU time and wall time) and ``loader.observe(batch, timer.samples())`` all-gathers them; every few
+steps the loader fits its cost model and a speed per rank, and plans with them from the first step it has
+not planned yet (the same step on every rank), so a slow or shared device gets less work.
+
+``--out DIR`` writes ``rank{r}.json`` (losses, microbatch counts, speeds) and, on rank 0, ``params.pt``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even where a GPU is present")
     p.add_argument("--log-with", choices=("tensorboard",), help="also log metrics through accelerate's trackers")
     p.add_argument("--out", help="folder for rank{r}.json, params.pt and the TensorBoard logs")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time the microbatches and let the loader fit its cost model and per-rank speeds")
     p.add_argument("--hf-loss-check", action="store_true",
                    help="also compare transformers' own labels= loss with the manual loss on the first microbatch")
     args = p.parse_args(argv)
@@ -100,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "max_tokens_per_lane": args.max_tokens_per_lane})
     # rank and world size come from accelerate's process group; cp=1: plain data parallelism
     loader = bl.wrap(synthetic_docs(args.docs, vocab, args.seed), policy=args.policy, cost=cost, cp=1,
-                     global_batch_tokens=args.global_batch_tokens, seed=args.seed, epochs=None)
+                     global_batch_tokens=args.global_batch_tokens, seed=args.seed, epochs=None,
+                     calibrate={"every": 2, "first": 2} if args.calibrate else False)
     model = tiny_llama(vocab, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         accelerator.init_trackers("hf_accelerate", config={"policy": args.policy, "world_size": loader.world_size,
                                                            "global_batch_tokens": args.global_batch_tokens})
     record = {"rank": loader.rank, "world_size": loader.world_size, "losses": [], "microbatches": [],
-              "padding": [], "hf_loss": None, "manual_loss": None}
+              "padding": [], "hf_loss": None, "manual_loss": None, "speeds": []}
     bar = tqdm(total=args.steps, desc="train", disable=not accelerator.is_local_main_process)
     model.train()
     for batch in loader:
@@ -116,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             break
         n = len(batch.microbatches)
         step_loss = torch.zeros((), device=accelerator.device)
+        timer = bl.MicrobatchTimer(batch.step, loader.rank, cuda=accelerator.device.type == "cuda")
         for i, mb in enumerate(batch.microbatches):
             hf = mb.to_hf()
             ids, pos, labels = (hf[k].to(accelerator.device) for k in ("input_ids", "position_ids", "labels"))
             # gradients are all-reduced once per step: on the last microbatch (same index on every rank)
             sync = contextlib.nullcontext() if i == n - 1 else accelerator.no_sync(model)
-            with sync:
+            with sync, timer(mb):
                 # use_cache=False: transformers finds the packed docs from position_ids only without a KV cache
                 logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
                 loss = token_loss_sum(logits, labels) / batch.num_valid_tokens
@@ -136,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                         plain(input_ids=ids, position_ids=pos, use_cache=False).logits, labels))
         optimizer.step()
         optimizer.zero_grad()
+        if args.calibrate:  # every rank's samples all-gathered; a fit every few steps, the same on every rank
+            update = loader.observe(batch, timer.samples())
+            if update is not None:
+                record["speeds"].append(update.speeds)
         total = float(accelerator.reduce(step_loss, reduction="sum"))  # the step's global mean loss
         record["losses"].append(total)
         record["microbatches"].append(n)

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from balanced_loader.calibration.calibrator import CalibrationOptions
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.data.batching import LONG_DOC_MODES
 from balanced_loader.planning import fixed_pools, pool_shapes
@@ -107,6 +108,8 @@ class TrainConfig:
     attention: str = "auto"  # local attention kernel: auto | masked | loop | sdpa | flash
     checkpoint_every: int = 0  # also checkpoint every N steps (always at the end of a run)
     recompute: bool = False  # activation checkpointing: keep each block's input, recompute its inside in backward
+    calibrate: bool = False  # closed loop: fit the cost model and per-rank speeds online (options: calibration:)
+    trace: bool = False  # write the measured run as OUT/trace.json (Chrome / Perfetto trace events)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,6 +130,7 @@ class Recipe:
     world: WorldConfig = field(default_factory=WorldConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)  # with train.calibrate
     path: str = ""  # the recipe file (set by load_recipe; relative paths resolve against its folder)
 
     # ---- derived ----------------------------------------------------------------------

@@ -14,6 +14,11 @@ power-of-two blocks when a policy does not define them), so that no caller names
   the most lanes a pool of that shape has (the runtime checks the model splits over them);
 * :func:`fixed_pools` ``(config) -> tuple[Pool, ...] | None``: the rank grid of its pools when it
   is the same in every step (the runtime creates their groups up front), else ``None``.
+
+On lanes that are not alike (contract 2's device classes and lane speeds) a policy plans through
+``plan_step_cluster(items, cost, config, step)`` when it defines one (several pools), else one group of
+alike lanes at a time (:mod:`balanced_loader.planning.speed_groups`); ``FIXED_DEGREE = True`` marks a
+policy that runs every doc at one CP/SP degree.
 """
 
 from __future__ import annotations
@@ -54,7 +59,17 @@ def get_policy(name: str):
 
 
 def longest_segment(cost: CostModel, config: PlanConfig) -> int:
-    """The longest segment ``config.policy`` can plan (0 when no shape it may use is usable)."""
+    """The longest segment ``config.policy`` can plan (0 when no shape it may use is usable); on lanes that
+    are not alike, the longest that some group of alike lanes holds."""
+    layout = fixed_pools(config) if not cost.uniform else None
+    if layout is not None and len(layout) == 1:
+        from balanced_loader.planning.speed_groups import speed_groups
+
+        return max(g.capacity for g in speed_groups(cost, config, layout[0].ranks, layout[0].tp, _longest))
+    return _longest(cost, config)
+
+
+def _longest(cost: CostModel, config: PlanConfig) -> int:
     fn = getattr(policy_module(config.policy), "longest_segment", None)
     return fn(cost, config) if fn is not None else one_pool_longest_segment(cost, config)
 
@@ -78,11 +93,28 @@ def make_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: int 
     """Plan one step with ``config.policy``; fills ``plan_seconds`` and ``predicted_ms``."""
     fn = get_policy(config.policy)
     t0 = time.perf_counter()
-    plan = fn(items, cost, config, step)
+    plan = fn(items, cost, config, step) if cost.uniform else _plan_cluster(fn, items, cost, config, step)
     dt = time.perf_counter() - t0
     from balanced_loader.simulate import step_ms  # numba: loaded when a plan is made, not when the CLI starts
 
     return plan.with_timing(plan_seconds=dt, predicted_ms=step_ms(plan, cost))
+
+
+def _plan_cluster(fn, items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
+    """A plan on lanes that are not alike (device classes, lane speeds): the policy's own
+    ``plan_step_cluster`` when it has one (several pools), else one speed group at a time
+    (:mod:`balanced_loader.planning.speed_groups`)."""
+    module = policy_module(config.policy)
+    own = getattr(module, "plan_step_cluster", None)
+    if own is not None:
+        return own(items, cost, config, step)
+    layout = fixed_pools(config)
+    if layout is None or len(layout) != 1:
+        raise ValueError(f"policy '{config.policy}' cannot plan for device classes or lane speeds")
+    from balanced_loader.planning.speed_groups import plan_one_pool
+
+    return plan_one_pool(fn, items, cost, config, step, layout[0], _longest,
+                         fixed_degree=getattr(module, "FIXED_DEGREE", False))
 
 
 def warm_up(batches: Sequence[BatchItems], cost: CostModel, configs: Sequence[PlanConfig]) -> None:

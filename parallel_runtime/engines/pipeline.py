@@ -114,26 +114,63 @@ class StageInput:
 
 
 class Clock:
-    """Accumulates compute time: thread CPU time on CPU (blocked waits cost none), synchronized wall
-    time on CUDA."""
+    """Accumulates compute time: thread CPU time on CPU (blocked waits cost none), CUDA events on GPU (the
+    device's own time); both the contention-free cost of the work. Per microbatch (``with clock.on(k)``) it
+    also keeps that cost and the wall time of the same blocks (what a slow or shared device really took;
+    waits between the blocks, on pipeline peers, are outside them), and with ``spans`` every block's wall
+    start and end (``time.perf_counter`` seconds) for the measured trace."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, spans: bool = False) -> None:
         self.cuda = device.type == "cuda"
         self.total_s = 0.0
-        self._t0 = 0.0
+        self.cost_ms: dict[int, float] = {}  # microbatch -> compute ms (CUDA: after finish())
+        self.wall_ms: dict[int, float] = {}  # microbatch -> wall ms of the same blocks
+        self.spans: list[tuple[int, str, float, float]] | None = [] if spans else None  # (k, kind, t0, t1)
+        self._key: tuple[int, str] = (-1, "")
+        self._t0 = self._w0 = 0.0
+        self._events: list[tuple[int, object, object]] = []  # (k, start, end) CUDA events
 
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return time.perf_counter()
-        return time.thread_time()
+    def on(self, k: int, kind: str = "") -> Clock:
+        """The next block belongs to microbatch ``k`` (``kind``: F or B, for the trace)."""
+        self._key = (k, kind)
+        return self
 
     def __enter__(self) -> Clock:
-        self._t0 = self._now()
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events.append((self._key[0], start, end))
+        else:
+            self._t0 = time.thread_time()
+        self._w0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.total_s += self._now() - self._t0
+        k, kind = self._key
+        if self.cuda:
+            self._events[-1][2].record()
+            torch.cuda.synchronize()
+        else:
+            dt = time.thread_time() - self._t0
+            self.total_s += dt
+            self.cost_ms[k] = self.cost_ms.get(k, 0.0) + dt * 1e3
+        w1 = time.perf_counter()
+        self.wall_ms[k] = self.wall_ms.get(k, 0.0) + (w1 - self._w0) * 1e3
+        if self.spans is not None:
+            self.spans.append((k, kind, self._w0, w1))
+        self._key = (-1, "")
+
+    def finish(self) -> Clock:
+        """Resolve the CUDA events into compute times (one synchronize per step, not per block)."""
+        if self._events:
+            torch.cuda.synchronize()
+            for k, start, end in self._events:
+                ms = float(start.elapsed_time(end))
+                self.total_s += ms / 1e3
+                self.cost_ms[k] = self.cost_ms.get(k, 0.0) + ms
+            self._events.clear()
+        return self
 
 
 class PipelineStage:
@@ -156,7 +193,7 @@ class PipelineStage:
         x = None
         if not self.first:
             x = self.link.recv_forward(shape, self.dtype, self.device).requires_grad_()
-        with self.clock:
+        with self.clock.on(k, FORWARD):
             h = self.model.embed_tokens(inp.input_ids) if self.first else x
             h = self.model.run_layers(h, inp.position_ids, inp.attn)
             if self.last:
@@ -173,7 +210,7 @@ class PipelineStage:
         grad = None
         if not self.last:
             grad = self.link.recv_backward(tuple(out.shape), self.dtype, self.device)
-        with self.clock:
+        with self.clock.on(k, BACKWARD):
             out.backward(grad)
         if not self.first:
             self.link.send_backward(x.grad)

@@ -58,19 +58,41 @@ def plan_shape(plan: StepPlan) -> dict[str, Any]:
             "cp_groups": sum(d > 1 for d in degrees), "max_degree": max(degrees, default=0)}
 
 
-def balance(plan: StepPlan, cost: CostModel, compute_ms: Sequence[float], wall_ms: Sequence[float]) -> dict[str, Any]:
-    """Predicted and measured balance of one executed plan (keys as in ``metrics.jsonl``)."""
+def median_error(pred: Sequence[float] | np.ndarray, meas: Sequence[float] | np.ndarray) -> float:
+    """Median over ranks that measured something of ``|predicted - measured| / measured``."""
+    p, m = np.asarray(pred, dtype=np.float64), np.asarray(meas, dtype=np.float64)
+    ok = m > 0
+    return float(np.median(np.abs(p[ok] - m[ok]) / m[ok])) if ok.any() else 0.0
+
+
+def balance(plan: StepPlan, cost: CostModel, compute_ms: Sequence[float], wall_ms: Sequence[float],
+            busy_wall_ms: Sequence[float]) -> dict[str, Any]:
+    """Predicted and measured balance of one executed plan with the cost model that planned it (keys as in
+    ``metrics.jsonl``, docs/runtime.md): the contention-free part (the cost file's coefficients against
+    compute time) and the part with lane speeds (against the wall time of the same compute)."""
     sim = simulate_step(plan, cost)
     pred, step_ms = sim.rank_busy_ms, sim.step_ms
-    return {
-        "compute_ms": [round(float(x), 3) for x in compute_ms],
+    device = pred if not cost.lane_speed else simulate_step(plan, cost.replace(lane_speed=())).rank_busy_ms
+    comp, busy, wall = (np.asarray(x, dtype=np.float64) for x in (compute_ms, busy_wall_ms, wall_ms))
+    out = {
+        "compute_ms": [round(float(x), 3) for x in comp],
+        "busy_wall_ms": [round(float(x), 3) for x in busy],
         "predicted_ms": [round(float(x), 3) for x in pred],
         "predicted_step_ms": round(step_ms, 3),
-        "skew": round(skew(compute_ms), 4),
+        "skew": round(skew(comp), 4),
+        "wall_skew": round(skew(busy), 4),
         "predicted_skew": round(skew(pred), 4),
         "bubble": round(bubble(pred, step_ms), 4),
-        "measured_bubble": round(bubble(compute_ms, max(wall_ms, default=0.0)), 4),
+        # idle that means what it says: the share of the step ranks spent outside their compute blocks
+        # (waiting for peers, pipeline neighbours, barriers); time-slicing of shared cores is 'contention'
+        "measured_bubble": round(bubble(busy, float(wall.max(initial=0.0))), 4),
+        "contention": round(1.0 - float(comp.sum()) / float(busy.sum()), 4) if busy.sum() > 0 else 0.0,
+        "model_error": round(median_error(device, comp), 4),
+        "wall_error": round(median_error(pred, busy), 4),
     }
+    if cost.lane_speed:
+        out["speeds"] = [round(float(v), 4) for v in cost.rank_speeds(plan.world_size)]
+    return out
 
 
 class MetricsLog:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from balanced_loader.calibration.samples import Samples, sample_rows
 from balanced_loader.materialize import Microbatch
 from balanced_loader.plan import StepPlan
 from parallel_runtime.engines.context import make_engine, shard_microbatch
@@ -44,18 +45,23 @@ class FBResult:
     wall_ms: float  # wall time of the whole forward/backward, waits included
     microbatches: int  # microbatches this rank ran
     pipeline_bytes: int  # activation/gradient bytes this rank sent to neighbouring stages
+    busy_wall_ms: float = 0.0  # wall time of the compute blocks alone (waits on peers between them excluded)
+    samples: Samples = field(default_factory=Samples.empty)  # per microbatch: features and measured times
+    spans: tuple[tuple[int, str, float, float], ...] = ()  # (microbatch, F|B, wall start, end) when asked
+    start_s: float = 0.0  # time.perf_counter() when the forward/backward began
 
 
 def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: Sequence[Microbatch],
-                     num_valid_tokens: int) -> tuple[FBResult, StageModel]:
-    """Run this rank's microbatches of ``plan`` (gradients accumulate in the stage model)."""
+                     num_valid_tokens: int, *, step: int = 0, spans: bool = False) -> tuple[FBResult, StageModel]:
+    """Run this rank's microbatches of ``plan`` (gradients accumulate in the stage model); ``spans``: keep
+    every compute block's wall start and end (the measured trace)."""
     t0 = time.perf_counter()
     c = topo.coord(rt.rank)
     pool = plan.pools[c.pool]
     sm = rt.stage_model(topo)
     prev, nxt = topo.stage_neighbours(rt.rank)
     link = StageLink(prev=prev, next=nxt, group=rt.groups.get(topo.pipeline_ranks(rt.rank)) if pool.pp > 1 else None)
-    clock = Clock(rt.device)
+    clock = Clock(rt.device, spans=spans)
     stage = PipelineStage(sm.model, link, num_valid_tokens=num_valid_tokens, dtype=rt.dtype, device=rt.device,
                           clock=clock)
     work = topo.lane_work(rt.rank, plan)  # [num_microbatches] this lane's group, or None where it skips
@@ -76,8 +82,13 @@ def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: 
             dist.barrier(group=group)
     n = stage.run(len(pool.microbatches), c.stage, pool.pp, inputs, pool.barriers, barrier)
     loss = stage.loss_sum if c.tp_index == 0 else 0.0  # TP ranks of a lane share one loss: count it once
+    clock.finish()
+    ran = [mb for mb in microbatches if not mb.padding]
+    samples = sample_rows(step, rt.rank, [(pool.tp, pool.pp, mb.degree, mb.cp_inner, mb.seq_lengths) for mb in ran],
+                          [clock.cost_ms.get(mb.k, 0.0) for mb in ran], [clock.wall_ms.get(mb.k, 0.0) for mb in ran])
     return FBResult(loss_sum=loss, compute_ms=clock.total_s * 1e3, wall_ms=(time.perf_counter() - t0) * 1e3,
-                    microbatches=n, pipeline_bytes=link.bytes_sent), sm
+                    microbatches=n, pipeline_bytes=link.bytes_sent, busy_wall_ms=sum(clock.wall_ms.values()),
+                    samples=samples, spans=tuple(clock.spans or ()), start_s=t0), sm
 
 
 def _input_builder(rt: Runtime, mb: Microbatch, cp_ranks: tuple[int, ...], first: bool,
@@ -128,5 +139,5 @@ def reference_forward_backward(model: Transformer, plan: StepPlan, source, num_v
                 loss_sum += float(loss.detach())
                 n += 1
     return FBResult(loss_sum=loss_sum, compute_ms=clock.total_s * 1e3, wall_ms=(time.perf_counter() - t0) * 1e3,
-                    microbatches=n, pipeline_bytes=0)
+                    microbatches=n, pipeline_bytes=0, busy_wall_ms=sum(clock.wall_ms.values()))
 

@@ -48,6 +48,7 @@ from parallel_runtime.model import Transformer
 from parallel_runtime.topology import PoolShape, Topology
 from parallel_runtime.training import checkpoint as CK
 from parallel_runtime.training import metrics as M
+from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
 from parallel_runtime.training.params import init_params, local_params, param_specs
 from parallel_runtime.training.plan_check import check_plan_runs_here
@@ -117,6 +118,7 @@ class RankStats:
     planner_wait_ms: np.ndarray  # [world] float64, time the step waited for its plan
     microbatches: np.ndarray  # [world] float64, microbatches each rank ran
     pipeline_bytes: np.ndarray  # [world] float64, bytes each rank sent to neighbouring stages
+    busy_wall_ms: np.ndarray  # [world] float64, wall time of each rank's compute blocks
 
     @staticmethod
     def of(res: FBResult, wait_s: float) -> RankStats:
@@ -124,7 +126,8 @@ class RankStats:
         return RankStats(loss_sum=np.array([res.loss_sum]), compute_ms=np.array([res.compute_ms]),
                          wall_ms=np.array([res.wall_ms]), planner_wait_ms=np.array([wait_s * 1e3]),
                          microbatches=np.array([float(res.microbatches)]),
-                         pipeline_bytes=np.array([float(res.pipeline_bytes)]))
+                         pipeline_bytes=np.array([float(res.pipeline_bytes)]),
+                         busy_wall_ms=np.array([res.busy_wall_ms]))
 
     def gather(self, comm_device: torch.device) -> RankStats:
         """Every rank's figures (collective): one all-gather of this rank's fields, packed in field order."""
@@ -179,8 +182,12 @@ class Trainer:
             self.source = open_data_world(recipe, rank=rank, local_rank=self.info.local_rank)
         else:
             self.source = open_data(recipe, build=True)
-        self.loader = self._loader(recipe.policy.name)
+        self.loader = self._loader(recipe.policy.name, calibrate=recipe.train.calibrate)
         self.compare = {} if reference else {name: self._loader(name) for name in recipe.policy.compare}
+        self.loop = ClosedLoop(calibrate=recipe.train.calibrate, trace=recipe.train.trace, rank=rank,
+                               world_size=world, reference=reference, loader=self.loader,
+                               others=list(self.compare.values()), out_dir=out_dir)
+        self._fb: FBResult | None = None  # this rank's forward/backward of the step being run
         hf = HFModel(recipe.model.hf, seed=recipe.seed) if recipe.model.hf is not None else None  # model.hf
         specs = hf.specs if hf else param_specs(recipe.model)
         self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
@@ -210,14 +217,14 @@ class Trainer:
         self.resumed_from: int | None = None
         self._load_checkpoint(allow_changed)
 
-    def _loader(self, policy: str) -> BalancedLoader:
+    def _loader(self, policy: str, *, calibrate: bool = False) -> BalancedLoader:
         r, d = self.recipe, self.recipe.data
         return BalancedLoader(self.source, policy=policy, cost=self.cost, world_size=r.world.size,
                               rank=self.info.rank, global_batch_tokens=d.global_batch_tokens, seed=r.seed,
                               max_seq_len=d.max_seq_len, long_docs=d.long_docs, shuffle=d.shuffle,
                               shuffle_window=d.shuffle_window, epochs=None, prefetch_steps=d.prefetch_steps,
                               planner_workers=d.planner_workers, plan_config=r.plan_config(policy),
-                              cp_inner=r.loader_cp_inner())
+                              cp_inner=r.loader_cp_inner(), calibrate=r.calibration if calibrate else False)
 
     # ---- the loop ---------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict[str, Any]]:
@@ -270,18 +277,23 @@ class Trainer:
         self.probe.reset()
         self.optimizer.peak_bucket_elems = 0
         if self.info.reference:
-            stats = RankStats.of(self._reference_fb(batch), batch.planner_wait_s)
+            self._fb = self._reference_fb(batch)
+            stats = RankStats.of(self._fb, batch.planner_wait_s)
             new_groups = 0
         else:
             stats, new_groups = self._execute(batch, push=True)
+        fb = self._fb
         compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
         with phase(f"the optimizer step of step {batch.step}", self._all):
             norm = self.optimizer.step()
         memory = self._memory_record()
         self.step = batch.step + 1
-        bal = M.balance(plan, self.cost, stats.compute_ms, stats.wall_ms)
+        bal = M.balance(plan, self.loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms, stats.busy_wall_ms)
         if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
-            bal.update(skew=1.0, measured_bubble=0.0)
+            bal.update(skew=1.0, wall_skew=1.0, measured_bubble=0.0)
+        if self.loop.active:
+            with phase(f"the calibration after step {batch.step}", self._all):
+                bal.update(self.loop.after_step(batch, fb, (time.perf_counter() - t0) * 1e3))
         rec = {"step": batch.step, "loss": float(stats.loss_sum.sum()), "tokens": plan.tokens,
                "valid_tokens": batch.num_valid_tokens, "docs": int(len(plan.doc_ids())),
                "policy": self.recipe.policy.name, "fingerprint": plan.fingerprint(), **M.plan_shape(plan), **bal,
@@ -315,7 +327,10 @@ class Trainer:
         saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
         self.runtime.grads.attach(sm.params)
         with phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)), saved.hooks():
-            res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens)
+            res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens,
+                                      step=s, spans=self.recipe.train.trace and push)
+        if push:
+            self._fb = res
         if not res.microbatches:  # an idle rank contributes no gradient (and moves no bytes in the push)
             GradBuffer.detach(sm.params)
         self._trim()
@@ -347,7 +362,7 @@ class Trainer:
         plan = batch.plan
         stats, _ = self._execute(batch, push=False)
         return {"fingerprint": plan.fingerprint(), "loss": float(stats.loss_sum.sum()), **M.plan_shape(plan),
-                **M.balance(plan, self.cost, stats.compute_ms, stats.wall_ms)}
+                **M.balance(plan, loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms, stats.busy_wall_ms)}
 
     def _reference_fb(self, batch: StepBatch) -> FBResult:
         self.model.recompute = self.recipe.train.recompute
@@ -431,6 +446,7 @@ class Trainer:
                   f"now {self.info.world_size})", flush=True)
 
     def close(self) -> None:
+        self.loop.close()
         self.loader.close()
         for ld in self.compare.values():
             ld.close()

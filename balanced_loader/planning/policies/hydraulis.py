@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from balanced_loader.cost import CostModel
+from balanced_loader.cost import CostModel, ShapeCost
 from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies.common import refuse_flags
@@ -106,6 +106,7 @@ class _Trial:
     assign: np.ndarray  # [n] pipeline per item
     packs: list[Packing]  # [P]
     lower: float
+    shapes: list[ShapeCost]  # [P] each pipeline's coefficients (its class and speed on a cluster)
 
     @property
     def ms(self) -> float:
@@ -161,8 +162,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
             if p in refined or t.packs[p].source == "empty":
                 break
             refined.add(p)
-            tp, pp = t.pipes[p]
-            sc = cost.shape(tp, pp)
+            sc, pp = t.shapes[p], t.pipes[p][1]
             docs = np.flatnonzero(t.assign == p)
             work = np.asarray(sc.compute_ms(lengths[docs].astype(np.float64))) / pp
             packed = pack_pipeline(lengths[docs], work, sc.max_tokens_per_lane, sc.microbatch_ms / pp, pp,
@@ -189,7 +189,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
 def _stage1(cand: cands.Candidate, lengths: np.ndarray, cost: CostModel, config: PlanConfig,
             opts: HydraulisOptions) -> _Trial:
     pipes = cand.expand()
-    scs = [cost.shape(tp, pp) for tp, pp in pipes]
+    scs = pipe_shapes(cost, pipes, config.world_size)
     ln = lengths.astype(np.float64)
     work = np.stack([np.asarray(sc.compute_ms(ln)) / sc.pp for sc in scs], axis=1)  # [n, P] per-stage work
     s1 = work.copy()
@@ -206,7 +206,23 @@ def _stage1(cand: cands.Candidate, lengths: np.ndarray, cost: CostModel, config:
                                    time_limit_s=opts.stage2_time_limit_s, node_limit=opts.node_limit,
                                    max_v=opts.max_v, use_ilp=False))
         lower = max(lower, _pipeline_lower(work[docs, p], lengths[docs], sc.max_tokens_per_lane, c, sc.pp))
-    return _Trial(cand=cand, pipes=pipes, assign=assign, packs=packs, lower=lower)
+    return _Trial(cand=cand, pipes=pipes, assign=assign, packs=packs, lower=lower, shapes=scs)
+
+
+def pipe_shapes(cost: CostModel, pipes: list[tuple[int, int]], world: int) -> list[ShapeCost]:
+    """``[P]`` each pipeline's coefficients: the cost file's shape, or on a cluster whose lanes are not alike
+    the shape of the pipeline's class with its times divided by its speed (pipelines take consecutive ranks,
+    as :func:`_plan` lays them out)."""
+    if cost.uniform:
+        return [cost.shape(tp, pp) for tp, pp in pipes]
+    out, offset = [], 0
+    for tp, pp in pipes:
+        out.append(cost.ranks_model(range(offset, offset + tp * pp), world).shape(tp, pp))
+        offset += tp * pp
+    return out
+
+
+plan_step_cluster = plan_step  # pipelines take their class and speed in stage 1 and 2 (pipe_shapes)
 
 
 def _homogeneous_for(longest: int, cost: CostModel, world: int, lengths: np.ndarray) -> cands.Candidate:

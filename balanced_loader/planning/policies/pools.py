@@ -22,7 +22,7 @@ Deterministic given (items, cost, config).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -84,10 +84,13 @@ def _shape(cost: CostModel, spec: PoolSpec, i: int) -> ShapeCost:
 
 
 class _PoolLoad:
-    """Running time estimate of one pool while items are assigned (module docstring)."""
+    """Running time estimate of one pool while items are assigned (module docstring). On lanes that are not
+    alike, ``sc`` is the pool's slowest class and ``lanes`` its lane count weighted by speed."""
 
-    def __init__(self, sc: ShapeCost, spec: PoolSpec, max_degree: int | None = None) -> None:
+    def __init__(self, sc: ShapeCost, spec: PoolSpec, max_degree: int | None = None, lanes: float | None = None
+                 ) -> None:
         self.sc, self.spec = sc, spec
+        self.lanes = float(spec.lanes) if lanes is None else lanes
         self.degrees = [d for d in allowed_degrees(spec.lanes) if max_degree is None or d <= max_degree]
         self.capacity = sc.max_tokens_per_lane * self.degrees[-1]
         self.lane_ms = 0.0  # lane time of items at degree > 1 plus work of one-lane items
@@ -114,7 +117,7 @@ class _PoolLoad:
             return 0.0
         pp, sc = self.spec.pp, self.sc
         passes = -(-short // sc.max_tokens_per_lane)
-        area = (lane_ms + sc.microbatch_ms * passes) / (self.spec.lanes * pp)
+        area = (lane_ms + sc.microbatch_ms * passes) / (self.lanes * pp)
         return max(area, g_max / pp) + (pp - 1) * g_max / pp
 
     def add(self, s: int) -> None:
@@ -124,9 +127,25 @@ class _PoolLoad:
         self.g_max = max(self.g_max, g)
 
 
-def assign(items: BatchItems, cost: CostModel, specs: list[PoolSpec], max_degree: int | None = None) -> np.ndarray:
-    """``[n]`` pool index of every item (step 1 of the module docstring); CP degrees up to ``max_degree``."""
-    loads = [_PoolLoad(_shape(cost, s, i), s, max_degree) for i, s in enumerate(specs)]
+def _cluster_load(cost: CostModel, spec: PoolSpec, i: int, max_degree: int | None, world: int) -> _PoolLoad:
+    """A pool's estimate on lanes that are not alike: the slowest lane's model (its class and speed) and
+    the pool's lanes weighted by their speed relative to it (caps: the smallest class's)."""
+    _shape(cost, spec, i)
+    prof = cost.lanes(single_pool_ranks(spec.num_ranks, spec.tp, spec.pp, spec.offset), spec.tp, world)
+    models = prof.lane_models()
+    unit = [m.shape(spec.tp, spec.pp).compute_ms(1024.0) for m in models]  # [lanes] ms of a 1,024-token doc
+    slow = int(np.argmax(unit))
+    return _PoolLoad(models[slow].shape(spec.tp, spec.pp), spec, max_degree, lanes=sum(unit[slow] / u for u in unit))
+
+
+def assign(items: BatchItems, cost: CostModel, specs: list[PoolSpec], max_degree: int | None = None,
+           world: int | None = None) -> np.ndarray:
+    """``[n]`` pool index of every item (step 1 of the module docstring); CP degrees up to ``max_degree``
+    (``world``: the world size, for lanes that are not alike)."""
+    if cost.uniform or world is None:
+        loads = [_PoolLoad(_shape(cost, s, i), s, max_degree) for i, s in enumerate(specs)]
+    else:
+        loads = [_cluster_load(cost, s, i, max_degree, world) for i, s in enumerate(specs)]
     pool_of = np.zeros(len(items), dtype=np.int64)
     for i in np.argsort(-items.lengths, kind="stable"):
         s = int(items.lengths[i])
@@ -153,20 +172,34 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     if config.cp is not None and config.cp & (config.cp - 1):
         raise ValueError(f"policy 'pools' cannot honour --cp {config.cp}: it must be a power of two (it caps "
                          f"the CP degree in every pool)")
-    pool_of = assign(items, cost, specs, config.cp)
+    cluster = not cost.uniform
+    pool_of = assign(items, cost, specs, config.cp, config.world_size if cluster else None)
     pools = []
     for p, spec in enumerate(specs):
         idx = np.flatnonzero(pool_of == p)
         sub = BatchItems(doc_ids=items.doc_ids[idx], starts=items.starts[idx], lengths=items.lengths[idx])
-        micro: tuple = ()
+        layout = Pool(tp=spec.tp, pp=spec.pp, ranks=single_pool_ranks(spec.num_ranks, spec.tp, spec.pp, spec.offset),
+                      microbatches=())
         if len(sub):
             cp = None if config.cp is None else min(config.cp, 1 << (spec.lanes.bit_length() - 1))
             inner = PlanConfig(policy="hydra", world_size=spec.num_ranks, tp=spec.tp, pp=spec.pp, cp=cp,
                                seed=config.seed)
-            micro = hydra.plan_step(sub, cost, inner, step).pools[0].microbatches
-        pools.append(Pool(tp=spec.tp, pp=spec.pp, ranks=single_pool_ranks(spec.num_ranks, spec.tp, spec.pp,
-                                                                           spec.offset), microbatches=micro))
+            if cluster:  # hydra on each group of alike lanes of the pool (planning.speed_groups)
+                from balanced_loader.planning.speed_groups import plan_pool
+
+                layout, _ = plan_pool(hydra.plan_step, sub, cost, inner, step, layout, hydra_longest,
+                                      world_size=config.world_size)
+            else:
+                layout = replace(layout, microbatches=hydra.plan_step(sub, cost, inner, step).pools[0].microbatches)
+        pools.append(layout)
     return StepPlan(step=step, world_size=config.world_size, pools=tuple(pools))
+
+
+plan_step_cluster = plan_step  # classes and lane speeds are handled above (across pools, and inside each)
+
+
+def hydra_longest(cost: CostModel, config: PlanConfig) -> int:
+    return one_pool_longest_segment(cost, config)
 
 
 # ---- what the loader and the runtime ask before planning ----------------------------------------

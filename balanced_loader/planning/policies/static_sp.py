@@ -13,6 +13,8 @@ from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies.common import one_pool_longest_segment, static_plan
 
+FIXED_DEGREE = True  # one CP/SP degree for every doc (planning.speed_groups fixes it per pool)
+
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     return static_plan(items, cost, config, step, policy="static-sp", algorithm="bfd")

@@ -31,6 +31,8 @@ from balanced_loader.planning.policies.common import (
     pool_setup,
 )
 
+FIXED_DEGREE = True  # one CP/SP degree for every doc (planning.speed_groups fixes it per pool)
+
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     setup = pool_setup(items, cost, config, "token-kk")

@@ -1,0 +1,200 @@
+"""The closed loop: samples in, a cost model out every few steps, identical on every rank.
+
+:class:`Calibrator` keeps a window of every rank's samples (the same on every rank: they are
+all-gathered), and every ``every`` steps (the first time after ``first``) fits the contract-2
+coefficients of each device class and shape (:mod:`.fit`, on contention-free compute times) and
+the speed of each rank (:mod:`.speeds`, wall time against the fitted prediction). The result is a
+:class:`~balanced_loader.cost.CostModel` with the fitted keys and ``lane_speed``; the loader plans
+with it from the first step it has not planned yet (:meth:`BalancedLoader.set_cost`), so plans made
+ahead keep the cost they were made with and every rank switches at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from balanced_loader.calibration.fit import FitSettings, ShapeFit, fit_model, predict, rel_error
+from balanced_loader.calibration.samples import Samples
+from balanced_loader.calibration.speeds import SpeedTracker, raw_speeds
+from balanced_loader.cost import CostModel
+from balanced_loader.strict import check_keys, check_number
+
+log = logging.getLogger("balanced_loader")
+STATE_FORMAT = "balanced-loader/calibration"
+HISTORY = 8  # fit reports kept in the state (the metrics log has all of them)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CalibrationOptions:
+    """The ``calibration:`` section of a recipe, or ``BalancedLoader(calibrate=...)``."""
+
+    every: int = 4  # steps between fits
+    first: int = 2  # steps observed before the first fit
+    window: int = 16  # steps of samples a fit uses (older ones are forgotten)
+    min_samples: int = 8  # rows a (class, shape) needs for a full fit (fewer: one rescaling)
+    outlier_mad: float = 3.5  # residuals beyond this many median absolute deviations are dropped
+    prior_weight: float = 0.01  # ridge towards the model in use (a share of each column's size)
+    coefficients: bool = True  # fit the time keys (else only speeds)
+    speeds: bool = True  # measure a speed per rank
+    speed_smoothing: float = 0.5  # weight of the newest raw speed
+    speed_hysteresis: float = 0.1  # the speed in use moves only beyond this relative change
+    speed_quantum: float = 0.05  # speeds in use are multiples of this
+
+    def __post_init__(self) -> None:
+        for k, lo, hi in (("every", 1, 1 << 20), ("first", 1, 1 << 20), ("window", 1, 1 << 20),
+                          ("min_samples", 1, 1 << 20)):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"'{k}' must be an integer in {lo}..{hi}, got {v!r}")
+        for k, lo, hi in (("outlier_mad", 0.5, 1e3), ("prior_weight", 0.0, 1e3), ("speed_smoothing", 0.01, 1.0),
+                          ("speed_hysteresis", 0.0, 10.0), ("speed_quantum", 1e-3, 1.0)):
+            check_number(getattr(self, k), f"'{k}'", minimum=lo, maximum=hi)
+        for k in ("coefficients", "speeds"):
+            if not isinstance(getattr(self, k), bool):
+                raise ValueError(f"'{k}' must be true or false, got {getattr(self, k)!r}")
+
+    @staticmethod
+    def of(value: Any) -> CalibrationOptions:
+        """From ``True`` (defaults), a mapping of options, or options themselves."""
+        if isinstance(value, CalibrationOptions):
+            return value
+        if value is True:
+            return CalibrationOptions()
+        if isinstance(value, dict):
+            check_keys(value, [f.name for f in fields(CalibrationOptions)], "calibration", word="option")
+            try:
+                return CalibrationOptions(**value)
+            except ValueError as e:
+                raise ValueError(f"calibration: {e}") from None
+        raise ValueError(f"calibrate must be True, a mapping of calibration options or CalibrationOptions, "
+                         f"got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Update:
+    """One fit: the new cost model and what it changed."""
+
+    step: int  # the step after which it was fitted
+    cost: CostModel
+    shapes: dict[str, ShapeFit]  # "class:tpxpp" -> its fit
+    error_before: float  # median per-rank-step |predicted - measured| / measured compute, model in use
+    error_after: float  # the same with the fitted model
+    speeds: list[float]  # [world_size] speeds in use after the fit
+    speeds_changed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "error_before": round(self.error_before, 4),
+                "error_after": round(self.error_after, 4), "speeds": [round(v, 4) for v in self.speeds],
+                "speeds_changed": self.speeds_changed, "shapes": {k: v.to_json() for k, v in self.shapes.items()}}
+
+
+def per_rank_step_error(s: Samples, predicted: np.ndarray) -> float:
+    """Median over (rank, step) of ``|sum predicted - sum measured| / sum measured`` compute."""
+    if not len(s):
+        return 0.0
+    key = s.step * (int(s.rank.max()) + 1) + s.rank  # one id per (step, rank)
+    _, inv = np.unique(key, return_inverse=True)
+    pred = np.bincount(inv, weights=predicted)
+    meas = np.bincount(inv, weights=s.compute_ms)
+    return float(np.median(rel_error(pred, meas)))
+
+
+class Calibrator:
+    """Online calibration of a cost model for a world of ``world_size`` ranks (module docstring)."""
+
+    def __init__(self, prior: CostModel, world_size: int, options: CalibrationOptions | None = None) -> None:
+        self.options = options or CalibrationOptions()
+        self.world_size = world_size
+        self.cost = prior
+        self.class_of_rank = prior.rank_class_index(world_size)  # [world_size], checks the class map covers it
+        o = self.options
+        self.speeds = SpeedTracker(world_size, smoothing=o.speed_smoothing, hysteresis=o.speed_hysteresis,
+                                   quantum=o.speed_quantum)
+        self.speeds.in_use = prior.rank_speeds(world_size)
+        self.window = Samples.empty()
+        self.steps_seen = 0
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def settings(self) -> FitSettings:
+        o = self.options
+        return FitSettings(min_samples=o.min_samples, outlier_mad=o.outlier_mad, prior_weight=o.prior_weight)
+
+    def due(self) -> bool:
+        o = self.options
+        return self.steps_seen >= o.first and (self.steps_seen - o.first) % o.every == 0
+
+    def observe(self, step: int, samples: Samples) -> Update | None:
+        """Add one step's samples of every rank (the same on every rank); a fit when one is due."""
+        if len(samples) and (int(samples.rank.min()) < 0 or int(samples.rank.max()) >= self.world_size):
+            raise ValueError(f"calibration samples name rank {int(samples.rank.max())} but the world has "
+                             f"{self.world_size} ranks")
+        bad = ~(np.isfinite(samples.compute_ms) & np.isfinite(samples.wall_ms)) | (samples.compute_ms < 0)
+        self.window = Samples.concat([self.window, samples.select(~bad)])
+        self.window = self.window.select(self.window.step > step - self.options.window)  # forget old samples
+        self.steps_seen += 1
+        if not self.due() or not len(self.window):
+            return None
+        return self._fit(step)
+
+    def _models(self) -> list[tuple[str, CostModel]]:
+        return list(self.cost.device_classes) or [("", self.cost.device())]
+
+    def _fit(self, step: int) -> Update:
+        s = self.window
+        rank_cls = self.class_of_rank[s.rank]  # [n] class of each sample's rank
+        before = np.zeros(len(s))
+        after = np.zeros(len(s))
+        models, shapes = [], {}
+        for c, (name, model) in enumerate(self._models()):
+            m = rank_cls == c
+            sub = s.select(m)
+            before[m] = predict(model, sub)
+            new, rep = fit_model(model, sub, self.settings) if self.options.coefficients else (model, {})
+            after[m] = predict(new, sub)
+            models.append((name, new))
+            shapes.update({f"{name or 'all'}:{k}": v for k, v in rep.items()})
+        changed = False
+        if self.options.speeds:
+            changed = self.speeds.update(raw_speeds(s, after, self.world_size))
+        cost = self.cost.replace(device_classes=tuple(models)) if self.cost.device_classes else \
+            models[0][1].replace(device_classes=(), rank_classes=(), lane_speed=())
+        cost = cost.replace(rank_classes=self.cost.rank_classes).with_speeds(self.speeds.in_use)
+        if not self.cost.device_classes:
+            cost = cost.replace(name=self.cost.name)
+        up = Update(step=step, cost=cost, shapes=shapes, error_before=per_rank_step_error(s, before),
+                    error_after=per_rank_step_error(s, after), speeds=self.speeds.in_use.tolist(),
+                    speeds_changed=changed)
+        self.cost = cost
+        self.history = [*self.history, up.to_json()][-HISTORY:]
+        log.info("calibration after step %d: error %.3f -> %.3f, speeds %s", step, up.error_before,
+                 up.error_after, [round(v, 2) for v in up.speeds])
+        return up
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": STATE_FORMAT, "version": 1, "world_size": self.world_size,
+                "options": asdict(self.options), "cost": self.cost.to_dict(), "steps_seen": self.steps_seen,
+                "window": self.window.to_json(), "speeds": self.speeds.state_dict(), "history": self.history}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Resume exactly (same world size), or at another world size keeping the fitted coefficients
+        (speeds and samples are per rank, so they start afresh)."""
+        if not isinstance(d, dict) or d.get("format") != STATE_FORMAT or d.get("version") != 1:
+            raise ValueError(f"not a calibration state: expected \"format\": \"{STATE_FORMAT}\", version 1")
+        self.cost = CostModel.from_dict(d["cost"], where="calibration state: cost")
+        self.steps_seen = int(d["steps_seen"])
+        self.history = list(d.get("history", []))
+        if int(d["world_size"]) == self.world_size:
+            self.window = Samples.from_json(d["window"], "calibration state: window")
+            self.speeds.load_state_dict(d["speeds"])
+        else:
+            log.warning("calibration state saved at world size %s, resumed at %d: speeds and samples start "
+                        "afresh, fitted coefficients kept", d["world_size"], self.world_size)
+            self.window = Samples.empty()
+            self.cost = self.cost.replace(lane_speed=())
+            self.speeds.in_use = np.ones(self.world_size)

@@ -1,0 +1,99 @@
+"""The runtime's side of closed-loop planning (``train.calibrate``) and of the measured trace (``train.trace``).
+
+After every step each rank's per-microbatch samples (:class:`~balanced_loader.calibration.Samples`:
+the features the cost model uses and the compute and wall time measured for them) are all-gathered,
+so every rank holds the same window; every ``calibration.every`` steps the loader's calibrator fits
+the cost model and the per-rank speeds, rank 0's fit is broadcast (fits on the same data can differ
+in their last bits across hardware; plans must not), and the loaders plan with it from the first step
+none of them has planned yet. The compare loaders (``policy.compare``) get the same model, so the
+balance report compares policies on one cost model.
+
+With ``train.trace`` every rank's compute blocks (microbatch, forward or backward, wall start and end)
+go to rank 0, which writes ``OUT/trace.json`` (trace-event JSON, a track per rank) at the end of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from balanced_loader.calibration.samples import Samples
+from balanced_loader.cost import CostModel
+from balanced_loader.data.files import write_text
+from balanced_loader.loader import BalancedLoader, StepBatch
+from parallel_runtime.training.step import FBResult
+
+
+class ClosedLoop:
+    """Per-step calibration and trace collection for one rank (collective when either is on)."""
+
+    def __init__(self, *, calibrate: bool, trace: bool, rank: int, world_size: int, reference: bool,
+                 loader: BalancedLoader, others: Sequence[BalancedLoader], out_dir: str) -> None:
+        self.calibrate, self.trace = calibrate, trace
+        self.rank, self.world_size, self.reference = rank, world_size, reference
+        self.loader, self.others = loader, list(others)
+        self.path = os.path.join(out_dir, "trace.json")
+        self.events: list[dict[str, Any]] = []  # rank 0: the trace so far
+        self.clock_ms = 0.0  # rank 0: where the next step starts on the trace's time axis
+
+    @property
+    def active(self) -> bool:
+        return self.calibrate or self.trace
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.reference:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _agree(self, cost: CostModel) -> CostModel:
+        """Rank 0's fitted model on every rank."""
+        if self.reference:
+            return cost
+        box = [cost.to_dict()]
+        dist.broadcast_object_list(box, src=0)
+        return CostModel.from_dict(box[0], where="calibrated cost from rank 0")
+
+    def after_step(self, batch: StepBatch, res: FBResult, step_ms: float) -> dict[str, Any]:
+        """Feed this step's measurements; returns what goes into the step's metrics record."""
+        out: dict[str, Any] = {}
+        if self.calibrate:
+            rows = self._gather(res.samples.rows())
+            samples = Samples.concat([Samples.from_rows(r) for r in rows])
+            up = self.loader.observe(batch.step, samples, gathered=True, agree=self._agree)
+            if up is not None:
+                first = self.loader.costs.entries[-1][0]
+                for ld in self.others:
+                    ld.set_cost(self.loader.costs.at(first))
+                out["calibration"] = {**up.to_json(), "from_step": first}
+        if self.trace:
+            spans = self._gather([(k, kind, a - res.start_s, b - res.start_s) for k, kind, a, b in res.spans])
+            if self.rank == 0:
+                self._add(batch, spans, step_ms)
+        return out
+
+    # ---- the measured trace ----------------------------------------------------------------
+    def _add(self, batch: StepBatch, spans: list[list[tuple[int, str, float, float]]], step_ms: float) -> None:
+        base_us = self.clock_ms * 1e3
+        self.events.append({"name": f"step {batch.step}", "ph": "X", "pid": 0, "tid": -1, "ts": base_us,
+                            "dur": step_ms * 1e3, "args": {"fingerprint": batch.plan.fingerprint()}})
+        for rank, blocks in enumerate(spans):
+            for k, kind, a, b in blocks:
+                self.events.append({"name": f"mb {k} {'fwd' if kind == 'F' else 'bwd'}", "ph": "X", "pid": 0,
+                                    "tid": rank, "ts": base_us + a * 1e6, "dur": (b - a) * 1e6,
+                                    "args": {"step": batch.step, "microbatch": k}})
+        self.clock_ms += step_ms
+
+    def close(self) -> None:
+        """Rank 0 writes ``OUT/trace.json`` (complete or absent)."""
+        if not self.trace or self.rank != 0 or not self.events:
+            return
+        meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+                for r in range(self.world_size)]
+        meta.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": -1, "args": {"name": "steps"}})
+        write_text(self.path, json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))
