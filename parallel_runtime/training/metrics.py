@@ -59,8 +59,11 @@ def plan_shape(plan: StepPlan) -> dict[str, Any]:
 
 
 def median_error(pred: Sequence[float] | np.ndarray, meas: Sequence[float] | np.ndarray) -> float:
-    """Median over ranks that measured something of ``|predicted - measured| / measured``."""
+    """Median over ranks that measured something of ``|predicted - measured| / measured`` (totals when the
+    two differ in length: a one-process reference run measures the whole plan at once)."""
     p, m = np.asarray(pred, dtype=np.float64), np.asarray(meas, dtype=np.float64)
+    if p.shape != m.shape:
+        p, m = p.sum(keepdims=True), m.sum(keepdims=True)
     ok = m > 0
     return float(np.median(np.abs(p[ok] - m[ok]) / m[ok])) if ok.any() else 0.0
 
@@ -165,7 +168,9 @@ def balance_report(records: Sequence[dict[str, Any]]) -> str:
         sk = [r["skew"] for r in recs]
         ps = [r["predicted_skew"] for r in recs]
         lines.append(f"  skew max/mean per step: median {np.median(sk):.3f} (predicted {np.median(ps):.3f}), "
-                     f"worst {max(sk):.3f}; bubble median {np.median([r['measured_bubble'] for r in recs]):.3f}")
+                     f"worst {max(sk):.3f}; waiting for peers median "
+                     f"{np.median([r['measured_bubble'] for r in recs]):.3f}, core sharing median "
+                     f"{np.median([r.get('contention', 0.0) for r in recs]):.3f}")
     return "\n".join(lines)
 
 
