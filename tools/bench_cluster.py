@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     items_list = batches(lengths, w * cap * args.per_lane, longest, args.steps, seed=0)
     policies = [p for p in args.policies.split(",") if p]
     print(f"{w} GPUs: ranks 0-{w // 2 - 1} {names[0]} (cap {a.base.max_tokens_per_lane}), ranks {w // 2}-{w - 1} "
-          f"{names[1]} (cap {b.base.max_tokens_per_lane}); {args.steps} Wikipedia batches of ~{w * cap * args.per_lane:,} "
-          f"tokens, docs cut at {longest:,}")
+          f"{names[1]} (cap {b.base.max_tokens_per_lane}); {args.steps} Wikipedia batches of "
+          f"~{w * cap * args.per_lane:,} tokens, docs cut at {longest:,}")
     compare("mixed hardware: two device classes", cluster, {short[0]: a, short[1]: b}, items_list, policies, w,
             args.time_limit)
     slow = b.with_speeds({w // 2 + 1: 0.5})
