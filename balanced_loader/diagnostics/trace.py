@@ -17,7 +17,7 @@ Layout of the file:
 * on a rank's track, one complete slice (``"ph": "X"``) per record: ``compute`` (one group's share of
   one microbatch on this rank, named ``mb<k> d<degree>``; args: step, microbatch, group, degree, lanes,
   ranks, docs as ``{"doc_id", "start", "length"}``, tokens, pool, stage, tp, pp, ms), ``wait`` (e.g. a
-  barrier wait), ``pull``, ``push``, ``optimizer``, ...; a record that ends where it starts is an
+  barrier wait), ``pull``, ``push``, ``optimizer``, ...; a record shorter than a nanosecond is an
   instant (``"ph": "i"``, thread scope);
 * with ``flows=True``, a flow (``"ph": "s"`` then ``"f"``) from a group's slice at stage ``s`` to the
   same group at stage ``s + 1`` on the group's first rank: the pipeline, drawn as arrows.
@@ -62,7 +62,7 @@ class TraceRecord:
     rank: int  # global rank; -1 puts the record on its pool's summary track (e.g. a barrier instant)
     step: int  # optimizer step
     start_s: float  # seconds
-    end_s: float  # seconds, >= start_s; == start_s makes an instant event
+    end_s: float  # seconds, >= start_s; under a nanosecond later makes an instant event
     kind: str = "compute"  # "compute" | "wait" | "pull" | "push" | "optimizer" | "barrier" | any other word
     microbatch: int = -1  # microbatch index in the pool (-1: not a microbatch's work)
     group: int = -1  # group index inside the microbatch (-1: unknown)
@@ -135,6 +135,11 @@ def _us(seconds: float, t0: float) -> float:
     return round((seconds - t0) * 1e6, 3)
 
 
+def _dur_us(a: float, b: float, t0: float) -> float:
+    """The ``dur`` of a slice from ``a`` to ``b`` (seconds): rounded end minus rounded start."""
+    return round(_us(b, t0) - _us(a, t0), 3)
+
+
 def _meta(kind: str, pid: int, tid: int, value: Any) -> dict[str, Any]:
     key = "sort_index" if kind.endswith("sort_index") else "name"
     return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {key: value}}
@@ -142,11 +147,10 @@ def _meta(kind: str, pid: int, tid: int, value: Any) -> dict[str, Any]:
 
 def _span(name: str, cat: str, pid: int, tid: int, t0: float, a: float, b: float,
           args: Mapping[str, Any]) -> dict[str, Any]:
-    ts = _us(a, t0)
-    if b == a:
+    ts, dur = _us(a, t0), _dur_us(a, b, t0)
+    if dur <= 0:  # under a nanosecond: an instant
         return {"ph": "i", "s": "t", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": ts, "args": dict(args)}
-    return {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": ts,
-            "dur": round(_us(b, t0) - ts, 3), "args": dict(args)}
+    return {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": dict(args)}
 
 
 def trace_events(records: Iterable[TraceRecord], *, world_size: int | None = None,
@@ -222,7 +226,8 @@ def _flows(recs: Sequence[TraceRecord], rank_pid: Mapping[int, int], t0: float) 
     """Arrows from each group's slice at stage ``s`` to its slice at stage ``s + 1`` (first rank of each)."""
     first: dict[tuple[int, int, int, int], dict[int, TraceRecord]] = defaultdict(dict)
     for r in recs:
-        if r.kind == "compute" and min(r.microbatch, r.group, r.pool, r.stage) >= 0 and r.end_s > r.start_s:
+        if (r.kind == "compute" and min(r.microbatch, r.group, r.pool, r.stage) >= 0
+                and _dur_us(r.start_s, r.end_s, t0) > 0):  # an instant binds no flow
             at = first[(r.step, r.pool, r.microbatch, r.group)]
             if r.stage not in at or r.rank < at[r.stage].rank:
                 at[r.stage] = r
@@ -342,7 +347,7 @@ def plan_run(steps: Sequence[StepPlan], cost: CostModel) -> PlannedRun:
                                      end_s=(offset + top + s * shift) / 1e3, kind="barrier", stage=s,
                                      name=f"barrier before mb{k}" + (f", stage {s}" if pp > 1 else ""),
                                      microbatch=k, args={"waits_ms": waits}, **base) for s in range(pp)]
-                for lane in np.flatnonzero(arrive[i] < top):
+                for lane in np.flatnonzero(arrive[i] < top - 1e-6):  # waits of a nanosecond or more
                     for s in range(pp):
                         t_a = (offset + float(arrive[i, lane]) + s * shift) / 1e3
                         recs += [TraceRecord(rank=x, start_s=t_a, end_s=(offset + top + s * shift) / 1e3,

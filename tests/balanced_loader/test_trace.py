@@ -55,7 +55,7 @@ def check_trace(trace: dict) -> dict:
             assert e["ph"] in ("i", "s", "f"), e
     assert set(tracks) <= named  # every track with slices has a name
     for key, evs in tracks.items():
-        evs.sort(key=lambda e: e["ts"])
+        evs.sort(key=lambda e: (e["ts"], e["dur"]))
         for a, b in zip(evs, evs[1:]):
             assert b["ts"] >= a["ts"] + a["dur"] - EPS_US, (key, a, b)  # no overlap on a track
     # flows: each start has its finish, both inside a slice of their track
