@@ -187,6 +187,7 @@ def trace_gantt(trace: Mapping, path: str, *, title: str) -> str:
     """A Gantt chart of a trace file's object (:mod:`balanced_loader.diagnostics.trace`): one row per
     rank track, grouped by process, its ``X`` slices as bars (compute coloured by CP degree, waits
     hatched, other kinds in their own colour), steps as dashed lines, barrier instants as ticks."""
+    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     events = trace["traceEvents"]
@@ -225,13 +226,16 @@ def trace_gantt(trace: Mapping, path: str, *, title: str) -> str:
     fixed = {"wait": "lightgray", "pull": "tab:cyan", "push": "tab:olive", "optimizer": "tab:brown"}
     computes = sorted((k for k in bars if k.startswith("compute")), key=lambda k: int(k.rsplit(" ", 1)[1]))
     handles = []
+    end = max([s1 for _, s1, _ in steps] + [t for t, _ in ticks] + [1e-3])
     for i, label in enumerate(computes + sorted(k for k in bars if not k.startswith("compute"))):
         color = f"C{i % 10}" if label.startswith("compute") else fixed.get(label, "tab:pink")
         hatch = "////" if label == "wait" else None
-        items = bars[label]
-        for r in sorted({x[0] for x in items}):
-            a.broken_barh([(s, d) for rr, s, d in items if rr == r], (r - 0.42, 0.84), facecolors=color,
-                          edgecolors="white" if hatch is None else "gray", linewidth=0.4, hatch=hatch)
+        b = np.asarray(bars[label], dtype=np.float64)  # [n, 3] row, start, length
+        x0, x1, y0, y1 = b[:, 1], b[:, 1] + b[:, 2], b[:, 0] - 0.42, b[:, 0] + 0.42
+        verts = np.stack([np.c_[x0, y0], np.c_[x0, y1], np.c_[x1, y1], np.c_[x1, y0]], axis=1)  # [n, 4, 2]
+        a.add_collection(PolyCollection(verts, facecolors=color, edgecolors="white" if hatch is None else "gray",
+                                        linewidths=0.4, hatch=hatch))
+        end = max(end, float(x1.max()))
         handles.append(Patch(facecolor=color, edgecolor="gray", hatch=hatch, label=label))
     for s0, s1, label in sorted(steps):
         a.axvline(s1, color="black", linestyle="--", linewidth=0.9)
@@ -257,7 +261,7 @@ def trace_gantt(trace: Mapping, path: str, *, title: str) -> str:
         a.annotate(pnames.get(pid, ""), (1.0, i - 0.45), xycoords=("axes fraction", "data"), xytext=(4, 0),
                    textcoords="offset points", fontsize=7, va="top")
     a.set_ylim(len(rows) - 0.5, -0.5)
-    a.set_xlim(left=0)
+    a.set_xlim(0, end * 1.01)
     a.set_xlabel("time (ms)")
     a.set_ylabel("rank")
     a.grid(True, axis="x", alpha=0.3)

@@ -47,8 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    from balanced_loader.data.files import write_json
-    from balanced_loader.diagnostics.trace import plan_trace, read_trace
+    from balanced_loader.diagnostics.trace import plan_trace, read_trace, save_trace
     from balanced_loader.plan import Plan, read_plan_json
     from balanced_loader.presets import load_cost
     from balanced_loader.simulate import plan_lengths
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             "steps": [sp.step for sp in steps]}
     trace = plan_trace(steps, cost, flows=not args.no_flows, meta=meta)
     if args.out:
-        write_json(args.out, trace)
+        save_trace(args.out, trace)
     n = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")
     total = sum(e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "step") / 1e3
     print(f"plan {args.plan}: policy {plan.policy}, {plan.world_size} ranks, {len(steps)} step(s), "

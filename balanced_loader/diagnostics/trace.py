@@ -255,14 +255,19 @@ def trace_json(events: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
             "otherData": {"format": TRACE_FORMAT, "version": TRACE_VERSION, **meta}}
 
 
+def save_trace(path: str, trace: Mapping[str, Any]) -> str:
+    """Write a trace file's object at ``path``, complete or not at all."""
+    from balanced_loader.data.files import write_text
+
+    write_text(path, json.dumps(trace, separators=(",", ":"), allow_nan=False) + "\n")  # one write: fast
+    return path
+
+
 def write_trace(path: str, records: Iterable[TraceRecord], *, meta: Mapping[str, Any] | None = None,
                 **options: Any) -> str:
     """Write ``records`` as a trace file at ``path`` (complete or not at all); ``options`` are
     :func:`trace_events`'s (``world_size``, ``processes``, ``step_args``, ``pool_args``, ``flows``, ``t0_s``)."""
-    from balanced_loader.data.files import write_json
-
-    write_json(path, trace_json(trace_events(records, **options), **dict(meta or {})))
-    return path
+    return save_trace(path, trace_json(trace_events(records, **options), **dict(meta or {})))
 
 
 def read_trace(path: str) -> dict[str, Any]:
