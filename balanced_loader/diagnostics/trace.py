@@ -119,8 +119,8 @@ class TraceRecord:
 
 
 def pool_process_name(pool: int, stage: int, tp: int, pp: int) -> str:
-    """The process (track group) of the ranks of one pool stage."""
-    return f"pool {pool} (tp{tp} pp{pp})" + (f" stage {stage}" if pp > 1 else "")
+    """The process (track group) of the ranks of one pool stage (``tp = 0``: shape unknown)."""
+    return f"pool {pool}" + (f" (tp{tp} pp{pp})" if tp else "") + (f" stage {stage}" if pp > 1 or stage > 0 else "")
 
 
 def rank_processes(keys: Mapping[int, set[tuple[int, int, int, int]]]) -> dict[int, str]:

@@ -337,14 +337,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_trace_command_bad_input_one_line_exit_2(case, plan_file, tmp_path, capsys):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("quadratic_ms: 1.0\n")
-    notplan = tmp_path / "notplan.json"
-    notplan.write_text('{"hello": 1}')
-    tr = tmp_path / "t.json"
-    tr.write_text('{"traceEvents": []}')
-    files = {"nofile": str(tmp_path / "nope.json"), "plan": plan_file, "badcost": str(bad),
-             "notplan": str(notplan), "trace": str(tr), "out": str(tmp_path / "o.json")}
+    files = {"nofile": str(tmp_path / "nope.json"), "plan": plan_file, "out": str(tmp_path / "o.json")}
+    for key, text in (("badcost", "quadratic_ms: 1.0\n"), ("notplan", '{"hello": 1}'),
+                      ("trace", '{"traceEvents": []}')):
+        files[key] = str(tmp_path / f"{key}.txt")
+        write_text(files[key], text)
     argv, needle = CASES[case]
     rc = cli.main([a.format(**files) for a in argv])
     err = capsys.readouterr().err
