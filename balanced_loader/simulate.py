@@ -32,7 +32,8 @@ lanes is here: :func:`lane_finish_ms`, :func:`pool_ms`, :func:`step_ms`, :func:`
 (groups not yet in a :class:`~balanced_loader.plan.Pool`), :func:`serial_pool_ms` (its closed form
 when each microbatch is one group on all lanes) and :func:`solo_stage_ms` (one doc alone on a lane).
 The lane recurrence is a numba kernel (:func:`lane_schedule`) with a pure-Python reference
-(:func:`lane_schedule_py`); group times are vectorised over segments. They run 100 steps of a
+(:func:`lane_schedule_py`), and :func:`group_schedule` (reference :func:`group_schedule_py`) gives each
+group's start for traces; group times are vectorised over segments. They run 100 steps of a
 2,048-rank plan in well under a second after the plan is read.
 """
 
@@ -125,6 +126,67 @@ def lane_schedule_py(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarr
             busy[x] += t
     return (np.asarray(finish, dtype=np.float64), np.asarray(busy, dtype=np.float64),
             np.asarray(wait, dtype=np.float64))
+
+
+@njit(cache=True)
+def group_schedule(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarray, pp: int,
+                   num_lanes: int, barrier_g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The start of every group in :func:`lane_schedule`'s execution order (for traces), same arguments.
+
+    ``group_ms`` ``[G]`` is taken as given (whatever made it: the contract-2 formula, lane speeds, classes).
+    Returns ``(start [G], arrive [B][num_lanes], release [B])`` in ms, one stage's share: group ``g``
+    holds its lanes from ``start[g]`` to ``start[g] + group_ms[g] / pp``; at barrier ``i`` lane ``x`` is
+    free from ``arrive[i, x]`` and waits until ``release[i]`` (the last lane's arrival).
+    """
+    ng = group_ms.shape[0]
+    nb = barrier_g.shape[0]
+    start = np.zeros(ng, dtype=np.float64)
+    arrive = np.zeros((nb, num_lanes), dtype=np.float64)
+    release = np.zeros(nb, dtype=np.float64)
+    finish = np.zeros(num_lanes, dtype=np.float64)
+    bi = 0
+    for g in range(ng + 1):
+        while bi < nb and barrier_g[bi] <= g:
+            top = finish.max() if num_lanes else 0.0
+            for x in range(num_lanes):
+                arrive[bi, x] = finish[x]
+                finish[x] = top
+            release[bi] = top
+            bi += 1
+        if g == ng:
+            break
+        t0 = 0.0
+        for j in range(lane_ptr[g], lane_ptr[g + 1]):
+            t0 = max(t0, finish[lanes[j]])
+        start[g] = t0
+        for j in range(lane_ptr[g], lane_ptr[g + 1]):
+            finish[lanes[j]] = t0 + group_ms[g] / pp
+    return start, arrive, release
+
+
+def group_schedule_py(lane_ptr: np.ndarray, lanes: np.ndarray, group_ms: np.ndarray, pp: int,
+                      num_lanes: int, barrier_g: np.ndarray | Sequence[int] = ()
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pure-Python reference of :func:`group_schedule`."""
+    finish = [0.0] * num_lanes
+    starts: list[float] = []
+    arrive: list[list[float]] = []
+    release: list[float] = []
+    bars = [int(x) for x in barrier_g]
+    ng = len(group_ms)
+    for g in range(ng + 1):
+        for _ in range(bars.count(g)):
+            arrive.append(list(finish))
+            release.append(max(finish, default=0.0))
+            finish = [release[-1]] * num_lanes
+        if g == ng:
+            break
+        ls = [int(x) for x in lanes[lane_ptr[g]:lane_ptr[g + 1]]]
+        starts.append(max([0.0] + [finish[x] for x in ls]))
+        for x in ls:
+            finish[x] = starts[-1] + float(group_ms[g]) / pp
+    return (np.asarray(starts, dtype=np.float64), np.asarray(arrive, dtype=np.float64).reshape(len(bars), num_lanes),
+            np.asarray(release, dtype=np.float64))
 
 
 def makespan_ms(finish: np.ndarray, gmax: float, pp: int) -> float:

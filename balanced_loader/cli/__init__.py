@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("cmd_analyze", "length statistics, histogram and advice for a dataset"),
     "plan": ("cmd_plan", "plan global batches with a policy and write plan JSON"),
     "simulate": ("cmd_simulate", "modeled step time, bubbles and skew of a plan"),
+    "trace": ("cmd_trace", "a plan's modeled run as a Chrome/Perfetto trace (and a Gantt PNG)"),
     "compare": ("cmd_compare", "plan the same batches with several policies and compare"),
     "candidates": ("cmd_candidates", "Hydraulis candidate strategies from a length histogram"),
     "waves": ("cmd_waves", "Spindle wavefront schedule of a multi-task graph"),

@@ -181,3 +181,96 @@ def grouped_bars(categories: Sequence[str], series: Mapping[str, Sequence[float]
     a.legend(loc="best", fontsize=9)
     a.set_title(title)
     return _save(fig, path)
+
+
+def trace_gantt(trace: Mapping, path: str, *, title: str) -> str:
+    """A Gantt chart of a trace file's object (:mod:`balanced_loader.diagnostics.trace`): one row per
+    rank track, grouped by process, its ``X`` slices as bars (compute coloured by CP degree, waits
+    hatched, other kinds in their own colour), steps as dashed lines, barrier instants as ticks."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    events = trace["traceEvents"]
+    sort: dict[tuple[str, int, int], int] = {}  # (kind, pid, tid) -> sort index
+    names: dict[tuple[int, int], str] = {}
+    pnames: dict[int, str] = {}
+    for e in events:
+        if e.get("ph") == "M":
+            if e["name"] == "thread_name":
+                names[(e["pid"], e["tid"])] = e["args"]["name"]
+            elif e["name"] == "process_name":
+                pnames[e["pid"]] = e["args"]["name"]
+            elif e["name"].endswith("sort_index"):
+                sort[(e["name"], e["pid"], e["tid"])] = e["args"]["sort_index"]
+    rows = sorted((k for k in names if k[0] != 0),  # process 0 holds the summary tracks
+                  key=lambda k: (sort.get(("process_sort_index", k[0], 0), k[0]),
+                                 sort.get(("thread_sort_index", k[0], k[1]), k[1])))
+    row = {k: i for i, k in enumerate(rows)}
+    bars: dict[str, list[tuple[int, float, float]]] = {}  # legend label -> [(row, start ms, ms)]
+    steps, ticks = [], []
+    rows_of: dict[tuple, set[int]] = {}  # (step, pool, stage) -> rows that work there
+    for e in events:
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "X" and key[0] == 0 and e.get("cat") == "step":
+            steps.append((e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3, e["name"]))
+        elif e.get("ph") == "i" and e.get("cat") == "barrier":
+            ticks.append((e["ts"] / 1e3, _where(e)))
+        elif e.get("ph") == "X" and key in row:
+            cat = e.get("cat", "")
+            rows_of.setdefault(_where(e), set()).add(row[key])
+            label = f"compute, degree {e.get('args', {}).get('degree', 1)}" if cat == "compute" else cat
+            bars.setdefault(label, []).append((row[key], e["ts"] / 1e3, e["dur"] / 1e3))
+    n = max(len(rows), 1)
+    fig, ax = _figure(12.0, 1.6 + min(0.28 * n, 14.0))
+    a = ax[0][0]
+    fixed = {"wait": "lightgray", "pull": "tab:cyan", "push": "tab:olive", "optimizer": "tab:brown"}
+    computes = sorted((k for k in bars if k.startswith("compute")), key=lambda k: int(k.rsplit(" ", 1)[1]))
+    handles = []
+    end = max([s1 for _, s1, _ in steps] + [t for t, _ in ticks] + [1e-3])
+    for i, label in enumerate(computes + sorted(k for k in bars if not k.startswith("compute"))):
+        color = f"C{i % 10}" if label.startswith("compute") else fixed.get(label, "tab:pink")
+        hatch = "////" if label == "wait" else None
+        b = np.asarray(bars[label], dtype=np.float64)  # [n, 3] row, start, length
+        x0, x1, y0, y1 = b[:, 1], b[:, 1] + b[:, 2], b[:, 0] - 0.42, b[:, 0] + 0.42
+        verts = np.stack([np.c_[x0, y0], np.c_[x0, y1], np.c_[x1, y1], np.c_[x1, y0]], axis=1)  # [n, 4, 2]
+        a.add_collection(PolyCollection(verts, facecolors=color, edgecolors="white" if hatch is None else "gray",
+                                        linewidths=0.4, hatch=hatch))
+        end = max(end, float(x1.max()))
+        handles.append(Patch(facecolor=color, edgecolor="gray", hatch=hatch, label=label))
+    for s0, s1, label in sorted(steps):
+        a.axvline(s1, color="black", linestyle="--", linewidth=0.9)
+        a.annotate(label, ((s0 + s1) / 2, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2),
+                   textcoords="offset points", ha="center", va="bottom", fontsize=8)
+    for t, where in ticks:  # a barrier marks the rows of its pool (and stage), else every row
+        ys = sorted(rows_of.get(where, ())) or list(range(len(rows)))
+        a.vlines([t] * len(ys), [y - 0.5 for y in ys], [y + 0.5 for y in ys], color="tab:red", linestyle=":",
+                 linewidth=1.0)
+    if ticks:
+        handles.append(Patch(facecolor="none", edgecolor="tab:red", linestyle=":", label="pool barrier"))
+    if steps:
+        handles.append(Patch(facecolor="none", edgecolor="black", linestyle="--", label="step end"))
+    every = max(1, n // 32)
+    a.set_yticks(range(0, len(rows), every), [names[k] for k in rows[::every]], fontsize=7)
+    for i in range(1, len(rows)):  # a line between processes (pools / stages)
+        if rows[i][0] != rows[i - 1][0]:
+            a.axhline(i - 0.5, color="black", linewidth=0.8)
+    starts: dict[int, int] = {}
+    for i, k in enumerate(rows):
+        starts.setdefault(k[0], i)
+    for pid, i in starts.items():
+        a.annotate(pnames.get(pid, ""), (1.0, i - 0.45), xycoords=("axes fraction", "data"), xytext=(4, 0),
+                   textcoords="offset points", fontsize=7, va="top")
+    a.set_ylim(len(rows) - 0.5, -0.5)
+    a.set_xlim(0, end * 1.01)
+    a.set_xlabel("time (ms)")
+    a.set_ylabel("rank")
+    a.grid(True, axis="x", alpha=0.3)
+    a.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 if n > 8 else -0.2), fontsize=8,
+             ncol=min(len(handles), 6))
+    a.set_title(title, pad=14 if steps else 6)
+    return _save(fig, path)
+
+
+def _where(e: Mapping) -> tuple:
+    a = e.get("args") or {}
+    return a.get("step"), a.get("pool"), a.get("stage", 0)

@@ -1,0 +1,1 @@
+"""Diagnostics of plans and runs: Chrome / Perfetto traces (:mod:`balanced_loader.diagnostics.trace`)."""
