@@ -418,3 +418,30 @@ def single_pool_ranks(world_size: int, tp: int = 1, pp: int = 1, offset: int = 0
         raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp * pp}")
     per_stage = world_size // pp
     return tuple(tuple(range(offset + s * per_stage, offset + (s + 1) * per_stage)) for s in range(pp))
+
+
+def plan_lengths(plan: Plan | Sequence[StepPlan]) -> np.ndarray:
+    """Doc lengths implied by a plan, ``[max doc_id + 1]``: each doc's furthest segment end.
+
+    Used to validate a plan without its length file: ``validate`` then checks that every doc's
+    segments tile ``[0, end)`` without gaps or overlaps, that no group is empty and that
+    memory caps and the rank grid hold; a doc whose tail is missing goes unnoticed.
+    """
+    steps = plan.steps if isinstance(plan, Plan) else plan
+    docs: list[int] = []
+    ends: list[int] = []
+    for sp in steps:
+        for p in sp.pools:
+            for mb in p.microbatches:
+                for g in mb:
+                    for doc, start, length in g.segments:
+                        docs.append(doc)
+                        ends.append(start + length)
+    if not docs:
+        return np.zeros(0, dtype=np.int64)
+    d = np.asarray(docs, dtype=np.int64)
+    if d.min() < 0:
+        raise ValueError(f"plan has a negative doc_id {int(d.min())}")
+    out = np.zeros(int(d.max()) + 1, dtype=np.int64)
+    np.maximum.at(out, d, np.asarray(ends, dtype=np.int64))  # unbuffered: a doc's several segments all count
+    return out

@@ -543,33 +543,6 @@ def simulate_plan(plan: Plan | Sequence[StepPlan], cost: CostModel, *, model: Mo
     return [simulate_step(s, cost, model=model, hardware=hardware) for s in steps]
 
 
-def plan_lengths(plan: Plan | Sequence[StepPlan]) -> np.ndarray:
-    """Doc lengths implied by a plan, ``[max doc_id + 1]``: each doc's furthest segment end.
-
-    Used to validate a plan without its length file: ``validate`` then checks that every doc's
-    segments tile ``[0, end)`` without gaps or overlaps, that no group is empty and that
-    memory caps and the rank grid hold; a doc whose tail is missing goes unnoticed.
-    """
-    steps = plan.steps if isinstance(plan, Plan) else plan
-    docs: list[int] = []
-    ends: list[int] = []
-    for sp in steps:
-        for p in sp.pools:
-            for mb in p.microbatches:
-                for g in mb:
-                    for doc, start, length in g.segments:
-                        docs.append(doc)
-                        ends.append(start + length)
-    if not docs:
-        return np.zeros(0, dtype=np.int64)
-    d = np.asarray(docs, dtype=np.int64)
-    if d.min() < 0:
-        raise ValueError(f"plan has a negative doc_id {int(d.min())}")
-    out = np.zeros(int(d.max()) + 1, dtype=np.int64)
-    np.maximum.at(out, d, np.asarray(ends, dtype=np.int64))  # unbuffered: a doc's several segments all count
-    return out
-
-
 def summarize(metrics: Sequence[StepMetrics]) -> dict[str, float]:
     """Totals and means over steps: time-weighted throughput, arithmetic means of the ratios."""
     if not metrics:
@@ -600,11 +573,3 @@ def summarize(metrics: Sequence[StepMetrics]) -> dict[str, float]:
         # time-weighted: total FLOPs over total time
         out["mfu"] = sum(m.mfu * m.step_ms for m in metrics if m.mfu is not None) / total
     return out
-
-
-def si_units(x: float) -> str:
-    """``x`` with a K/M/G suffix for tables (``254.19K``)."""
-    for unit, k in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(x) >= k:
-            return f"{x / k:.2f}{unit}"
-    return f"{x:.0f}"

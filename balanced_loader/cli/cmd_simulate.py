@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from balanced_loader import simulate as sim
-    from balanced_loader.plan import Plan, read_plan_json
+    from balanced_loader.plan import Plan, plan_lengths, read_plan_json
     from balanced_loader.presets import load_cost
 
     model, hw = model_and_hardware(args.model, args.hardware)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
             lengths = read_lengths(args.lengths)
         else:
-            lengths = sim.plan_lengths(plan)
+            lengths = plan_lengths(plan)
         for sp in plan.steps:
             try:
                 sp.validate(lengths, cost)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -> str:
-    from balanced_loader.simulate import si_units
+    from balanced_loader.cli.options import si_units
 
     has_mfu = any(m.mfu is not None for m in metrics)
     has_barrier = any(p.barriers for m in metrics for p in m.pools)

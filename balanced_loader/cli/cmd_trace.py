@@ -48,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from balanced_loader.diagnostics.trace import plan_trace, read_trace, save_trace
-    from balanced_loader.plan import Plan, read_plan_json
+    from balanced_loader.plan import Plan, plan_lengths, read_plan_json
     from balanced_loader.presets import load_cost
-    from balanced_loader.simulate import plan_lengths
 
     data = read_plan_json(args.plan)
     if isinstance(data, dict) and "traceEvents" in data:  # a trace already: draw it

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from balanced_loader.cli.options import si_units
 from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import get_policy, make_plan, warm_up
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.solvers.bound import StepBound, step_lower_bound
-from balanced_loader.simulate import StepMetrics, si_units, simulate_step, summarize
+from balanced_loader.simulate import StepMetrics, simulate_step, summarize
 
 if TYPE_CHECKING:
     from balanced_loader.plan import StepPlan

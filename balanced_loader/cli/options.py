@@ -87,3 +87,11 @@ def add_batch_arguments(p: argparse.ArgumentParser, *, max_seq_len_default: str)
                    help=f"context limit; longer docs are handled by --long-docs (default: {max_seq_len_default})")
     p.add_argument("--long-docs", default="split", choices=("split", "truncate", "drop", "error"),
                    help="docs over --max-seq-len: split into segments (default), truncate, drop or error")
+
+
+def si_units(x: float) -> str:
+    """``x`` with a K/M/G suffix for tables (``254.19K``)."""
+    for unit, k in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= k:
+            return f"{x / k:.2f}{unit}"
+    return f"{x:.0f}"

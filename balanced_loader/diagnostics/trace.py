@@ -329,7 +329,8 @@ def plan_run(steps: Sequence[StepPlan], cost: CostModel) -> PlannedRun:
                 continue
             pool_args[(sp.step, pi)] = pm.to_json()
             pp = pool.pp
-            gms = arr.group_ms(cost.shape(pool.tp, pp))  # [G] group times: the one input of the schedule
+            # [G] group times, the one input of the schedule (by each group's slowest lane on a cluster cost)
+            gms = arr.times(cost, pool.tp, pp, np.asarray(pool.ranks, dtype=np.int64), sp.world_size)
             start, arrive, release = group_schedule(arr.lane_ptr, arr.lanes, gms, pp, pool.num_lanes,
                                                     arr.barrier_g)  # [G], [B][lanes], [B]
             shift = float(gms.max()) / pp  # stage s runs stage 0's schedule s * shift later (fill and drain)

@@ -14,7 +14,6 @@ go to rank 0, which writes ``OUT/trace.json`` (trace-event JSON, a track per ran
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,6 @@ import torch.distributed as dist
 
 from balanced_loader.calibration.samples import Samples
 from balanced_loader.cost import CostModel
-from balanced_loader.data.files import write_text
 from balanced_loader.loader import BalancedLoader, StepBatch
 from parallel_runtime.training.step import FBResult
 
@@ -42,7 +40,8 @@ class ClosedLoop:
         self.rank, self.world_size, self.reference = rank, world_size, reference
         self.loader, self.others = loader, list(others)
         self.path = os.path.join(out_dir, "trace.json")
-        self.events: list[dict[str, Any]] = []  # rank 0: the trace so far
+        self.records: list[Any] = []  # rank 0: the trace so far (TraceRecord)
+        self.step_args: dict[int, dict[str, Any]] = {}
         self.clock_ms = 0.0  # rank 0: where the next step starts on the trace's time axis
 
     @property
@@ -80,29 +79,44 @@ class ClosedLoop:
                     ld.set_cost(self.loader.costs.at(first))
                 out["calibration"] = {**up.to_json(), "from_step": first}
         if self.trace:
-            spans = self._gather([(k, kind, a - res.start_s, b - res.start_s) for k, kind, a, b in res.spans])
+            spans = self._gather(self._spans(batch, res))
             if self.rank == 0:
                 self._add(batch, spans, step_ms)
         out["closed_loop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         return out
 
     # ---- the measured trace ----------------------------------------------------------------
-    def _add(self, batch: StepBatch, spans: list[list[tuple[int, str, float, float]]], step_ms: float) -> None:
-        base_us = self.clock_ms * 1e3
-        self.events.append({"name": f"step {batch.step}", "ph": "X", "pid": 0, "tid": -1, "ts": base_us,
-                            "dur": step_ms * 1e3, "args": {"fingerprint": batch.plan.fingerprint()}})
+    def _spans(self, batch: StepBatch, res: FBResult) -> list[tuple]:
+        """This rank's compute blocks of the step: (microbatch, F|B, start, end from the step's forward/backward
+        start, seconds), with the group's shape, lanes and first segments."""
+        mbs = {mb.k: mb for mb in batch.microbatches if not mb.padding}
+        out = []
+        for k, kind, a, b in res.spans:
+            mb = mbs.get(k)
+            pool = batch.plan.pools[mb.pool] if mb is not None else None
+            out.append((k, kind, a - res.start_s, b - res.start_s,
+                        (mb.pool, mb.stage, pool.tp, pool.pp, mb.lanes, tuple(mb.segments[:8])) if mb else None))
+        return out
+
+    def _add(self, batch: StepBatch, spans: list[list[tuple]], step_ms: float) -> None:
+        from balanced_loader.diagnostics.trace import TraceRecord
+
+        base = self.clock_ms / 1e3  # steps laid end to end by rank 0's step time
         for rank, blocks in enumerate(spans):
-            for k, kind, a, b in blocks:
-                self.events.append({"name": f"mb {k} {'fwd' if kind == 'F' else 'bwd'}", "ph": "X", "pid": 0,
-                                    "tid": rank, "ts": base_us + a * 1e6, "dur": (b - a) * 1e6,
-                                    "args": {"step": batch.step, "microbatch": k}})
+            for k, kind, a, b, where in blocks:
+                pool, stage, tp, pp, lanes, segs = where if where is not None else (-1, -1, 0, 0, (), ())
+                self.records.append(TraceRecord(
+                    rank=rank, step=batch.step, start_s=base + a, end_s=base + b, microbatch=k, pool=pool,
+                    stage=stage, tp=tp, pp=pp, lanes=tuple(lanes), segments=tuple(tuple(x) for x in segs),
+                    name=f"mb{k} {'fwd' if kind == 'F' else 'bwd'} d{len(lanes) or 1}"))
+        self.step_args[batch.step] = {"fingerprint": batch.plan.fingerprint(), "measured_step_ms": round(step_ms, 3)}
         self.clock_ms += step_ms
 
     def close(self) -> None:
-        """Rank 0 writes ``OUT/trace.json`` (complete or absent)."""
-        if not self.trace or self.rank != 0 or not self.events:
+        """Rank 0 writes ``OUT/trace.json`` (complete or absent; the format of ``balanced-loader trace``)."""
+        if not self.trace or self.rank != 0 or not self.records:
             return
-        meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-                for r in range(self.world_size)]
-        meta.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": -1, "args": {"name": "steps"}})
-        write_text(self.path, json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))
+        from balanced_loader.diagnostics.trace import write_trace
+
+        write_trace(self.path, self.records, world_size=self.world_size, step_args=self.step_args, t0_s=0.0,
+                    meta={"source": "measured"})

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from balanced_loader import cli
 from balanced_loader.cost import CostModel
 from balanced_loader.data.files import write_text
-from balanced_loader.plan import Group, Plan, Pool, StepPlan
+from balanced_loader.plan import Group, Plan, Pool, StepPlan, plan_lengths
 from balanced_loader.presets import HARDWARE, MODELS
 from balanced_loader.simulate import (
     PoolArrays,
@@ -22,7 +22,6 @@ from balanced_loader.simulate import (
     lane_schedule_py,
     model_flops,
     placed_pool_ms,
-    plan_lengths,
     pool_ms,
     serial_pool_ms,
     simulate_plan,

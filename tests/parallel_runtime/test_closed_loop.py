@@ -111,8 +111,13 @@ def test_calibration_finds_the_slow_rank_and_plans_around_it(tmp_path) -> None:
                                                                         for m in cal]
     # the measured trace: valid trace-event JSON, a track per rank, a step slice per step
     trace = json.loads((tmp_path / "cal" / "trace.json").read_text())
-    events = trace["traceEvents"]
-    slices = [e for e in events if e["ph"] == "X"]
-    assert {e["tid"] for e in slices} == {-1, 0, 1}
-    assert len([e for e in slices if e["tid"] == -1]) == 8
-    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert trace["otherData"]["source"] == "measured"
+    steps = [e for e in slices if e["cat"] == "step"]
+    assert [e["args"]["step"] for e in steps] == list(range(8))
+    work = [e for e in slices if e["cat"] == "compute"]
+    assert {e["tid"] for e in work} == {0, 1} and all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
+    for r in (0, 1):  # a rank's slices never overlap, and each is one microbatch's forward or backward
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in work if e["tid"] == r)
+        assert all(b <= c + 1e-3 for (_, b), (c, _) in zip(mine, mine[1:]))
+    assert all(("fwd" in e["name"]) != ("bwd" in e["name"]) for e in work)
