@@ -76,7 +76,7 @@ def tokens_or_schedule(text: str) -> Any:
         value = parse_text(text, "schedule")
         sc = schedule(value, "schedule")
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix("schedule: ")) from None
     if sc.largest > MAX_TOKENS:
         raise argparse.ArgumentTypeError(f"{sc.largest:,} is outside 1..{MAX_TOKENS:,}")
     return value
