@@ -195,6 +195,12 @@ class BalancedLoader:
     parallelism: every group is one lane, and every rank gets the same number of microbatches
     per step (padding microbatches where it has fewer), which is what a DDP/accelerate loop
     over a transformers model needs; ``mb.to_hf()`` gives its inputs.
+
+    A mixture (:func:`balanced_loader.mix`) holds each source's share in every step
+    (``StepBatch.mixture_tokens``); ``global_batch_tokens`` and ``max_seq_len`` may be schedules
+    ``[(step, value), ...]`` (piecewise linear, constant after the last point); either way the
+    batches come from a :class:`~balanced_loader.data.mixing.MixtureStream` (docs/mixtures.md).
+    ``order="strict"`` (with ``shuffle=False``) promises steps in the source order exactly.
     """
 
     def __init__(self, source: Any, *, policy: str = "hydra", cost: Any = None, world_size: int | None = None,
