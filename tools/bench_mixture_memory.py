@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 
+from bench_npy_loader import write_lengths  # tools/ is the script's folder, so first on sys.path
+
 # the peak is the process's own VmHWM: ru_maxrss would keep the parent's high-water mark across fork + exec
 CHILD = r"""
 import json, sys, time
@@ -44,21 +46,6 @@ print(json.dumps({"rc": 0, "s": time.perf_counter() - t0, "rss_kb": hwm, "tokens
 """
 PLAN = ["plan", "--world-size", "512", "--cost", "hydra-gpt7b-a100", "--policy", "hydra",
         "--global-batch-tokens", "4000000", "--steps", "3"]
-
-
-def write_lengths(path: str, n: int, seed: int) -> None:
-    import numpy as np
-
-    if os.path.exists(path):
-        return
-    out = np.lib.format.open_memmap(path + ".tmp.npy", mode="w+", dtype=np.int64, shape=(n,))
-    rng = np.random.default_rng(seed)
-    for a in range(0, n, 1 << 22):
-        b = min(n, a + (1 << 22))
-        out[a:b] = np.maximum(1, rng.lognormal(7.0, 1.2, b - a)).astype(np.int64)
-    out.flush()
-    del out
-    os.replace(path + ".tmp.npy", path)
 
 
 def run(argv: list[str], out: str) -> dict:

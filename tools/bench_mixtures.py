@@ -19,6 +19,7 @@ policy hydra, cost ``hydra-gpt7b-a100``, 131,072 tokens per step, ``max_seq_len`
 6. bad input: ``balanced-loader plan --mix ...`` with each mistake: exit code and stderr.
 
     python tools/bench_mixtures.py --dir /tmp/mixbench
+    python tools/bench_mixtures.py --adversarial 60     # synthetic worst cases of the per-step share
 """
 
 from __future__ import annotations
@@ -185,11 +186,51 @@ def bad_input(folders, folder) -> list[dict]:
     return out
 
 
+def adversarial(trials: int) -> dict:
+    """Seeded synthetic mixtures of 2-4 sources (uniform, lognormal, only 1- or max-length docs, only
+    max-length docs), budgets of 2-16 ``max_seq_len``, random weights, 150 steps each: how far a
+    step's worst source strays from its share, in units of ``max_seq_len``."""
+    from balanced_loader.data.mixing import stream_for
+
+    worst, runs = [], []
+    for seed in range(trials):
+        rng = np.random.default_rng(seed)
+        k, lim = int(rng.integers(2, 5)), int(rng.choice([512, 1024, 4096]))
+        budget = int(lim * rng.choice([2, 4, 8, 16]))
+        srcs = {}
+        for i in range(k):
+            kind, n = int(rng.integers(0, 4)), int(rng.integers(50, 3000))
+            lognormal = np.minimum(rng.lognormal(np.log(lim / 8), 1.3, n).astype(int) + 1, lim)
+            srcs[f"s{i}"] = [rng.integers(1, lim + 1, n), lognormal, rng.choice([1, lim], n), np.full(n, lim)][kind]
+        w = rng.dirichlet(np.ones(k)) + 0.02
+        m = mix(srcs, weights=dict(zip(sorted(srcs), w / w.sum())))
+        st = stream_for(m, seed=seed, shuffle=True, window=256, max_seq_len=schedule(lim, "L"),
+                        global_batch_tokens=schedule(budget, "B"), long_docs="split")
+        cur, dev, tot = st.epoch_start(0), 0.0, np.zeros(k)
+        share = np.asarray(m.weights.at(0))
+        for _ in range(150):
+            c = st.cut(cur)
+            cur = c.end
+            t = np.asarray([c.mixture_tokens[n] for n in m.names], dtype=np.float64)
+            dev, tot = max(dev, float(np.abs(t - share * t.sum()).max()) / lim), tot + t
+        worst.append(dev)
+        runs.append(float(np.abs(tot / tot.sum() - share).max()))
+    return {"trials": trials, "worst_step_deviation_in_max_seq_len": round(max(worst), 4),
+            "p95_step_deviation": round(float(np.percentile(worst, 95)), 4),
+            "trials_over_one_max_seq_len": int(sum(d > 1 for d in worst)),
+            "worst_run_share_error_abs": round(max(runs), 5)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/mixbench", help="where the shard folders are built (once)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--adversarial", type=int, metavar="TRIALS",
+                    help="instead: the per-step share on TRIALS synthetic worst-case mixtures")
     args = ap.parse_args()
+    if args.adversarial:
+        print(json.dumps(adversarial(args.adversarial), indent=1))
+        return
     os.makedirs(args.dir, exist_ok=True)
     folders = build(args.dir)
     res = {"shares": shares_and_repeats(folders), "weight_schedule": weight_schedule_run(folders),
