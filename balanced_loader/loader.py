@@ -441,7 +441,9 @@ class BalancedLoader:
         return {"policy": self.policy, "seed": self.seed,
                 "global_batch_tokens": self.global_batch_tokens, "max_seq_len": self.max_seq_len,
                 "long_docs": self.long_docs, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
-                "tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp, "order": self.order,
+                "tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp,
+                # only where set (states saved without them stay loadable)
+                **({"order": self.order} if self.order != "any" else {}),
                 **({"mixture": {"by": self.source.by, "weights": self.source.weights.to_json()}}
                    if isinstance(self.source, MixtureSource) else {}),
                 "num_docs": self.source.num_docs, "num_tokens": int(self.source.num_tokens),  # cached by the source
