@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench_npy_loader import write_lengths  # tools/ is the script's folder, so first on sys.path
+from bench_npy_loader import write_lengths  # a sibling script: python puts the script's folder first
 
 # the peak is the process's own VmHWM: ru_maxrss would keep the parent's high-water mark across fork + exec
 CHILD = r"""
