@@ -24,6 +24,8 @@ _EXPORTS = {
     "BatchItems": "balanced_loader.planning",
     "make_plan": "balanced_loader.planning",
     "open_source": "balanced_loader.data.open",
+    "mix": "balanced_loader.data.mixture",
+    "MixtureSource": "balanced_loader.data.mixture",
     "BalancedLoader": "balanced_loader.loader",
     "StepBatch": "balanced_loader.loader",
     "Microbatch": "balanced_loader.materialize",

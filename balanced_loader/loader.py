@@ -42,7 +42,11 @@ import numpy as np
 from balanced_loader.calibration.schedule import CostSchedule
 from balanced_loader.cost import CostModel
 from balanced_loader.data.batching import LONG_DOC_MODES, Cut, DocStats, EpochBatches
+from balanced_loader.data.epochs import EpochCuts
+from balanced_loader.data.mixing import MixtureStream, stream_for
+from balanced_loader.data.mixture import ClippedLengths, MixtureSource
 from balanced_loader.data.open import open_source
+from balanced_loader.data.schedule import setting
 from balanced_loader.data.sources import Source
 from balanced_loader.materialize import (
     Microbatch,
@@ -57,6 +61,7 @@ from balanced_loader.planning import get_policy, longest_segment, make_plan
 from balanced_loader.planning.config import PlanConfig
 
 log = logging.getLogger("balanced_loader")
+ORDERS = ("any", "strict")  # strict (with shuffle=False): steps follow the source order exactly
 
 STATE_FORMAT = "balanced-loader/loader-state"
 STATE_VERSION = 2  # 2: the cursor holds the epoch position of the next batch
@@ -76,62 +81,12 @@ class StepBatch:
     planner_wait_s: float  # time this step waited for its plan
     doc_stats: DocStats  # what this step did with empty and long docs (whole epoch: loader.epoch_stats)
     rank: int
+    mixture_tokens: dict[str, int] | None = None  # a mixture's tokens per source in the step (same on every rank)
 
     @property
     def num_tokens(self) -> int:
         """Positions (tokens plus CP padding) in this rank's microbatches."""
         return sum(mb.num_tokens for mb in self.microbatches)
-
-
-class _Epoch:
-    """One epoch's batches, cut as the cursor reaches them; remembers where the next steps begin."""
-
-    def __init__(self, epoch: int, batches: EpochBatches) -> None:
-        self.epoch = epoch
-        self.batches = batches
-        self.starts: dict[int, int] = {0: 0}  # step_in_epoch -> epoch position of its first doc
-        self._cuts: OrderedDict[int, Cut] = OrderedDict()  # the last few steps cut
-        self.num_steps: int | None = None  # known once the last step is cut, or after summary()
-        self.stats: DocStats | None = None  # the whole epoch's, after summary()
-        self.seen = DocStats()  # stats of the steps cut in order from seen_from (for the epoch log)
-        self.seen_from: int | None = None
-        self._seen_next = 0
-        self.logged = False  # the epoch's counts were logged
-
-    def cut(self, s: int) -> Cut:
-        c = self._cuts.get(s)
-        if c is not None:
-            return c
-        if s not in self.starts:  # cut forward from the nearest known start (after the epoch was evicted)
-            k = max((k for k in self.starts if k < s), default=None)
-            assert k is not None, f"epoch {self.epoch}: no known step before step {s}"
-            for j in range(k, s):
-                self.cut(j)
-        c = self.batches.cut(self.starts[s])
-        self._cuts[s] = c
-        while len(self._cuts) > 8:
-            self._cuts.popitem(last=False)
-        if c.end < self.batches.num_docs:
-            self.starts[s + 1] = c.end
-        elif len(c.items):
-            self.num_steps = s + 1
-        if self.seen_from is None:
-            self.seen_from = self._seen_next = s
-        if s == self._seen_next:
-            self.seen = self.seen + c.stats
-            self._seen_next += 1
-        return c
-
-    def forget_before(self, s: int) -> None:
-        """Drop the starts of steps before ``s`` (the cursor has passed them)."""
-        for k in [k for k in self.starts if k < s]:
-            del self.starts[k]
-
-    def summary(self) -> tuple[int, DocStats]:
-        if self.stats is None:
-            self.num_steps, self.stats = self.batches.summary()
-        assert self.num_steps is not None
-        return self.num_steps, self.stats
 
 
 def _plan_job(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
@@ -218,6 +173,12 @@ class BalancedLoader:
     parallelism: every group is one lane, and every rank gets the same number of microbatches
     per step (padding microbatches where it has fewer), which is what a DDP/accelerate loop
     over a transformers model needs; ``mb.to_hf()`` gives its inputs.
+
+    A mixture (:func:`balanced_loader.mix`) holds each source's share in every step
+    (``StepBatch.mixture_tokens``); ``global_batch_tokens`` and ``max_seq_len`` may be schedules
+    ``[(step, value), ...]`` (piecewise linear, constant after the last point); either way the
+    batches come from a :class:`~balanced_loader.data.mixing.MixtureStream` (docs/mixtures.md).
+    ``order="strict"`` (with ``shuffle=False``) promises steps in the source order exactly.
     """
 
     def __init__(self, source: Any, *, policy: str = "hydra", cost: Any = None, world_size: int | None = None,
@@ -225,11 +186,13 @@ class BalancedLoader:
                  long_docs: str = "split", shuffle: bool = True, shuffle_window: int = 1 << 16,
                  epochs: int | None = 1, prefetch_steps: int = 2, planner_workers: int = 0,
                  plan_config: dict[str, Any] | PlanConfig | None = None, cp: int | None = None, cp_inner: int = 1,
-                 pad_id: int = 0, validate: bool = False, calibrate: Any = False) -> None:
+                 pad_id: int = 0, validate: bool = False, order: str = "any", calibrate: Any = False) -> None:
         # every argument is checked before the source is opened (no pass over the data for a typo)
         rank, world_size = resolve_world(rank, world_size)
-        if not isinstance(global_batch_tokens, int) or global_batch_tokens < 1:
-            raise ValueError(f"global_batch_tokens must be a positive integer, got {global_batch_tokens!r}")
+        budget = setting(global_batch_tokens, "global_batch_tokens")  # an int, or a schedule of them
+        if order not in ORDERS or (order == "strict" and shuffle):
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}" if order not in ORDERS
+                             else "order='strict' keeps the source order: pass shuffle=False")
         if long_docs not in LONG_DOC_MODES:
             raise ValueError(f"long_docs must be one of {', '.join(LONG_DOC_MODES)}, got '{long_docs}'")
         if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
@@ -240,8 +203,7 @@ class BalancedLoader:
             raise ValueError(f"shuffle_window must be >= 1, got {shuffle_window}")
         if cp_inner < 1:
             raise ValueError(f"cp_inner must be >= 1, got {cp_inner}")
-        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        limit = setting(max_seq_len, "max_seq_len") if max_seq_len is not None else None
         self.cost = resolve_cost(cost, world_size)
         # which cost model plans which step; calibrate=True: the closed loop (observe) extends it
         self.costs = CostSchedule(self.cost, world_size, calibrate)
@@ -250,9 +212,12 @@ class BalancedLoader:
         self.policy = self.config.policy
         self.world_size = world_size
         self.rank = rank
-        self.global_batch_tokens = global_batch_tokens
         self.seed = int(seed)
-        self.max_seq_len = int(max_seq_len) if max_seq_len is not None else default_max_seq_len(self.cost, self.config)
+        if limit is None:
+            limit = setting(default_max_seq_len(self.cost, self.config), "max_seq_len")
+        # each an int, or a schedule [[step, value], ...]
+        self.global_batch_tokens, self.max_seq_len = budget.to_json(), limit.to_json()
+        self.order = order
         self.source: Source = open_source(source)
         self.long_docs = long_docs
         self.shuffle = bool(shuffle)
@@ -263,7 +228,12 @@ class BalancedLoader:
         self.cp_inner = int(cp_inner)
         self.pad_id = int(pad_id)
         self.validate = bool(validate)
-        self._epochs: OrderedDict[int, _Epoch] = OrderedDict()
+        self._epochs: OrderedDict[int, EpochCuts] = OrderedDict()
+        # a mixture, or a schedule: global batches from a MixtureStream (its cursors say where steps start)
+        self._stream: MixtureStream | None = None
+        if isinstance(self.source, MixtureSource) or not (budget.constant and limit.constant):
+            self._stream = stream_for(self.source, seed=self.seed, shuffle=self.shuffle, window=self.shuffle_window,
+                                      max_seq_len=limit, global_batch_tokens=budget, long_docs=long_docs)
         self._futures: dict[int, tuple[int, int, Future]] = {}  # global step -> (epoch, step_in_epoch, plan)
         self._executor: Executor | None = None
         self._valid_lengths: np.ndarray | None = None
@@ -299,17 +269,17 @@ class BalancedLoader:
         return PlanConfig(policy=policy, world_size=world_size, seed=int(seed), **extra)
 
     # ---- epochs and steps ------------------------------------------------
-    def _get_epoch(self, epoch: int) -> _Epoch:
+    def _get_epoch(self, epoch: int) -> EpochCuts:
         ep = self._epochs.get(epoch)
         if ep is not None:
             self._epochs.move_to_end(epoch)
             return ep
         src = self.source
-        batches = EpochBatches(src.lengths, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                               shard_bounds=src.shard_bounds, window=self.shuffle_window,
-                               max_seq_len=self.max_seq_len, long_docs=self.long_docs,
-                               global_batch_tokens=self.global_batch_tokens)
-        ep = _Epoch(epoch, batches)
+        batches = self._stream.epoch(epoch) if self._stream is not None else EpochBatches(
+            src.lengths, epoch=epoch, seed=self.seed, shuffle=self.shuffle, shard_bounds=src.shard_bounds,
+            window=self.shuffle_window, max_seq_len=self.max_seq_len, long_docs=self.long_docs,
+            global_batch_tokens=self.global_batch_tokens)
+        ep = EpochCuts(epoch, batches)
         self._epochs[epoch] = ep
         for old in list(self._epochs)[:-(self.prefetch_steps + 3)]:  # never the cursor's: it knows where to go on
             if old != self.epoch:
@@ -320,7 +290,7 @@ class BalancedLoader:
         """Step ``s`` of ``epoch``; rank 0 logs the epoch's counts when its last step is cut."""
         ep = self._get_epoch(epoch)
         c = ep.cut(s)
-        if self.rank == 0 and not ep.logged and c.end >= self.source.num_docs and len(c.items):
+        if self.rank == 0 and not ep.logged and ep.is_end(c) and len(c.items):
             ep.logged = True
             st = ep.stats if ep.stats is not None else ep.seen
             part = "" if ep.seen_from == 0 or ep.stats is not None else f" (steps {ep.seen_from}-{s})"
@@ -352,7 +322,7 @@ class BalancedLoader:
         return self.epochs is not None and epoch >= self.epochs
 
     def _cursor_after(self, epoch: int, s: int) -> tuple[int, int]:
-        if self._cut(epoch, s).end >= self.source.num_docs:
+        if self._get_epoch(epoch).is_end(self._cut(epoch, s)):
             return epoch + 1, 0
         return epoch, s + 1
 
@@ -415,12 +385,12 @@ class BalancedLoader:
         cut = self._cut(self.epoch, self.step_in_epoch)
         plan, wait = self._plan_now()
         if self.validate:
-            plan.validate(self._lengths_for_validation(), self.costs.at(self.step),
+            plan.validate(self.validation_lengths(self.step), self.costs.at(self.step),
                           doc_ids=np.unique(cut.items.doc_ids))
         batch = StepBatch(step=self.step, epoch=self.epoch, step_in_epoch=self.step_in_epoch, plan=plan,
                           microbatches=tuple(self.microbatches(plan, self.rank)),
                           num_valid_tokens=num_valid_tokens(plan), planner_wait_s=wait, doc_stats=cut.stats,
-                          rank=self.rank)
+                          rank=self.rank, mixture_tokens=cut.mixture_tokens)
         self.epoch, self.step_in_epoch = self._cursor_after(self.epoch, self.step_in_epoch)
         self.step += 1
         self._get_epoch(self.epoch).forget_before(self.step_in_epoch)
@@ -455,9 +425,13 @@ class BalancedLoader:
                 out += [padding_microbatch(place, lane=place.lane, pad_id=self.pad_id) for _ in range(want - len(out))]
         return out
 
-    def _lengths_for_validation(self) -> np.ndarray:
+    def validation_lengths(self, step: int) -> Any:
+        """The lengths (by doc_id) that the segments of global ``step``'s plan tile: truncated docs end at
+        that step's ``max_seq_len`` (a mixture's or a schedule's are read through, never copied)."""
         if self.long_docs != "truncate":
             return self.source.lengths
+        if self._stream is not None:
+            return ClippedLengths(self.source.lengths, self._stream.limit_at(step))
         if self._valid_lengths is None:
             self._valid_lengths = np.minimum(self.source.lengths, self.max_seq_len)
         return self._valid_lengths
@@ -468,6 +442,10 @@ class BalancedLoader:
                 "global_batch_tokens": self.global_batch_tokens, "max_seq_len": self.max_seq_len,
                 "long_docs": self.long_docs, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
                 "tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp,
+                # only where set (states saved without them stay loadable)
+                **({"order": self.order} if self.order != "any" else {}),
+                **({"mixture": {"by": self.source.by, "weights": self.source.weights.to_json()}}
+                   if isinstance(self.source, MixtureSource) else {}),
                 "num_docs": self.source.num_docs, "num_tokens": int(self.source.num_tokens),  # cached by the source
                 # a hash of the lengths in doc order (computed once; a shard folder's comes from index.json):
                 # a permuted or edited dataset with the same totals is a different source
@@ -481,6 +459,10 @@ class BalancedLoader:
         any world size and continues the same global batches.
         """
         position = self._get_epoch(self.epoch).starts[self.step_in_epoch] if not self._finished(self.epoch) else 0
+        if self._stream is not None:  # a cursor, and the epoch's first one (its summary then needs no replay)
+            names = self._stream.cursor_names
+            position = {"cursor": position.to_json(names) if position else None,
+                        "epoch_start": self._stream.epoch_start(self.epoch).to_json(names)}
         return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "world_size": self.world_size,
                 "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "step": self.step, "position": position,
                 **self.costs.state_dict(self.step)}
@@ -509,21 +491,26 @@ class BalancedLoader:
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
                                  f"has {key}={value!r} ({what}); exact resume needs the same setup")
         cursor = []
-        for key in ("epoch", "step_in_epoch", "step", "position"):
+        for key in ("epoch", "step_in_epoch", "step") + (("position",) if self._stream is None else ()):
             v = state.get(key)
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"malformed loader state: the cursor's {key!r} must be an integer >= 0, got "
                                  f"{v!r}; pass a dict from BalancedLoader.state_dict()")
             cursor.append(int(v))
-        epoch, s, step, pos = cursor
+        epoch, s, step, *rest = cursor
         if self.epochs is not None and (epoch > self.epochs or (epoch == self.epochs and s)):
             raise ValueError(f"loader state cursor (epoch {epoch}, step {s}) is past the last of this "
                              f"loader's {self.epochs} epoch(s)")
         if step < s or (epoch == 0 and step != s):
             raise ValueError(f"malformed loader state: global step {step} cannot be step {s} of epoch {epoch}")
+        if self._stream is not None:  # a mixture or a schedule: its cursor, checked against the sources
+            pos: Any = self._stream.load(state.get("position"), epoch=epoch, step_in_epoch=s, step=step,
+                                         finished=self._finished(epoch))
         # a step starts at position 0 only as the first of its epoch, and before the last doc
-        if (s == 0) != (pos == 0) or pos >= max(1, self.source.num_docs):
-            raise ValueError(f"loader state cursor (epoch {epoch}, step {s}, position {pos}) is outside the epoch")
+        elif (s == 0) != (rest[0] == 0) or rest[0] >= max(1, self.source.num_docs):
+            raise ValueError(f"loader state cursor (epoch {epoch}, step {s}, position {rest[0]}) is outside the epoch")
+        else:
+            pos = rest[0]
         self.costs.load_state_dict(state)
         self._cancel()
         self._epochs.clear()  # cut afresh from the saved position
@@ -575,7 +562,7 @@ class BalancedLoader:
         ``DataLoader`` that plans and reads the ``n`` skipped steps and drops them. To resume
         without that work, save ``loader.state_dict()`` and ``load_state_dict`` it instead.
         """
-        from balanced_loader.wrapping import iterable_view
+        from balanced_loader.integrations.torch_dataset import iterable_view
 
         return iterable_view(self)
 

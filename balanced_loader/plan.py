@@ -273,7 +273,8 @@ class StepPlan:
         if len(seen_ranks) != self.world_size:
             missing = sorted(set(range(self.world_size)) - seen_ranks)[:8]
             raise ValueError(f"{where}: pools do not cover the world; missing ranks {missing}")
-        lengths_arr = None if lengths is None else np.asarray(lengths)
+        # anything indexable by doc_id is read as is (a mixture's lengths are read through, never copied)
+        lengths_arr = lengths if lengths is None or hasattr(lengths, "__getitem__") else np.asarray(lengths)
         for doc, segs in pieces.items():
             if doc < 0 or (lengths_arr is not None and doc >= len(lengths_arr)):
                 raise ValueError(f"{segs[0][2]}: doc {doc} is not in the length index")

@@ -8,7 +8,8 @@ and the key:
 * :func:`number` / :func:`check_number`: a number checked for type (``true`` is not 1), integrality,
   finiteness (no ``.inf`` / ``.nan``) and range.
 * :func:`from_dict`: a (kw_only, frozen) dataclass built from a mapping, field by field from its type
-  hints (nested dataclasses, ``X | None``, ``tuple[...]``, ``dict``, scalars); unknown keys fail.
+  hints (nested dataclasses, ``X | None``, ``X | tuple[...]`` (a list is read as the tuple),
+  ``tuple[...]``, ``dict``, scalars); unknown keys fail.
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1 and isinstance(value, (list, tuple)):  # X | tuple[...]: a list reads as the tuple
+            inner.sort(key=lambda a: typing.get_origin(a) is not tuple)
         return _convert(value, inner[0], where)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)

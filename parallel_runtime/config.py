@@ -19,6 +19,9 @@ from typing import Any
 from balanced_loader.calibration.calibrator import CalibrationOptions
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.data.batching import LONG_DOC_MODES
+from balanced_loader.data.mixture import MIX_BY
+from balanced_loader.data.schedule import setting, weight_schedule
+from balanced_loader.loader import ORDERS
 from balanced_loader.planning import fixed_pools, pool_shapes
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
@@ -44,19 +47,38 @@ STDLIB = "stdlib"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MixtureEntry:
+    """One source of ``data.mixture``: its name, where it is, and its weight (a number or a schedule)."""
+
+    name: str
+    source: str  # a shard folder or a .jsonl (relative paths as data.source)
+    weight: float | tuple[tuple[int, float], ...] = 1.0  # or [[step, weight], ...], linear between steps
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     """Where the docs come from and how global batches are cut."""
 
     source: str = STDLIB  # "stdlib" (CPython's .py files, built once into shards_dir), a shard folder, a .jsonl
     shards_dir: str = ".demo/stdlib-shards"  # where the stdlib corpus is built (relative to the working dir)
     stdlib_limit: int | None = None  # only the first N stdlib files (small test corpora)
-    global_batch_tokens: int = 8192  # token budget of one step
-    max_seq_len: int = 1024  # context limit; longer docs follow long_docs
+    mixture: tuple[MixtureEntry, ...] = ()  # several sources at set shares of every step (instead of source)
+    mixture_by: str = "tokens"  # the weights are shares of each step's tokens | docs
+    # token budget of one step; or a schedule [[step, tokens], ...] (batch-size ramp-up)
+    global_batch_tokens: int | tuple[tuple[int, int], ...] = 8192
+    # context limit, longer docs follow long_docs; or a schedule [[step, tokens], ...] (sequence-length warm-up)
+    max_seq_len: int | tuple[tuple[int, int], ...] = 1024
     long_docs: str = "split"  # split | truncate | drop | error
     shuffle: bool = True
     shuffle_window: int = 65536
+    order: str = "any"  # strict (with shuffle: false): steps follow the source order exactly
     prefetch_steps: int = 2  # plans computed ahead in the background
     planner_workers: int = 0  # 0: a thread; N: processes
+
+    @property
+    def longest_seq_len(self) -> int:
+        """The largest ``max_seq_len`` of the run (the schedule's largest value)."""
+        return setting(self.max_seq_len, "data.max_seq_len").largest
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -279,8 +301,11 @@ def validate(r: Recipe) -> None:
     """Cross-field checks: the world, the policy, the cost model and the model shape must agree."""
     _positive(r.steps, "steps", zero=True)
     d, p, c, w, o, t = r.data, r.policy, r.cost, r.world, r.optimizer, r.train
-    for name in ("global_batch_tokens", "max_seq_len", "shuffle_window", "stdlib_limit"):
+    for name in ("global_batch_tokens", "max_seq_len"):
+        setting(getattr(d, name), f"data.{name}")  # a positive integer or a schedule of them
+    for name in ("shuffle_window", "stdlib_limit"):
         _positive(getattr(d, name), f"data.{name}")
+    _validate_mixture(d)
     _positive(d.prefetch_steps, "data.prefetch_steps", zero=True)
     _positive(d.planner_workers, "data.planner_workers", zero=True)
     if d.long_docs not in LONG_DOC_MODES:
@@ -330,6 +355,27 @@ def validate(r: Recipe) -> None:
     _validate_world_shapes(r)
 
 
+def _validate_mixture(d: DataConfig) -> None:
+    """``data.mixture``: unique names, weights that weigh something, and no ``data.source`` beside it."""
+    if d.order not in ORDERS or (d.order == "strict" and d.shuffle):
+        raise ValueError(f"data.order must be one of {', '.join(ORDERS)}, got '{d.order}'" if d.order not in ORDERS
+                         else "data.order strict keeps the source order: set data.shuffle: false")
+    if d.mixture_by not in MIX_BY:
+        raise ValueError(f"data.mixture_by must be one of {', '.join(MIX_BY)}, got '{d.mixture_by}'")
+    if not d.mixture:
+        return
+    if d.source != STDLIB:
+        raise ValueError("data.source and data.mixture are both set; a mixture lists its sources itself")
+    names = [e.name for e in d.mixture]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"data.mixture: source name '{dup[0]}' is listed twice")
+    try:
+        weight_schedule({e.name: e.weight for e in d.mixture}, sorted(names))
+    except ValueError as e:
+        raise ValueError(f"data.mixture: {e}") from None
+
+
 def _validate_hf(r: Recipe) -> None:
     """``model.hf`` names the whole model: the native keys stay unset, the CP engines must run it, and
     ``train.recompute`` needs a model class with activation checkpointing."""
@@ -338,7 +384,7 @@ def _validate_hf(r: Recipe) -> None:
         if getattr(r.model, f.name) != getattr(native, f.name):
             raise ValueError(f"model.{f.name} is set but model.hf names the whole model; remove model.{f.name} "
                              f"(set it inside model.hf)")
-    check_hf_config(hf_config(r.model.hf), max_seq_len=r.data.max_seq_len)
+    check_hf_config(hf_config(r.model.hf), max_seq_len=r.data.longest_seq_len)
     if r.train.recompute:
         check_hf_recompute(hf_config(r.model.hf))
 

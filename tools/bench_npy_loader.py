@@ -36,11 +36,12 @@ print(json.dumps({"first_s": t1 - t0, "rss_first": rss1, "state_s": t2 - t1,
 """
 
 
-def write_lengths(path: str, n: int) -> None:
+def write_lengths(path: str, n: int, seed: int = 0) -> None:
+    """A seeded lognormal ``[n]`` int64 ``.npy`` length file, written in chunks (complete or absent)."""
     import numpy as np
 
     out = np.lib.format.open_memmap(path + ".tmp.npy", mode="w+", dtype=np.int64, shape=(n,))
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     for a in range(0, n, 1 << 22):
         b = min(n, a + (1 << 22))
         out[a:b] = np.maximum(1, rng.lognormal(7.0, 1.2, b - a)).astype(np.int64)

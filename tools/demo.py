@@ -256,7 +256,8 @@ def loader_demo(args: argparse.Namespace, src) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's; loader-only: 4)")
-    p.add_argument("--check-steps", type=int, default=3, help="steps compared with --reference")
+    p.add_argument("--check-steps", type=int, default=6,
+                   help="steps compared with --reference (6: two of them planned by the first online fit)")
     p.add_argument("--loader-only", action="store_true", help="the loader on a simulated cluster, no training")
     p.add_argument("--policy", default="greedy", help="loader-only: planning policy")
     p.add_argument("--world", type=int, default=8, help="loader-only: simulated ranks")

@@ -274,3 +274,46 @@ def trace_gantt(trace: Mapping, path: str, *, title: str) -> str:
 def _where(e: Mapping) -> tuple:
     a = e.get("args") or {}
     return a.get("step"), a.get("pool"), a.get("stage", 0)
+
+
+def mixture_shares(lengths: Mapping[str, np.ndarray], shares: Mapping[str, Sequence[float]],
+                   weights: Mapping[str, Sequence[float]], path: str, *, title: str, unit: str = "tokens") -> str:
+    """Two panels for a mixture: each source's doc length distribution (cumulative share of docs, log x),
+    and each source's share of every step's ``unit`` (stacked bars) with its scheduled weight (the dashed
+    line is the top of the source's band when every share equals its weight)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter
+
+    fig, ax = _figure(11.5, 4.4, 1, 2)
+    a, b = ax[0]
+    for i, (name, ln) in enumerate(lengths.items()):
+        ln = np.sort(np.asarray(ln, dtype=np.int64)[np.asarray(ln) > 0])
+        if ln.size:
+            idx = np.r_[np.arange(0, ln.size, max(1, ln.size // 4000)), ln.size - 1]
+            a.plot(ln[idx], (idx + 1) / ln.size, color=f"C{i % 10}",
+                   label=f"{name}: {ln.size:,} docs, p50 {_kfmt(float(ln[ln.size // 2]))}")
+    a.set_xscale("log")
+    a.xaxis.set_major_formatter(FuncFormatter(_kfmt))
+    a.yaxis.set_major_formatter(PercentFormatter(1.0))
+    a.set_ylim(0, 1.01)
+    a.set_xlabel("doc length (tokens, log scale)")
+    a.set_ylabel("share of the source's docs at most this long")
+    a.set_title("Doc lengths per source")
+    a.grid(True, alpha=0.3)
+    a.legend(loc="lower right", fontsize=8)
+    steps = np.arange(len(next(iter(shares.values()), [])))
+    base, wbase = np.zeros(len(steps)), np.zeros(len(steps))
+    for i, (name, s) in enumerate(shares.items()):
+        s = np.asarray(s, dtype=np.float64)  # [steps]
+        b.bar(steps, s, bottom=base, width=0.9, color=f"C{i % 10}", alpha=0.7, label=f"{name}: share of {unit}")
+        wbase = wbase + np.asarray(weights[name], dtype=np.float64)  # [steps] cumulative weights
+        b.plot(steps, wbase, color=f"C{i % 10}", linestyle="--", linewidth=1.2, label=f"{name}: weight")
+        base = base + s
+    b.xaxis.set_major_locator(MaxNLocator(integer=True))
+    b.yaxis.set_major_formatter(PercentFormatter(1.0))
+    b.set_ylim(0, 1.0)
+    b.set_xlabel("step")
+    b.set_ylabel(f"share of the step's {unit} (stacked)")
+    b.set_title("Each source's share per step")
+    b.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=8, ncol=max(1, len(shares)))
+    fig.suptitle(title)
+    return _save(fig, path)

@@ -2,7 +2,8 @@
 
 SOURCE_OR_LENGTHS is a length file (.txt, .txt.gz, .npy), a shard folder or a .jsonl file; several
 shard folders are analyzed as one source (the parts of a ``build-shards --part`` build).
-Writes ``OUT/histogram.png`` and ``OUT/analyze.json``.
+Writes ``OUT/histogram.png`` and ``OUT/analyze.json``. ``--mix NAME=PATH:WEIGHT ...`` analyzes a
+mixture instead, source by source (:mod:`balanced_loader.cli.mix_report`).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from balanced_loader.cli import mix_report
 from balanced_loader.cli.options import DEGREE, INDEX, RANKS, TOKENS
 
 DEFAULT_COST = "hydra-gpt7b-a100"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="SOURCE_OR_LENGTHS", nargs="+",
+    p.add_argument("source", metavar="SOURCE_OR_LENGTHS", nargs="*",
                    help="length file (.txt, .txt.gz, .npy), shard folder (local or a URL: http(s)://, s3://, ...) "
                         "or .jsonl file; or several shard folders (the parts of a build-shards --part build)")
     p.add_argument("--cache-dir", metavar="DIR",
@@ -33,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="analysis", metavar="DIR",
                    help="folder for histogram.png and analyze.json (default ./analysis)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the text report")
+    mix_report.add_arguments(p)
 
 
 def is_source(path: str) -> bool:
@@ -75,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.data.files import write_json
     from balanced_loader.presets import load_cost
 
+    if bool(args.source) == bool(args.mix):
+        raise ValueError("give SOURCE_OR_LENGTHS, or a mixture with --mix NAME=PATH:WEIGHT ..., not both")
+    if args.mix:
+        return mix_report.run(args)
     lengths, what = read_source_lengths(args.source, args.cache_dir)
     args.first_source, args.source = args.source[0], " ".join(args.source)  # one label from here on
     preset = args.cost if (args.cost or args.cost_file) else DEFAULT_COST

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     from balanced_loader.cli import charts
     from balanced_loader.cli import comparison as cmp
+    from balanced_loader.cli.streams import stream_batches, wants_stream
     from balanced_loader.data.batching import global_batches, validation_lengths
     from balanced_loader.data.files import write_json
     from balanced_loader.loader import default_max_seq_len
@@ -64,13 +65,20 @@ def run(args: argparse.Namespace) -> int:
     # every policy plans the same batches: the context limit is the one all of them can hold
     max_len = (args.max_seq_len if args.max_seq_len is not None
                else min(default_max_seq_len(cost, c) for c in configs))
-    if max_len < 1:
+    if isinstance(max_len, int) and max_len < 1:
         raise ValueError(f"--max-seq-len must be >= 1, got {max_len}")
-    lengths, shard_bounds, what = _read(args)
-    batches, stats = global_batches(lengths, max_seq_len=max_len, long_docs=args.long_docs,
+    mixture: list = []
+    if wants_stream(args):  # a mixture or a schedule: cut as the loader's MixtureStream cuts it
+        sb = stream_batches(args, max_seq_len=max_len, steps=args.steps)
+        batches, stats, what, check = sb.batches, sb.stats, sb.label, sb.validation
+        mixture = [c.mixture_tokens for c in sb.cuts]
+    else:
+        lengths, shard_bounds, what = _read(args)
+        batches, stats = global_batches(lengths, max_seq_len=max_len, long_docs=args.long_docs,
                                         global_batch_tokens=args.global_batch_tokens, shuffle=args.shuffle,
                                         seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps,
                                         window=args.shuffle_window)
+        check = validation_lengths(lengths, max_len, args.long_docs)
     if not batches:
         raise ValueError(f"{what} has no tokens to plan ({stats.empty} empty docs)")
     if not 0 <= args.chart_step < len(batches):
@@ -86,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
                disable=not sys.stderr.isatty())
     try:
         with native_stdout_to_stderr():  # solver diagnostics (HiGHS prints some) stay out of the table
-            runs, _ = cmp.compare_policies(batches, validation_lengths(lengths, max_len, args.long_docs), cost,
-                                           configs, model=model, hardware=hw, progress=bar.update)
+            runs, _ = cmp.compare_policies(batches, check, cost, configs, model=model, hardware=hw,
+                                           progress=bar.update)
     finally:
         bar.close()
     print(cmp.format_table(runs))
@@ -100,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
                      "max_seq_len": max_len, "long_docs": args.long_docs, "shuffle": args.shuffle,
                      "shuffle_window": args.shuffle_window,
                      "seed": args.seed, "tp": args.tp, "pp": args.pp, "cp": args.cp,
-                     "model": args.model, "hardware": args.hardware, "doc_stats": stats.to_json()},
+                     "model": args.model, "hardware": args.hardware, "doc_stats": stats.to_json(),
+                     **({"mixture_tokens": mixture} if mixture else {})},
         "policies": [r.to_json(per_rank_step=k) for r in runs],
     }
     jpath = os.path.join(args.out, "compare.json")

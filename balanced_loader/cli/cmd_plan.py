@@ -70,9 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from balanced_loader.data.batching import EmptyDocError, global_batches, validation_lengths
+    from balanced_loader.cli.streams import shares, stream_batches, wants_stream
     from balanced_loader.data.files import write_text
-    from balanced_loader.data.lengths import doc_line, release_pages
+    from balanced_loader.data.lengths import release_pages
     from balanced_loader.plan import BatchItems, Plan
     from balanced_loader.planning import make_plan, warm_up
     from balanced_loader.planning.config import PlanConfig
@@ -80,11 +80,60 @@ def run(args: argparse.Namespace) -> int:
 
     for name in ("world_size", "global_batch_tokens", "max_seq_len", "steps", "shuffle_window"):
         v = getattr(args, name)
-        if v is not None and v < 1:
+        if isinstance(v, int) and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     config = PlanConfig(policy=args.policy, world_size=args.world_size, tp=args.tp, pp=args.pp, cp=args.cp,
                         seed=args.seed, time_limit_s=args.time_limit, candidates=args.candidates)
     cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)
+    mixture: list = []  # per step: tokens per source (a --mix)
+    if wants_stream(args):  # a mixture or a schedule: the loader's MixtureStream cuts the steps
+        sb = stream_batches(args, max_seq_len=args.max_seq_len, steps=args.steps)
+        batches, stats, what, num_docs, check_at = sb.batches, sb.stats, sb.label, sb.source.num_docs, sb.validation
+        mixture = [c.mixture_tokens for c in sb.cuts]
+    else:
+        batches, stats, what, num_docs, check_at = _batches(args)
+    if not batches:  # nothing to plan: one empty step
+        z = np.zeros(0, dtype=np.int64)
+        batches = [BatchItems(doc_ids=z, starts=z, lengths=z)]
+    steps = []
+    # with the plan JSON on stdout, keep native libraries' prints (HiGHS writes some diagnostics to the
+    # process's stdout) out of it
+    with contextlib.nullcontext() if args.out else native_stdout_to_stderr():
+        warm_up(batches, cost, [config])  # kernels and policy loaded first: plan_seconds is the step's own work
+        for k, items in enumerate(batches):
+            plan = make_plan(items, cost, config, step=k)
+            check = check_at(k)
+            plan.validate(check, cost, doc_ids=np.unique(items.doc_ids))
+            release_pages(check)  # a memory-mapped file's touched pages count as resident memory
+            steps.append(plan)
+    out = Plan(policy=args.policy, world_size=args.world_size, steps=tuple(steps))
+    report = sys.stdout if args.out else sys.stderr
+    unusual = {k: v for k, v in stats.to_json().items() if k not in ("docs", "tokens") and v}
+    print(f"{what}: {num_docs:,} docs, {stats.docs:,} read ({stats.tokens:,} tokens)"
+          + (f" ({', '.join(f'{k} {v}' for k, v in unusual.items())})" if unusual else "")
+          + f"; planned {len(steps)} step(s) of {sum(len(b) for b in batches):,} sequences, "
+          f"{sum(int(b.lengths.sum()) for b in batches):,} tokens with policy {args.policy} on {args.world_size} "
+          f"ranks, cost {cost.name or args.cost_file}", file=report)
+    print(f"{'step':>5} {'sequences':>10} {'tokens':>12} {'microbatches':>12} {'groups':>7} "
+          f"{'plan_ms':>9} {'predicted_ms':>13}" + ("  shares" if mixture else ""), file=report)
+    for k, (items, s) in enumerate(zip(batches, steps)):
+        mbs = max((len(p.microbatches) for p in s.pools), default=0)
+        print(f"{s.step:>5} {len(items):>10,} {int(items.lengths.sum()):>12,} {mbs:>12} {s.num_groups:>7} "
+              f"{s.plan_seconds * 1e3:>9.2f} {s.predicted_ms:>13.1f}"
+              + (f"  {shares(mixture[k])}" if mixture else ""), file=report)
+    if args.out:
+        write_text(args.out, out.dumps() + "\n")  # complete or absent: an existing plan stays on failure
+        print(f"wrote {args.out}", file=report)
+    else:
+        sys.stdout.write(out.dumps() + "\n")
+    return 0
+
+
+def _batches(args: argparse.Namespace):
+    """``(batches, stats, label, num_docs, step -> validation lengths)`` of ``--lengths``/``--source``."""
+    from balanced_loader.data.batching import EmptyDocError, global_batches, validation_lengths
+    from balanced_loader.data.lengths import doc_line
+
     lengths, shard_bounds, what = _lengths(args)
     try:
         batches, stats = global_batches(lengths, max_seq_len=args.max_seq_len, long_docs=args.long_docs,
@@ -98,37 +147,5 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lengths {what}: lengths must be positive; {where} has length 0") from None
     except ValueError as e:  # name the input: a bad length is found only when its batch is cut
         raise ValueError(f"{'--lengths ' if args.lengths else ''}{what}: {e}") from None
-    if not batches:  # nothing to plan: one empty step
-        z = np.zeros(0, dtype=np.int64)
-        batches = [BatchItems(doc_ids=z, starts=z, lengths=z)]
     check = validation_lengths(lengths, args.max_seq_len, args.long_docs)
-    steps = []
-    # with the plan JSON on stdout, keep native libraries' prints (HiGHS writes some diagnostics to the
-    # process's stdout) out of it
-    with contextlib.nullcontext() if args.out else native_stdout_to_stderr():
-        warm_up(batches, cost, [config])  # kernels and policy loaded first: plan_seconds is the step's own work
-        for k, items in enumerate(batches):
-            plan = make_plan(items, cost, config, step=k)
-            plan.validate(check, cost, doc_ids=np.unique(items.doc_ids))
-            release_pages(check)  # a memory-mapped file's touched pages count as resident memory
-            steps.append(plan)
-    out = Plan(policy=args.policy, world_size=args.world_size, steps=tuple(steps))
-    report = sys.stdout if args.out else sys.stderr
-    unusual = {k: v for k, v in stats.to_json().items() if k not in ("docs", "tokens") and v}
-    print(f"{what}: {len(lengths):,} docs, {stats.docs:,} read ({stats.tokens:,} tokens)"
-          + (f" ({', '.join(f'{k} {v}' for k, v in unusual.items())})" if unusual else "")
-          + f"; planned {len(steps)} step(s) of {sum(len(b) for b in batches):,} sequences, "
-          f"{sum(int(b.lengths.sum()) for b in batches):,} tokens with policy {args.policy} on {args.world_size} "
-          f"ranks, cost {cost.name or args.cost_file}", file=report)
-    print(f"{'step':>5} {'sequences':>10} {'tokens':>12} {'microbatches':>12} {'groups':>7} "
-          f"{'plan_ms':>9} {'predicted_ms':>13}", file=report)
-    for items, s in zip(batches, steps):
-        mbs = max((len(p.microbatches) for p in s.pools), default=0)
-        print(f"{s.step:>5} {len(items):>10,} {int(items.lengths.sum()):>12,} {mbs:>12} {s.num_groups:>7} "
-              f"{s.plan_seconds * 1e3:>9.2f} {s.predicted_ms:>13.1f}", file=report)
-    if args.out:
-        write_text(args.out, out.dumps() + "\n")  # complete or absent: an existing plan stays on failure
-        print(f"wrote {args.out}", file=report)
-    else:
-        sys.stdout.write(out.dumps() + "\n")
-    return 0
+    return batches, stats, what, len(lengths), lambda _step: check

@@ -65,7 +65,7 @@ def check_policies(names: Sequence[str]) -> list[str]:
     return out
 
 
-def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: CostModel,
+def compare_policies(batches: Sequence[BatchItems], lengths: Any, cost: CostModel,
                      configs: Sequence[PlanConfig], *, model: ModelShape | None = None,
                      hardware: Hardware | None = None, validate: bool = True,
                      progress: Callable[[int], None] | None = None,
@@ -75,9 +75,10 @@ def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: C
     also holds ``bound_ms`` (mean lower bound per step) and ``vs_bound`` (total time / total bound).
 
     ``lengths`` (by doc_id) is what validation checks each planned doc covers (see
-    :func:`balanced_loader.data.batching.validation_lengths`).
+    :func:`balanced_loader.data.batching.validation_lengths`), or a function of the step giving them
+    (a schedule's truncating limit changes with the step).
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
+    per_step = lengths if callable(lengths) else (lambda _step: lengths)
     warm_up(batches, cost, configs)
     per: dict[str, list[StepMetrics]] = {c.policy: [] for c in configs}
     plans: dict[str, list[StepPlan]] = {c.policy: [] for c in configs}
@@ -89,7 +90,7 @@ def compare_policies(batches: Sequence[BatchItems], lengths: np.ndarray, cost: C
             try:
                 plan = make_plan(items, cost, c, step)
                 if validate:
-                    plan.validate(lengths, cost, doc_ids=np.unique(items.doc_ids))
+                    plan.validate(per_step(step), cost, doc_ids=np.unique(items.doc_ids))
             except ValueError as e:
                 raise ValueError(f"policy '{c.policy}', step {step}: {e}") from None
             per[c.policy].append(simulate_step(plan, cost, model=model, hardware=hardware))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import Any
 
 MAX_RANKS = 1 << 20  # ranks, GPUs, and tp/pp/cp degrees: 1,048,576
 MAX_TOKENS = 1 << 40  # tokens of a doc, a sequence or a global batch
@@ -65,10 +66,51 @@ SECONDS = float_in(0.0, MAX_SECONDS, lo_open=True)
 MEGABYTES = float_in(0.0, float(1 << 20), lo_open=True)
 
 
+def tokens_or_schedule(text: str) -> Any:
+    """An argparse ``type``: a token count ``N`` in 1..MAX_TOKENS, or a schedule ``N@STEP,...``."""
+    from balanced_loader.data.schedule import parse_text, schedule
+
+    if "@" not in text:
+        return TOKENS(text)
+    try:
+        value = parse_text(text, "schedule")
+        sc = schedule(value, "schedule")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("schedule: ")) from None
+    if sc.largest > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{sc.largest:,} is outside 1..{MAX_TOKENS:,}")
+    return value
+
+
+def mix_entry(text: str) -> tuple[str, str, Any]:
+    """An argparse ``type`` for ``NAME=PATH:WEIGHT``: ``(name, path, weight or [(step, weight), ...])``."""
+    from balanced_loader.data.schedule import parse_text
+
+    name, eq, rest = text.partition("=")
+    path, colon, weight = rest.rpartition(":")
+    if not eq or not name or not colon or not path or not weight:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH:WEIGHT (e.g. web=shards/web:0.7)")
+    try:
+        return name, path, parse_text(weight, f"--mix {name}", integer=False)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_mix_arguments(p: argparse.ArgumentParser, group: Any) -> None:
+    """``--mix`` (into ``group``, the ``--lengths``/``--source`` choice) and ``--mix-by``."""
+    group.add_argument("--mix", nargs="+", type=mix_entry, metavar="NAME=PATH:WEIGHT",
+                       help="a mixture of sources (shard folders, .jsonl or length files) at set shares of every "
+                            "step; WEIGHT is a number or a schedule W@STEP,W@STEP (linear between steps)")
+    p.add_argument("--mix-by", default="tokens", choices=("tokens", "docs"),
+                   help="--mix weights are shares of each step's tokens (default) or of its docs")
+
+
 def add_batch_arguments(p: argparse.ArgumentParser, *, max_seq_len_default: str) -> None:
-    """``--lengths|--source`` (one required), ``--global-batch-tokens``, ``--shuffle``, ``--seed``,
-    ``--shuffle-window``, ``--max-seq-len`` and ``--long-docs``, with the same meaning as the loader's batching."""
+    """``--lengths|--source|--mix`` (one required), ``--mix-by``, ``--global-batch-tokens``, ``--shuffle``,
+    ``--seed``, ``--shuffle-window``, ``--max-seq-len`` and ``--long-docs``, with the same meaning as the
+    loader's batching (a schedule ``N@STEP,...`` for the token settings, see :mod:`.streams`)."""
     src = p.add_mutually_exclusive_group(required=True)
+    add_mix_arguments(p, src)
     src.add_argument("--lengths", metavar="FILE",
                      help="length file: .txt (one length a line, also .txt.gz) or .npy; doc_id = line")
     src.add_argument("--source", metavar="DIR|URL", nargs="+",
@@ -77,14 +119,16 @@ def add_batch_arguments(p: argparse.ArgumentParser, *, max_seq_len_default: str)
                           "of a build-shards --part build, in part order)")
     p.add_argument("--cache-dir", metavar="DIR",
                    help="remote --source: keep its fetched index files here, so the next run reads them locally")
-    p.add_argument("--global-batch-tokens", type=TOKENS, metavar="N",
-                   help="tokens per global batch, cut between docs (default: the whole input is one batch)")
+    p.add_argument("--global-batch-tokens", type=tokens_or_schedule, metavar="N",
+                   help="tokens per global batch, cut between docs (default: the whole input is one batch); a "
+                        "schedule N@STEP,N@STEP ramps it up")
     p.add_argument("--shuffle", action="store_true", help="shuffle docs by --seed before batching")
     p.add_argument("--seed", type=SEED, default=0, help="shuffle and planner seed (default 0)")
     p.add_argument("--shuffle-window", type=COUNT, default=1 << 16, metavar="N",
                    help="docs shuffled together, as the loader's shuffle_window (default 65536)")
-    p.add_argument("--max-seq-len", type=TOKENS, metavar="N",
-                   help=f"context limit; longer docs are handled by --long-docs (default: {max_seq_len_default})")
+    p.add_argument("--max-seq-len", type=tokens_or_schedule, metavar="N",
+                   help=f"context limit; longer docs are handled by --long-docs (default: {max_seq_len_default}); "
+                        f"a schedule N@STEP,N@STEP warms it up")
     p.add_argument("--long-docs", default="split", choices=("split", "truncate", "drop", "error"),
                    help="docs over --max-seq-len: split into segments (default), truncate, drop or error")
 

@@ -285,14 +285,28 @@ def _batch_bounds_py(lengths: np.ndarray, budget: int) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
+def doc_tokens(ln: np.ndarray, ids: np.ndarray, max_seq_len: int | None, long_docs: str) -> np.ndarray:
+    """``[n]`` tokens each doc (``ln``, ``ids``: ``[n]``) brings to a batch after the long-doc rule
+    (0: empty or dropped); a negative length is a ``ValueError`` naming the doc."""
+    if ln.size and int(ln.min()) < 0:
+        i = int(np.flatnonzero(ln < 0)[0])
+        raise ValueError(f"doc {int(ids[i])} has a negative length {int(ln[i])}")
+    if max_seq_len is None or long_docs in ("split", "error"):
+        return ln
+    if long_docs == "truncate":
+        return np.minimum(ln, max_seq_len)
+    return np.where(ln > max_seq_len, 0, ln)  # drop
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cut:
     """One global batch cut from an epoch's order."""
 
     items: BatchItems  # its sequences, in order (empty only when no doc with tokens is left)
-    start: int  # epoch position of its first doc
-    end: int  # epoch position of the next batch's first doc (num_docs at the end of the epoch)
+    start: Any  # epoch position of its first doc (a mixture or a schedule: its MixCursor)
+    end: Any  # epoch position of the next batch's first doc (num_docs at the end of the epoch; or the next MixCursor)
     stats: DocStats  # the docs of [start, end), empty and dropped ones included
+    mixture_tokens: dict[str, int] | None = None  # a mixture's step: tokens per source (after the long-doc rule)
 
 
 _RELEASE_EVERY = 1 << 16  # docs read between page releases of a memory-mapped length index (about a window)
@@ -334,6 +348,12 @@ class EpochBatches:
         self._chunk = 4096  # docs read at a time; follows the batch size
         self._since_release = 0
 
+    first = 0  # the epoch position of the epoch's first batch
+
+    def is_end(self, c: Cut) -> bool:
+        """Whether ``c`` is the epoch's last batch."""
+        return c.end >= self.num_docs
+
     def _read(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """doc_ids and lengths at positions ``[a, b)`` (``[b - a]`` int64 each)."""
         ids = self.order.docs(a, b)
@@ -345,18 +365,10 @@ class EpochBatches:
         return ids, ln
 
     def _tokens(self, ln: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """Tokens each doc brings to a batch after the long-doc rule (0: empty or dropped)."""
-        if ln.size and int(ln.min()) < 0:
-            i = int(np.flatnonzero(ln < 0)[0])
-            raise ValueError(f"doc {int(ids[i])} has a negative length {int(ln[i])}")
         if self.empty_docs == "error" and ln.size and int(ln.min()) == 0:
             d = int(ids[int(np.flatnonzero(ln == 0)[0])])
             raise EmptyDocError(d)
-        if self.max_seq_len is None or self.long_docs in ("split", "error"):
-            return ln
-        if self.long_docs == "truncate":
-            return np.minimum(ln, self.max_seq_len)
-        return np.where(ln > self.max_seq_len, 0, ln)  # drop
+        return doc_tokens(ln, ids, self.max_seq_len, self.long_docs)
 
     def cut(self, start: int) -> Cut:
         """The batch whose first doc is at epoch position ``start``."""

@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = parse_shapes(args.shapes) if args.shapes else recipe.shapes()
         if (1, 1) not in shapes:
             shapes = [(1, 1), *shapes]
-        caps = parse_caps(args.cap, shapes, recipe.data.max_seq_len)
+        caps = parse_caps(args.cap, shapes, recipe.data.longest_seq_len)
         try:
             want = sorted({int(x) for x in args.degrees.split(",")})
         except ValueError:
@@ -376,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"profile: error: {e}", file=sys.stderr)
         return 2
-    longest = max([recipe.data.max_seq_len, *(load_recipe(x, args.overrides).data.max_seq_len
-                                              for x in args.held_out_from)])
+    longest = max([recipe.data.longest_seq_len, *(load_recipe(x, args.overrides).data.longest_seq_len
+                                                  for x in args.held_out_from)])
     cases = make_cases(shapes, degrees, caps, grid=args.grid, max_len=longest)
     profiled = {(tp, pp, d) for (tp, pp), ds in degrees.items() for d in ds}
     for r in [recipe, *(load_recipe(x, args.overrides) for x in args.held_out_from)]:

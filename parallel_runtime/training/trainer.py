@@ -36,7 +36,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from balanced_loader.data.batching import validation_lengths
 from balanced_loader.loader import BalancedLoader, StepBatch
 from balanced_loader.materialize import num_valid_tokens
 from balanced_loader.planning import fixed_pools
@@ -61,6 +60,11 @@ def open_data(recipe: Recipe, *, build: bool):
     from balanced_loader.data.open import open_source
 
     d = recipe.data
+    if d.mixture:  # several sources at set shares (balanced_loader.mix)
+        from balanced_loader.data.mixture import mix
+
+        return mix({e.name: recipe.resolve(e.source) for e in d.mixture}, weights={e.name: e.weight for e in d.mixture},
+                   by=d.mixture_by)
     if d.source == STDLIB:
         from balanced_loader.data.corpus import stdlib_shards
         from balanced_loader.data.shards import ShardSource
@@ -79,7 +83,7 @@ def open_data_world(recipe: Recipe, *, rank: int, local_rank: int):
     finds it done) or builds its own copy; then the other ranks open it. The waits are barriers of a
     gloo group with a long timeout (building takes longer than a collective may): a builder that
     fails ends its waiting peers through the broken barrier, never a hang."""
-    if recipe.data.source != STDLIB:
+    if recipe.data.source != STDLIB or recipe.data.mixture:
         return open_data(recipe, build=False)
     wait = new_group(range(dist.get_world_size()), backend="gloo", timeout_s=DATA_BUILD_TIMEOUT_S)
     source = None  # a builder keeps what it built (the same ShardSource a plain open gives)
@@ -209,7 +213,6 @@ class Trainer:
         else:
             self.model = Transformer(recipe.model, device=self.device, dtype=self.dtype, seed=None)
             self.ref_params = local_params(self.model, {s.name: s for s in specs})
-        self._valid_lengths: np.ndarray | None = None  # [num_docs] what plans' segments must tile, on first use
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
         self.probe = M.MemoryProbe(self.device)
         self._memory: dict[str, int] = {}  # this rank's memory parts in the step being run
@@ -224,7 +227,8 @@ class Trainer:
                               max_seq_len=d.max_seq_len, long_docs=d.long_docs, shuffle=d.shuffle,
                               shuffle_window=d.shuffle_window, epochs=None, prefetch_steps=d.prefetch_steps,
                               planner_workers=d.planner_workers, plan_config=r.plan_config(policy),
-                              cp_inner=r.loader_cp_inner(), calibrate=r.calibration if calibrate else False)
+                              cp_inner=r.loader_cp_inner(), order=d.order,
+                              calibrate=r.calibration if calibrate else False)
 
     # ---- the loop ---------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict[str, Any]]:
@@ -258,16 +262,16 @@ class Trainer:
         box: list[Any] = [None]
         if self.info.rank == 0:
             b = next(loader)
-            box = [(b.plan, b.step, b.epoch, b.step_in_epoch, b.planner_wait_s)]
+            box = [(b.plan, b.step, b.epoch, b.step_in_epoch, b.planner_wait_s, b.mixture_tokens)]
         with phase(f"the plan broadcast after step {self.step}", self._all):
             dist.broadcast_object_list(box, src=0)
-        plan, step, epoch, s_in, wait = box[0]
+        plan, step, epoch, s_in, wait, mixture_tokens = box[0]
         if self.info.rank != 0:
             wait = time.perf_counter() - t0  # these ranks' loaders only materialize; checkpoints keep rank 0's cursor
         return StepBatch(step=step, epoch=epoch, step_in_epoch=s_in, plan=plan,
                          microbatches=tuple(loader.microbatches(plan, self.info.rank)),
                          num_valid_tokens=num_valid_tokens(plan), planner_wait_s=wait,
-                         doc_stats=loader.epoch_stats(epoch), rank=self.info.rank)
+                         doc_stats=loader.epoch_stats(epoch), rank=self.info.rank, mixture_tokens=mixture_tokens)
 
     def train_step(self, batch: StepBatch) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns the step's metrics (complete on rank 0)."""
@@ -304,6 +308,8 @@ class Trainer:
                "pull_bytes": self.optimizer.bytes_pulled, "push_bytes": self.optimizer.bytes_pushed,
                "pipeline_bytes": int(stats.pipeline_bytes.sum()), "new_groups": new_groups,
                "step_ms": round((time.perf_counter() - t0) * 1e3, 3), "memory": memory}
+        if batch.mixture_tokens is not None:
+            rec["mixture_tokens"] = batch.mixture_tokens
         if compare:
             rec["compare"] = compare
         self.optimizer.bytes_pulled = self.optimizer.bytes_pushed = 0
@@ -317,7 +323,7 @@ class Trainer:
         gradients); returns every rank's stats and the number of groups created."""
         plan, s, world = batch.plan, batch.step, self._all
         with phase(f"the plan check of step {s}", world):
-            topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, lengths=self.valid_lengths,
+            topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, lengths=self.loader.validation_lengths(s),
                                                     groups=self.groups, comm_device=self.comm_device)
         sm = self.runtime.stage_model(topo)
         sm.model.recompute = self.recipe.train.recompute
@@ -349,12 +355,9 @@ class Trainer:
         return range(self.info.world_size)
 
     @property
-    def valid_lengths(self) -> np.ndarray:
-        """``[num_docs]`` the lengths a plan's segments must tile (truncated docs end at ``max_seq_len``)."""
-        if self._valid_lengths is None:
-            d = self.recipe.data
-            self._valid_lengths = validation_lengths(self.source.lengths, d.max_seq_len, d.long_docs)
-        return self._valid_lengths
+    def valid_lengths(self) -> Any:
+        """``[num_docs]`` the lengths the current step's plan tiles (truncated docs end at its ``max_seq_len``)."""
+        return self.loader.validation_lengths(self.step)
 
     def _compare_step(self, name: str, loader: BalancedLoader) -> dict[str, Any]:
         """Forward and backward of another policy's plan of the same batch (same parameters, not trained)."""
