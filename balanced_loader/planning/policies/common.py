@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -126,16 +127,19 @@ def assemble(items: BatchItems, mb: np.ndarray, lane0: np.ndarray, degree: np.nd
     g_mb = m_s[first]  # [G] microbatch of each group (non-decreasing)
     m_bounds = [0, *(np.flatnonzero(g_mb[1:] != g_mb[:-1]) + 1).tolist(), len(first)]  # [M + 1] into groups
     g_lane = l_s[first].tolist()  # [G]
-    g_deg = np.asarray(degree, dtype=np.int64)[order][first].tolist()  # [G]
+    g_deg = np.asarray(degree, dtype=np.int64)[order][first]  # [G]
     paused = gc.isenabled()
     gc.disable()  # only acyclic tuples are built here; collections would scan them for nothing
     try:
-        segs = list(zip(items.doc_ids[order].tolist(), items.starts[order].tolist(),
-                        items.lengths[order].tolist()))
+        starts = items.starts[order].tolist() if items.starts.any() else itertools.repeat(0)
+        segs = list(zip(items.doc_ids[order].tolist(), starts, items.lengths[order].tolist()))
         # why map/slice: one C-level pass per group instead of a Python loop body
         seg_groups = list(map(tuple, map(segs.__getitem__, map(slice, bounds[:-1], bounds[1:]))))
         one = [(x,) for x in range(max(g_lane) + 1)]  # one shared tuple per lane for one-lane groups
-        lanes = [one[f] if d == 1 else tuple(range(f, f + d)) for f, d in zip(g_lane, g_deg)]
+        lanes = list(map(one.__getitem__, g_lane))
+        wide = np.flatnonzero(g_deg > 1)  # [w] groups of several lanes
+        for j, d in zip(wide.tolist(), g_deg[wide].tolist()):
+            lanes[j] = tuple(range(g_lane[j], g_lane[j] + d))
         groups = make_groups(lanes, seg_groups)
         return tuple(tuple(groups[a:b]) for a, b in zip(m_bounds[:-1], m_bounds[1:]))
     finally:

@@ -265,8 +265,8 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
                         beat=None if best is None else best[3])
         if placed is not None and (best is None or placed[3] < best[3]):
             best = placed
-        if best[3] <= tgt.target_ms * (1 + RETARGET_SLACK):
-            break
+        if best[3] <= tgt.target_ms * (1 + RETARGET_SLACK) or np.isnan(best[3]):
+            break  # nan (the gmax defect in _place): no later try compares below it
     mb, lane0, deg, _ = best
     micro = assemble(items, mb, lane0, deg)
     return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
