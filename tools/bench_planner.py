@@ -16,7 +16,8 @@ Sections (each prints a markdown table; ``--only`` picks some):
   (``step_lower_bound``, tp = pp = 1: below every plan) and the same bound over power-of-two degrees
   only (below every plan that, like hydra and mcore-dcp, uses only those), mcore-dcp, token-kk and
   maxlen; hydra's planning time (median of ``--repeats``).
-* ``scaling``: hydra planning time for 64 .. 2048 lanes with batches of the same rule.
+* ``scaling``: hydra planning time for 64 .. 16384 lanes (``--scaling-lanes``) with batches of the same
+  rule, and for all 1M docs in one step at 2048 and 16384 lanes (``--all-docs-lanes``).
 * ``megatron``: mcore-dcp beside the real Megatron-Core ``BalancedCPScheduler`` (its plan
   rebuilt from the scheduler's per-rank sample lists) on the first ``--megatron-batches``
   batches per context, of Wikipedia and of a heavy-tailed synthetic corpus. Megatron's real
@@ -43,6 +44,7 @@ from dataclasses import replace
 import numpy as np
 from numba import njit
 
+import balanced_loader
 from balanced_loader.plan import (
     BatchItems,
     Group,
@@ -291,14 +293,18 @@ def bench_hydra(lengths, contexts, lanes, passes, count, repeats) -> None:
               f"wall, {statistics.median(plan_cpu) * 1e3:.1f} ms cpu.")
 
 
-def bench_scaling(lengths, passes, repeats) -> None:
+def bench_scaling(lengths, passes, repeats, lane_counts, all_docs_lanes) -> None:
     cost = cost_preset(COST)
-    print(f"\n### hydra planning time against batch size (32K context, {passes} passes of 8192 tokens per lane)\n")
+    print(f"\n### hydra planning time against batch size (32K context, {passes} passes of 8192 tokens per lane; "
+          f"'all': every one of the {len(lengths):,} docs in one step)\n")
+    print(f"Planner code: {os.path.dirname(os.path.abspath(balanced_loader.__file__))} (PYTHONPATH=DIR times another "
+          "checkout, e.g. the code before a change, with this benchmark)\n")
     print("| lanes | docs | plan ms wall | plan ms cpu | cpu us per doc | cpu / (n log2 n) ns | step / bound "
           "| step / 2^k bound |")
     print("|---|---|---|---|---|---|---|---|")
-    for lanes in (64, 128, 256, 512, 1024, 2048):
-        b = batches(lengths, 32768, lanes, passes, 1)[0]
+    rows = [(lanes, batches(lengths, 32768, lanes, passes, 1)[0], "") for lanes in lane_counts]
+    rows += [(lanes, lengths, " (all)") for lanes in all_docs_lanes]
+    for lanes, b, tag in rows:
         items = BatchItems.from_lengths(b)
         cfg = PlanConfig(policy="hydra", world_size=lanes)
         plan = make_plan(items, cost, cfg)
@@ -306,7 +312,7 @@ def bench_scaling(lengths, passes, repeats) -> None:
         n = len(b)
         lb = step_lower_bound(b, cost, lanes, [(1, 1)]).bound_ms
         lb2 = step_lower_bound(b, cost, lanes, [(1, 1)], degrees=pow2(lanes)).bound_ms
-        print(f"| {lanes} | {n:,} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {cpu / n * 1e6:.2f} | "
+        print(f"| {lanes}{tag} | {n:,} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {cpu / n * 1e6:.2f} | "
               f"{cpu / (n * np.log2(n)) * 1e9:.1f} | {plan.predicted_ms / lb:.4f} | {plan.predicted_ms / lb2:.4f} |")
 
 
@@ -411,6 +417,10 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--contexts", default="32768,262144")
+    ap.add_argument("--scaling-lanes", default="64,128,256,512,1024,2048,4096,8192,16384",
+                    help="scaling: lane counts, each with a batch of lanes x 8192 x --passes tokens")
+    ap.add_argument("--all-docs-lanes", default="2048,16384",
+                    help="scaling: lane counts that plan every doc of --lengths in one step ('' for none)")
     ap.add_argument("--megatron-batches", type=int, default=2)
     ap.add_argument("--code-docs", type=int, default=1_000_000, help="docs of the code-like corpus (pack section)")
     ap.add_argument("--code-seed", type=int, default=0)
@@ -429,7 +439,8 @@ def main() -> None:
     if "hydra" in only:
         bench_hydra(lengths, contexts, args.lanes, args.passes, args.batches, args.repeats)
     if "scaling" in only:
-        bench_scaling(lengths, args.passes, args.repeats)
+        bench_scaling(lengths, args.passes, args.repeats, [int(x) for x in args.scaling_lanes.split(",")],
+                      [int(x) for x in args.all_docs_lanes.split(",") if x])
     if "megatron" in only:
         bench_megatron(lengths, contexts, args.lanes, args.passes, args.megatron_batches)
 

@@ -99,6 +99,29 @@ def test_fill_passes_equals_reference(case, lanes, beta, rnd):
         assert np.bincount(key, weights=tokens).max() <= cap
 
 
+@given(st.integers(9, 700), st.integers(0, 400), st.sampled_from([0.0, 2.0]), st.integers(0, 2**32 - 1))
+def test_fill_passes_on_many_lanes_equals_reference(lanes, n, beta, seed):
+    # more lanes than one node of the kernel's 8-ary tree holds (2 to 4 levels), with equal loads (ties)
+    rng = np.random.default_rng(seed)
+    tokens = np.sort(rng.integers(1, 33, n))[::-1].copy()
+    work = rng.integers(0, 4, n).astype(np.float64)
+    load = rng.integers(0, 3, lanes).astype(np.float64)
+    got = P.fill_passes(tokens, work, load, 32, beta)
+    ref = P.fill_passes_reference(tokens, work, load, 32, beta)
+    for name in got._fields:
+        assert np.array_equal(getattr(got, name), getattr(ref, name)), name
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 5)), max_size=80), st.booleans())
+def test_order_by_pair_is_a_stable_sort_by_both_keys(pairs, huge):
+    major = np.asarray([a for a, _ in pairs], dtype=np.int64)
+    minor = np.asarray([b for _, b in pairs], dtype=np.int64)
+    if huge and len(pairs):
+        major = major * 10**9 - 7  # above the counting-sort range: the merge sort path
+    want = sorted(range(len(pairs)), key=lambda i: (major[i], minor[i], i))
+    assert K.order_by_pair(major, minor).tolist() == want
+
+
 @given(st.lists(st.one_of(st.integers(0, 6).map(float), st.floats(0, 100)), max_size=60), st.integers(1, 9))
 def test_karmarkar_karp_equals_reference(work, k):
     w = np.asarray(work, dtype=np.float64)

@@ -7,7 +7,8 @@ which check their input; the kernels trust theirs (int64 / float64, 1-D, C order
 Modules, by family:
 
 * :mod:`.order`: :func:`order_desc` (stable longest-first order; counting sort when the
-  lengths are small integers, else a merge sort) and :func:`argsort_stable`.
+  lengths are small integers, else a merge sort), :func:`order_by_pair` (stable order by two
+  small integer keys, e.g. (microbatch, lane)) and :func:`argsort_stable`.
 * :mod:`.fit`: :func:`ffd_kernel` (first-fit-decreasing over a max segment tree of bin
   rooms) and :func:`bfd_kernel` (best-fit-decreasing over a tree of room values).
 * :mod:`.repair`: :func:`repair_round` / :func:`repair_kernel`, a pass after FFD/BFD that pools
@@ -22,9 +23,9 @@ from __future__ import annotations
 
 from balanced_loader.planning.kernels.fit import bfd_kernel, ffd_kernel
 from balanced_loader.planning.kernels.karmarkar_karp import kk_kernel
-from balanced_loader.planning.kernels.order import argsort_stable, order_desc
+from balanced_loader.planning.kernels.order import argsort_stable, order_by_pair, order_desc
 from balanced_loader.planning.kernels.place import block_place_kernel, cost_pack_kernel, fill_passes_kernel
 from balanced_loader.planning.kernels.repair import repair_kernel, repair_round
 
 __all__ = ["argsort_stable", "bfd_kernel", "block_place_kernel", "cost_pack_kernel", "ffd_kernel", "fill_passes_kernel",
-           "kk_kernel", "order_desc", "repair_kernel", "repair_round"]
+           "kk_kernel", "order_by_pair", "order_desc", "repair_kernel", "repair_round"]

@@ -70,3 +70,36 @@ def order_desc(lengths):
         order[start[v]] = i
         start[v] += 1
     return order
+
+
+@njit(cache=True)
+def _stable_by(keys, order):
+    """``order`` re-sorted stably by ``keys[order]`` (ascending): a counting sort over the key range
+    when it is small next to n, else a merge sort."""
+    n = order.shape[0]
+    if n == 0:
+        return order.copy()
+    k = keys[order]  # [n]
+    lo = k.min()
+    span = k.max() - lo
+    if span > 4 * n + 65536:
+        return order[argsort_stable(k)]
+    start = np.zeros(span + 2, np.int64)  # [span + 2] counts, then write positions
+    for i in range(n):
+        start[k[i] - lo + 1] += 1
+    for v in range(1, span + 2):
+        start[v] += start[v - 1]
+    out = np.empty(n, np.int64)
+    for i in range(n):
+        v = k[i] - lo
+        out[start[v]] = order[i]
+        start[v] += 1
+    return out
+
+
+@njit(cache=True)
+def order_by_pair(major, minor):
+    """Stable order by ``(major, minor)`` ascending, ties by index: ``[n]`` indices (the same as
+    ``np.lexsort((minor, major))``). Two counting-sort passes (least significant key first), so
+    O(n + key ranges) for the small integer keys of plans (microbatch, lane)."""
+    return _stable_by(major, _stable_by(minor, np.arange(major.shape[0])))

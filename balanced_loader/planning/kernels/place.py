@@ -17,8 +17,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from balanced_loader.planning.kernels.fit import min_tree_set
-
 
 @njit(cache=True)
 def _min_load_with_room(mroom, mload, size, s, stack, bound_load, bound_leaf):
@@ -305,6 +303,55 @@ def block_place_kernel(times, pref, load0, next_k0, target):
 
 
 @njit(cache=True)
+def min8_build(values):
+    """An 8-ary min tree over ``values`` (``[m]``): ``(tree, inner)``; the children of node v are
+    ``8v + 1 .. 8v + 8`` and leaf i is node ``inner + i`` (padding leaves are inf)."""
+    leaves = 1
+    inner = 0  # internal nodes above the leaves: (8^h - 1) / 7
+    while leaves < values.shape[0]:
+        inner += leaves
+        leaves *= 8
+    tree = np.full(inner + leaves, np.inf)
+    for i in range(values.shape[0]):
+        tree[inner + i] = values[i]
+    for node in range(inner - 1, -1, -1):
+        m = tree[8 * node + 1]
+        for c in range(8 * node + 2, 8 * node + 9):
+            m = min(m, tree[c])
+        tree[node] = m
+    return tree, inner
+
+
+@njit(cache=True)
+def min8_set(tree, inner, leaf, value):
+    """Set a leaf of an 8-ary min tree and update its ancestors (stops where nothing changes)."""
+    node = inner + leaf
+    tree[node] = value
+    while node > 0:
+        parent = (node - 1) >> 3
+        c0 = 8 * parent + 1
+        m = tree[c0]
+        for c in range(c0 + 1, c0 + 8):
+            m = min(m, tree[c])
+        if tree[parent] == m:
+            break
+        tree[parent] = m
+        node = parent
+
+
+@njit(cache=True)
+def min8_leftmost(tree, inner):
+    """The leftmost leaf holding the tree's minimum."""
+    node = 0
+    while node < inner:
+        v = tree[node]
+        node = 8 * node + 1
+        while tree[node] != v:
+            node += 1
+    return node - inner
+
+
+@njit(cache=True)
 def fill_passes_kernel(tokens, work, load0, cap, beta):
     """Single-lane items (in the given order) onto lanes, packed into passes of ``cap`` tokens.
 
@@ -314,7 +361,7 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
     pass), or a new pass. Returns (lane ``[n]``, pass ``[n]``, passes per lane
     ``[num_lanes]``, lane loads ``[num_lanes]``).
 
-    A min segment tree over the lanes holds each lane's cost: its load, or load + beta once
+    An 8-ary min tree over the lanes holds each lane's cost: its load, or load + beta once
     the lane is found without room (it is *retired* into a max-heap keyed by its largest
     room, and woken when an item small enough comes). The leftmost minimum of the tree is
     the answer once it is retired or has room, so each item costs O(log lanes) amortized.
@@ -329,14 +376,7 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
     maxroom = np.full(nl, -1, np.int64)  # [num_lanes] largest pass room (-1: no pass yet)
     retired = np.zeros(nl, np.bool_)
     rver = np.zeros(nl, np.int64)  # retirement version: heap entries of older ones are stale
-    size = 1
-    while size < nl:
-        size *= 2
-    tree = np.full(2 * size, np.inf)  # [2 * size] min cost below each node
-    for lane in range(nl):
-        tree[size + lane] = load[lane]
-    for node in range(size - 1, 0, -1):
-        tree[node] = min(tree[2 * node], tree[2 * node + 1])
+    tree, inner = min8_build(load)  # [nodes] min cost below each node; why 8-ary: one cache line per level
     wk = np.empty(n + nl, np.int64)  # wake heap (max-heap by room): room, lane, version
     wl = np.empty(n + nl, np.int64)
     wv = np.empty(n + nl, np.int64)
@@ -366,14 +406,9 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
                 wk[pos], wl[pos], wv[pos] = key, lk, vk
             if retired[lane] and rver[lane] == ver:
                 retired[lane] = False
-                min_tree_set(tree, size, lane, load[lane])
+                min8_set(tree, inner, lane, load[lane])
         while True:
-            node = 1  # the leftmost cheapest lane
-            while node < size:
-                node *= 2
-                if tree[node] != tree[node // 2]:
-                    node += 1
-            best = node - size
+            best = min8_leftmost(tree, inner)  # the leftmost cheapest lane
             if retired[best] or maxroom[best] >= s:
                 break
             retired[best] = True  # no room: it costs load + beta until woken
@@ -388,7 +423,7 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
                 else:
                     break
             wk[pos], wl[pos], wv[pos] = maxroom[best], best, rver[best]
-            min_tree_set(tree, size, best, load[best] + beta)
+            min8_set(tree, inner, best, load[best] + beta)
         bp = -1
         for p in range(npass[best]):
             r = rooms[best, p]
@@ -414,5 +449,5 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
         if retired[best]:
             retired[best] = False
             rver[best] += 1
-        min_tree_set(tree, size, best, load[best])
+        min8_set(tree, inner, best, load[best])
     return out_lane, out_pass, npass, load

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import gc
 import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees, fit_levels, pow2_divisor
-from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
+from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, make_groups, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
 
 
@@ -109,38 +110,41 @@ def assemble(items: BatchItems, mb: np.ndarray, lane0: np.ndarray, degree: np.nd
     ``lane0 .. lane0 + degree - 1``, segments in item order. Empty microbatch indices are
     dropped (that does not change any lane's execution order).
     """
+    from balanced_loader.planning.kernels import order_by_pair  # numba: loaded when a policy runs
+
     n = len(items)
     if n == 0:
         return ()
-    mb = np.asarray(mb, dtype=np.int64)
-    lane0 = np.asarray(lane0, dtype=np.int64)
-    order = np.lexsort((np.arange(n), lane0, mb))
+    mb = np.ascontiguousarray(mb, dtype=np.int64)
+    lane0 = np.ascontiguousarray(lane0, dtype=np.int64)
+    order = order_by_pair(mb, lane0)  # [n] by (microbatch, first lane), ties in item order
     m_s = mb[order]
     l_s = lane0[order]
-    d_s = np.asarray(degree, dtype=np.int64)[order]
-    cut = np.flatnonzero((m_s[1:] != m_s[:-1]) | (l_s[1:] != l_s[:-1])) + 1
-    starts = [0, *cut.tolist()]
-    ends = [*cut.tolist(), n]
+    new = np.ones(n, dtype=bool)  # [n] item starts a group
+    new[1:] = (m_s[1:] != m_s[:-1]) | (l_s[1:] != l_s[:-1])
+    first = np.flatnonzero(new)  # [G] first item of each group
+    bounds = np.append(first, n).tolist()  # [G + 1]
+    g_mb = m_s[first]  # [G] microbatch of each group (non-decreasing)
+    m_bounds = [0, *(np.flatnonzero(g_mb[1:] != g_mb[:-1]) + 1).tolist(), len(first)]  # [M + 1] into groups
+    g_lane = l_s[first].tolist()  # [G]
+    g_deg = np.asarray(degree, dtype=np.int64)[order][first]  # [G]
     paused = gc.isenabled()
     gc.disable()  # only acyclic tuples are built here; collections would scan them for nothing
     try:
-        segs = list(zip(items.doc_ids[order].tolist(), items.starts[order].tolist(),
-                        items.lengths[order].tolist()))
-        m_l, l_l, d_l = m_s.tolist(), l_s.tolist(), d_s.tolist()
-        out: dict[int, list[Group]] = {}
-        for a, b in zip(starts, ends):
-            first, d = l_l[a], d_l[a]
-            lanes = (first,) if d == 1 else tuple(range(first, first + d))
-            g = Group(lanes=lanes, segments=tuple(segs[a:b]))
-            grp = out.get(m_l[a])
-            if grp is None:
-                out[m_l[a]] = [g]
-            else:
-                grp.append(g)
+        starts = items.starts[order].tolist() if items.starts.any() else itertools.repeat(0)
+        segs = list(zip(items.doc_ids[order].tolist(), starts, items.lengths[order].tolist()))
+        # why map/slice: one C-level pass per group instead of a Python loop body
+        seg_groups = list(map(tuple, map(segs.__getitem__, map(slice, bounds[:-1], bounds[1:]))))
+        one = [(x,) for x in range(max(g_lane) + 1)]  # one shared tuple per lane for one-lane groups
+        lanes = list(map(one.__getitem__, g_lane))
+        wide = np.flatnonzero(g_deg > 1)  # [w] groups of several lanes
+        for j, d in zip(wide.tolist(), g_deg[wide].tolist()):
+            lanes[j] = tuple(range(g_lane[j], g_lane[j] + d))
+        groups = make_groups(lanes, seg_groups)
+        return tuple(tuple(groups[a:b]) for a, b in zip(m_bounds[:-1], m_bounds[1:]))
     finally:
         if paused:
             gc.enable()
-    return tuple(tuple(out[k]) for k in sorted(out))
 
 
 def empty_plan(step: int, config: PlanConfig, setup: PoolSetup) -> StepPlan:
