@@ -2,7 +2,12 @@
 
 The fingerprints were taken from hydra before its 16K-lane speed-up (issue 23: one sort per step,
 retargeting tries that cannot win skip the pass filling, an 8-ary tree in the pass filling, the
-counting-sort ``assemble``). A change that alters plans on purpose updates them here and says why.
+counting-sort ``assemble``). A change that alters plans on purpose updates them here and says why:
+
+* the placement's ``gmax`` read the group-time table in item order with levels in placement order (an
+  ``inf`` could come out; with pp = 1 the score was then nan and no retargeting try could win). Fixed,
+  the retargeting tries compete again: 3 Wikipedia plans and the random set changed, none slower (equal or
+  up to 0.014% faster; the 60 random steps 0.12% faster in total).
 """
 
 from __future__ import annotations
@@ -19,14 +24,14 @@ from balanced_loader.presets import cost_preset
 
 PINNED = {  # (lanes, passes, seed, pp, cp) -> fingerprint of step 3's plan
     (64, 4, 0, 1, None): "3f82606da87f7c8a",
-    (512, 1, 1, 1, None): "a92428506189123d",
+    (512, 1, 1, 1, None): "4c0f5d564a11091d",
     (512, 4, 2, 1, 8): "77196d5c4a1701a9",
-    (2048, 1, 0, 1, None): "161d4f1a6aefe0c9",
+    (2048, 1, 0, 1, None): "09e20b0f63d8fa24",
     (64, 4, 2, 2, None): "d3142388191d9a4f",
-    (16384, 1, 0, 1, None): "161926b7bc2a43d4",
+    (16384, 1, 0, 1, None): "245fe4c419ce7c91",
 }
 # 60 small heavy-tailed batches on 1-64 lanes, pp 1 and 2 (later retargeting tries win, others are skipped)
-RANDOM_PINNED = "44c416762d8f2f7c"
+RANDOM_PINNED = "4f34687f195e8fca"
 
 
 def wiki_batch(lengths: np.ndarray, lanes: int, passes: int, seed: int) -> np.ndarray:

@@ -226,10 +226,7 @@ def _place(items: BatchItems, sc: ShapeCost, lanes: int, pp: int, levels: np.nda
         lane0[idx] = pl.lane
         deg[idx] = np.left_shift(1, pl.level)
         load, next_k = pl.load, pl.next_microbatch
-        # known defect, kept so plans stay as pinned (tests/balanced_loader/test_hydra_pinned.py): g is in
-        # item order, pl.level in placement order, so this can pick an inf entry; with pp = 1 the score is
-        # then nan (0 * inf) and no later retargeting try can win. g[order][arange, pl.level] is meant.
-        gmax = float(g[np.arange(len(idx)), pl.level].max())
+        gmax = float(g[order][np.arange(len(idx)), pl.level].max())  # pl.level is in placement order
     if beat is not None and not (float(load.max()) + (pp - 1) * gmax) / pp < beat:  # nan: never below
         return None
     idx = desc[levels[desc] == 0]  # the one-lane items, longest first (a stable order's subsequence)
@@ -265,8 +262,8 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
                         beat=None if best is None else best[3])
         if placed is not None and (best is None or placed[3] < best[3]):
             best = placed
-        if best[3] <= tgt.target_ms * (1 + RETARGET_SLACK) or np.isnan(best[3]):
-            break  # nan (the gmax defect in _place): no later try compares below it
+        if best[3] <= tgt.target_ms * (1 + RETARGET_SLACK):
+            break
     mb, lane0, deg, _ = best
     micro = assemble(items, mb, lane0, deg)
     return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
