@@ -54,21 +54,21 @@ def speed_groups(cost: CostModel, config: PlanConfig, ranks: Sequence[Sequence[i
                  longest: Callable[[CostModel, PlanConfig], int], world_size: int | None = None) -> list[SpeedGroup]:
     """The speed groups of a pool with rank grid ``ranks`` (``[pp][lanes * tp]``), in lane order
     (``world_size``: the plan's, when ``config`` is a pool's own sub-world)."""
-    prof = cost.lanes(ranks, tp, world_size or config.world_size)
+    world = world_size or config.world_size
     pp = len(ranks)
     unit = config.cp or 1  # a fixed CP degree keeps its aligned blocks whole
-    nl = len(prof.cls)
+    nl = len(ranks[0]) // tp if len(ranks) else 0
     if nl % unit:
         raise ValueError(f"cp {unit} does not divide the {nl} lanes of the pool")
-    keys = []  # [nl // unit] (class, speed) of each block of unit lanes
-    for b in range(0, nl, unit):
-        blk = range(b, b + unit)
-        keys.append((max(int(prof.cls[x]) for x in blk), float(min(prof.speed[x] for x in blk))))
+    # each block of unit lanes as one lane of contract 2: its slowest speed, and a block of several classes
+    # the slowest keys of them (a mixed class of its own)
+    blocks = cost.lanes(ranks, tp * unit, world)
+    keys = list(zip(blocks.cls.tolist(), blocks.speed.tolist()))  # [nl // unit] (class, speed)
     out = []
     for first, size in aligned_runs(keys):
         c, v = keys[first]
         lanes = list(range(first * unit, (first + size) * unit))
-        model = prof.models[c].scaled(1.0 / v)
+        model = blocks.models[c].scaled(1.0 / v)
         top = 1 << (len(lanes).bit_length() - 1)  # the largest aligned block of these lanes
         cp = None if config.cp is None else min(config.cp, top)
         sub = replace(config, world_size=len(lanes) * tp * pp, cp=cp)
