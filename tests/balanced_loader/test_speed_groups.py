@@ -200,3 +200,17 @@ def test_mixed_hardware_classes_beat_planning_as_if_alike(wiki_lengths):
         for g in (g for mb in aware.pools[0].microbatches for g in mb):
             tokens[list(g.lanes)] += g.tokens / g.degree
         assert tokens[8:].sum() > 1.5 * tokens[:8].sum()
+
+
+@pytest.mark.parametrize("policy", ("token-kk", "static-sp", "maxlen"))
+def test_a_fixed_cp_block_across_two_classes_takes_the_slowest_keys(policy):
+    # ranks 0-2 old (cap 48), 3-7 new (cap 64): with cp=2 the block (2, 3) holds one old lane, so 2 x 48 tokens
+    cost = MIXED.replace(rank_classes=(("old", 3), ("new", 5)))
+    cfg = _config(policy, cp=2)
+    g = speed_groups(cost, cfg, [list(range(8))], 1, lambda m, c: m.lane_cap() * 2)
+    assert [x.lanes for x in g] == [(0, 1), (2, 3), (4, 5, 6, 7)]
+    assert [x.capacity for x in g] == [96, 96, 128] and g[1].model.linear_ms == pytest.approx(0.02)
+    lengths = np.full(24, 120)  # fits 2 new lanes only
+    plan = make_plan(BatchItems.from_lengths(lengths), cost, cfg)
+    plan.validate(lengths, cost, doc_ids=range(len(lengths)))
+    assert {x for mb in plan.pools[0].microbatches for grp in mb for x in grp.lanes} == {4, 5, 6, 7}
