@@ -214,3 +214,17 @@ def test_a_fixed_cp_block_across_two_classes_takes_the_slowest_keys(policy):
     plan = make_plan(BatchItems.from_lengths(lengths), cost, cfg)
     plan.validate(lengths, cost, doc_ids=range(len(lengths)))
     assert {x for mb in plan.pools[0].microbatches for grp in mb for x in grp.lanes} == {4, 5, 6, 7}
+
+
+@pytest.mark.parametrize("policy", ("hydra", "greedy", "flexsp", "token-kk"))
+def test_a_doc_the_pool_holds_is_planned_when_a_slow_lane_cuts_the_alike_blocks(policy):
+    # 8 lanes hold 512 tokens; lane 5 at half speed leaves blocks of 4, 1, 1, 2 alike lanes (256 at most):
+    # a 400-token doc (within the loader's max_seq_len from the uniform model) must still be planned
+    lengths = np.asarray([400, 30, 50, 20, 60, 10])
+    plan = make_plan(BatchItems.from_lengths(lengths), SLOW, _config(policy))
+    plan.validate(lengths, SLOW, doc_ids=range(len(lengths)))
+    (big,) = [g for mb in plan.pools[0].microbatches for g in mb if any(d == 0 for d, _, _ in g.segments)]
+    assert big.degree == 8
+    too_long = np.asarray([513, 10])
+    with pytest.raises(ValueError, match=r"doc 0 \(513 tokens\)"):
+        make_plan(BatchItems.from_lengths(too_long), SLOW, _config(policy))
