@@ -264,3 +264,23 @@ def test_calibrator_with_device_classes_fits_each_class():
     assert _rel(up.cost.class_model("new").linear_ms, TRUE.linear_ms) < 0.05
     assert up.cost.lane_speed == ()
     assert CostModel.from_dict(up.cost.to_dict()) == up.cost
+
+
+def test_calibrator_at_another_world_takes_this_worlds_class_map_and_speeds():
+    opts = CalibrationOptions(every=1, first=1)
+    prior4 = TRUE.with_classes({"old": TRUE, "new": TRUE}, [("old", 2), ("new", 2)])
+    a = Calibrator(prior4, WORLD, opts)
+    rng = np.random.default_rng(10)
+    for s in range(2):
+        a.observe(s, _step_samples(s, rng))
+    assert a.cost.lane_speed == ((2, 0.5),)
+    state = json.loads(json.dumps(a.state_dict()))
+    prior2 = TRUE.with_classes({"old": TRUE, "new": TRUE}, [("old", 1), ("new", 1)]).with_speeds({1: 0.8})
+    b = Calibrator(prior2, 2, opts)
+    b.load_state_dict(state)
+    assert b.cost.rank_classes == (("old", 1), ("new", 1)) and b.cost.lane_speed == ((1, 0.8),)
+    assert b.speeds.in_use.tolist() == [1.0, 0.8]
+    assert b.cost.class_model("old") == a.cost.class_model("old")  # the fitted coefficients
+    assert b.cost.rank_class_index(2).tolist() == [0, 1]
+    with pytest.raises(ValueError, match=r"device classes \['old', 'new'\], this loader's \[\]"):
+        Calibrator(TRUE, 2, opts).load_state_dict(state)
