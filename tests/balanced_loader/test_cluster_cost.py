@@ -107,6 +107,12 @@ def test_rank_maps_speeds_and_with_helpers():
     assert CostModel.from_dict(wc.to_dict()) == wc
     with pytest.raises(ValueError, match="must be > 0"):
         _cost().with_speeds([1.0, 0.0])
+    # a negative rank would index from the end of the world: refused, like in a cost file
+    with pytest.raises(ValueError, match="lane_speed rank must be >= 0, got -1"):
+        _cost().with_speeds({-1: 0.5})
+    with pytest.raises(ValueError, match="lane_speed of rank 0 must be a number"):
+        _cost().with_speeds({0: "slow"})
+    assert _cost().with_speeds({np.int64(2): np.float32(0.5)}).lane_speed == ((2, 0.5),)
 
 
 def test_lane_profile_speed_is_the_smallest_and_a_mixed_lane_the_slowest_key_by_key():
@@ -154,6 +160,7 @@ BAD = {
     "class unknown key": ({**CLASSES, "device_classes": {"old": {"gpus_per_node": 4}}}, "unknown key"),
     "class not a mapping": ({**CLASSES, "device_classes": {"old": 3}}, "expected a mapping"),
     "rank_classes empty": ({**CLASSES, "rank_classes": []}, "'rank_classes' must be a list"),
+    "speed rank twice": ({"lane_speed": {0: 0.5, "0": 0.7}}, "lane_speed lists rank 0 twice"),
 }
 
 
