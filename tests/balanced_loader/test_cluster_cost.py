@@ -328,16 +328,18 @@ def test_a_mixed_class_lane_uses_the_slowest_keys():
     over.validate([60, 60, 20], c.device())  # 80 <= 128: fine on alike lanes
 
 
+def _one_group(lanes, tokens: int) -> StepPlan:
+    return StepPlan(step=0, world_size=4,
+                    pools=(_pool([[0, 1, 2, 3]], [[Group(lanes=lanes, segments=((0, 0, tokens),))]]),))
+
+
 def test_validate_checks_every_lane_with_its_class_cap():
     c = CostModel.from_dict(CLUSTER)  # caps: lanes 0, 1 new 64, lanes 2, 3 old 32
-    fits_new = Group(lanes=(1,), segments=((0, 0, 60),))
-    plan = StepPlan(step=0, world_size=4, pools=(_pool([[0, 1, 2, 3]], [[fits_new]]),))
-    plan.validate([60], c)
-    on_old = StepPlan(step=0, world_size=4, pools=(_pool([[0, 1, 2, 3]], [[Group(lanes=(2,), segments=((0, 0, 60),))]]),))
+    _one_group((1,), 60).validate([60], c)
     with pytest.raises(ValueError, match="exceed max_tokens_per_lane 32"):
-        on_old.validate([60], c)
+        _one_group((2,), 60).validate([60], c)
     # a CP group spanning both classes holds the smaller cap on each of its lanes: 2 x 32
-    span = StepPlan(step=0, world_size=4, pools=(_pool([[0, 1, 2, 3]], [[Group(lanes=(1, 2), segments=((0, 0, 70),))]]),))
+    span = _one_group((1, 2), 70)
     with pytest.raises(ValueError, match=r"exceed max_tokens_per_lane 32 \(x2\)"):
         span.validate([70], c)
     span.validate([70], c.device())
