@@ -307,7 +307,10 @@ class CostModel:
     def with_speeds(self, speeds: Sequence[float] | np.ndarray | dict[int, float]) -> CostModel:
         """A copy with ``lane_speed`` set (a rank -> speed mapping, or one speed per rank; 1s are left out)."""
         items = speeds.items() if isinstance(speeds, dict) else enumerate(np.asarray(speeds, dtype=np.float64).tolist())
-        pairs = tuple(sorted((int(r), _speed(v, f"lane_speed of rank {r}")) for r, v in items if float(v) != 1.0))
+        plain = [(r.item() if isinstance(r, np.generic) else r, v.item() if isinstance(v, np.generic) else v)
+                 for r, v in items]  # numpy scalars as Python numbers, for the checks
+        pairs = tuple(sorted((check_number(r, "lane_speed rank", integer=True, minimum=0, maximum=1 << 24),
+                              _speed(v, f"lane_speed of rank {r}")) for r, v in plain if v != 1.0))
         return self.replace(lane_speed=pairs)
 
     def with_classes(self, classes: dict[str, CostModel], runs: Sequence[tuple[str, int]]) -> CostModel:
@@ -486,6 +489,8 @@ def _parse_cluster(d: dict[str, Any], top: CostModel, where: str
         for r, v in raw_speed.items():
             r = int(r) if isinstance(r, str) and r.isdigit() else r  # JSON writes mapping keys as strings
             rank = check_number(r, f"{where}: lane_speed key", integer=True, minimum=0, maximum=1 << 24)
+            if any(rank == x for x, _ in speeds):  # 0 and "0" are two YAML keys for one rank
+                raise ValueError(f"{where}: lane_speed lists rank {rank} twice")
             speeds.append((rank, _speed(v, f"{where}: lane_speed of rank {r}")))
     return tuple(classes), tuple(runs), tuple(sorted(speeds))
 

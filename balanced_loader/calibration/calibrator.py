@@ -187,6 +187,7 @@ class Calibrator:
         (speeds and samples are per rank, so they start afresh)."""
         if not isinstance(d, dict) or d.get("format") != STATE_FORMAT or d.get("version") != 1:
             raise ValueError(f"not a calibration state: expected \"format\": \"{STATE_FORMAT}\", version 1")
+        prior = self.cost
         self.cost = CostModel.from_dict(d["cost"], where="calibration state: cost")
         self.steps_seen = int(d["steps_seen"])
         self.history = list(d.get("history", []))
@@ -197,5 +198,15 @@ class Calibrator:
             log.warning("calibration state saved at world size %s, resumed at %d: speeds and samples start "
                         "afresh, fitted coefficients kept", d["world_size"], self.world_size)
             self.window = Samples.empty()
-            self.cost = self.cost.replace(lane_speed=())
-            self.speeds.in_use = np.ones(self.world_size)
+            self.cost = for_world(self.cost, prior, "calibration state")
+            self.speeds.smoothed = np.full(self.world_size, np.nan)
+            self.speeds.in_use = self.cost.rank_speeds(self.world_size)
+
+
+def for_world(saved: CostModel, own: CostModel, where: str) -> CostModel:
+    """A cost model saved at another world size, for this one: its fitted coefficients with ``own``'s per-rank
+    keys (lane speeds, and the rank-to-class map when both name the same device classes)."""
+    if saved.class_names != own.class_names:
+        raise ValueError(f"{where}: the saved cost model has device classes {list(saved.class_names)}, this loader's "
+                         f"{list(own.class_names)}; at another world size pass a cost file with the same classes")
+    return saved.replace(lane_speed=own.lane_speed, rank_classes=own.rank_classes)

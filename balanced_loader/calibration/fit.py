@@ -98,7 +98,9 @@ def _solve(a: np.ndarray, y: np.ndarray, x0: np.ndarray, prior_weight: float) ->
     lhs = np.vstack([aw, ridge]) / scale  # columns scaled to one: nnls converges on columns of any size
     rhs = np.concatenate([yw, ridge @ x0])
     x, _ = nnls(lhs, rhs, maxiter=50 * lhs.shape[1])
-    return x / scale
+    # a column of zeros (no sample exercises it: B when every group ran on one lane) has no ridge row
+    # either, and nnls leaves its coefficient at 0: it keeps the prior instead
+    return np.where(col > 0, x / scale, x0)
 
 
 def fit_shape(sc: ShapeCost, s: Samples, settings: FitSettings) -> tuple[ShapeCost, ShapeFit]:

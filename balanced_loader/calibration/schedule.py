@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from balanced_loader.calibration.calibrator import CalibrationOptions, Calibrator, Update
+from balanced_loader.calibration.calibrator import CalibrationOptions, Calibrator, Update, for_world
 from balanced_loader.calibration.samples import Samples, agree_cost, gather_samples
 from balanced_loader.cost import CostModel
 
@@ -22,6 +22,7 @@ class CostSchedule:
 
     def __init__(self, cost: CostModel, world_size: int, calibrate: Any = False) -> None:
         self.entries: list[tuple[int, CostModel]] = [(0, cost)]
+        self.world_size = world_size
         self.calibrator = None if calibrate is False or calibrate is None else \
             Calibrator(cost, world_size, CalibrationOptions.of(calibrate))
 
@@ -81,6 +82,9 @@ class CostSchedule:
                            for first, d in raw]
             except (TypeError, ValueError) as e:
                 raise ValueError(f"malformed loader state: costs: {e}") from None
+            saved = state.get("world_size")
+            if entries and saved is not None and saved != self.world_size:  # per-rank keys are this world's
+                entries = [(first, for_world(c, self.entries[0][1], "loader state")) for first, c in entries]
             if entries:
                 self.entries = [(0, entries[0][1])] + entries[1:]  # the first one plans every earlier step
         if self.calibrator is not None and state.get("calibration") is not None:

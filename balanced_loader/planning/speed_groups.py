@@ -53,19 +53,21 @@ class SpeedGroup:
 
 
 def speed_groups(cost: CostModel, config: PlanConfig, ranks: Sequence[Sequence[int]], tp: int,
-                 longest: Callable[[CostModel, PlanConfig], int], world_size: int | None = None) -> list[SpeedGroup]:
+                 longest: Callable[[CostModel, PlanConfig], int], world_size: int | None = None, *,
+                 unit: int | None = None) -> list[SpeedGroup]:
     """The speed groups of a pool with rank grid ``ranks`` (``[pp][lanes * tp]``), in lane order
-    (``world_size``: the plan's, when ``config`` is a pool's own sub-world)."""
-    prof = cost.lanes(ranks, tp, world_size or config.world_size)
+    (``world_size``: the plan's, when ``config`` is a pool's own sub-world; ``unit``: lanes kept whole
+    in blocks, default the fixed CP degree or 1)."""
+    world = world_size or config.world_size
     pp = len(ranks)
-    unit = config.cp or 1  # a fixed CP degree keeps its aligned blocks whole
-    nl = len(prof.cls)
+    unit = unit or config.cp or 1  # a fixed CP degree keeps its aligned blocks whole
+    nl = len(ranks[0]) // tp if len(ranks) else 0
     if nl % unit:
         raise ValueError(f"cp {unit} does not divide the {nl} lanes of the pool")
-    keys = []  # [nl // unit] (class, speed) of each block of unit lanes
-    for b in range(0, nl, unit):
-        blk = range(b, b + unit)
-        keys.append((max(int(prof.cls[x]) for x in blk), float(min(prof.speed[x] for x in blk))))
+    # each block of unit lanes as one lane of contract 2: its slowest speed, and a block of several classes
+    # the slowest keys of them (a mixed class of its own)
+    blocks = cost.lanes(ranks, tp * unit, world)
+    keys = list(zip(blocks.cls.tolist(), blocks.speed.tolist()))  # [nl // unit] (class, speed)
     out = []
     runs = aligned_runs(keys)
     # a time-limited solver (flexsp, hydraulis) gets the pool's budget shared over the groups, so a step
@@ -74,7 +76,7 @@ def speed_groups(cost: CostModel, config: PlanConfig, ranks: Sequence[Sequence[i
     for first, size in runs:
         c, v = keys[first]
         lanes = list(range(first * unit, (first + size) * unit))
-        model = prof.models[c].scaled(1.0 / v)
+        model = blocks.models[c].scaled(1.0 / v)
         top = 1 << (len(lanes).bit_length() - 1)  # the largest aligned block of these lanes
         cp = None if config.cp is None else min(config.cp, top)
         sub = replace(config, world_size=len(lanes) * tp * pp, cp=cp)  # solver time limits: see speed_groups()
@@ -94,6 +96,19 @@ def aligned_runs(keys: Sequence[object]) -> list[tuple[int, int]]:
         out.append((i, size))
         i += size
     return out
+
+
+def groups_holding(cost: CostModel, config: PlanConfig, pool: Pool, longest: Callable[[CostModel, PlanConfig], int],
+                   world: int, need: int) -> list[SpeedGroup]:
+    """The speed groups of ``pool``, coarsened until one holds an item of ``need`` tokens: blocks of 2, 4, ...
+    lanes, each as slow as its slowest lane, at last the whole pool as one group. Why: a slow lane cuts the
+    aligned blocks of alike lanes, so a doc the pool holds (the loader's ``max_seq_len``) may fit none."""
+    unit, nl = config.cp or 1, pool.num_lanes
+    while True:
+        groups = speed_groups(cost, config, pool.ranks, pool.tp, longest, world, unit=unit)
+        if need <= max(g.capacity for g in groups) or unit >= nl:
+            return groups
+        unit = unit * 2 if nl % (unit * 2) == 0 else nl
 
 
 def item_estimates(items: BatchItems, group: SpeedGroup, tp: int, pp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -188,7 +203,7 @@ def plan_pool(fn: PlanFn, items: BatchItems, cost: CostModel, config: PlanConfig
     world = world_size or config.world_size
     if fixed_degree and config.cp is None:  # the degree the policy would take for the whole pool, fixed first
         config = replace(config, cp=_fixed_degree(items, cost, pool, world))
-    groups = speed_groups(cost, config, pool.ranks, pool.tp, longest, world)
+    groups = groups_holding(cost, config, pool, longest, world, int(items.lengths.max(initial=0)))
     if len(groups) == 1:
         sub = fn(items, groups[0].model, groups[0].config, step)
         return merge(pool, [(groups[0], sub.pools[0])]), sub.notes
