@@ -75,11 +75,7 @@ def run(args: argparse.Namespace) -> int:
             lengths = read_lengths(args.lengths)
         else:
             lengths = plan_lengths(plan)
-        for sp in plan.steps:
-            try:
-                sp.validate(lengths, cost)
-            except ValueError as e:
-                raise ValueError(f"plan {args.plan} fails validation: {e}") from None
+        validate_plan(plan, lengths, cost, args.plan)
         metrics = sim.simulate_plan(plan, cost, model=model, hardware=hw)
         predicted = [sp.predicted_ms for sp in plan.steps]
 
@@ -100,6 +96,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {mismatched} step(s) have a predicted_ms different from this cost model "
               f"(was the plan made with another cost file?)", file=sys.stderr)
     return 0
+
+
+def validate_plan(plan, lengths, cost, path: str) -> None:
+    """Every step of a plan file against contract 1 and the cost model's caps (one line naming the file)."""
+    for sp in plan.steps:
+        try:
+            sp.validate(lengths, cost)
+        except ValueError as e:
+            raise ValueError(f"plan {path} fails validation: {e}") from None
 
 
 def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -> str:

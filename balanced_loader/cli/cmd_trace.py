@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import os
     import sys
 
+    from balanced_loader.cli.cmd_simulate import validate_plan
     from balanced_loader.diagnostics.trace import plan_trace, read_trace, save_trace
     from balanced_loader.plan import Plan, plan_lengths, read_plan_json
     from balanced_loader.presets import load_cost
@@ -62,12 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("nothing to write: give --out PLAN.trace.json and/or --png OUT.png")
     plan = Plan.from_json(data)
     cost = load_cost(args.cost_file, args.cost, world_size=plan.world_size)
-    lengths = plan_lengths(plan)
-    for sp in plan.steps:
-        try:
-            sp.validate(lengths, cost)
-        except ValueError as e:
-            raise ValueError(f"plan {args.plan} fails validation: {e}") from None
+    validate_plan(plan, plan_lengths(plan), cost, args.plan)
     if args.steps:
         wanted = parse_steps(args.steps)
         steps = [sp for sp in plan.steps if sp.step in wanted]
