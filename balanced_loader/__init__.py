@@ -30,6 +30,8 @@ _EXPORTS = {
     "wrap": "balanced_loader.wrapping",
     "pack": "balanced_loader.planning.packing",
     "cp_positions": "balanced_loader.materialize",
+    "balance": "balanced_loader.integrations.rl",
+    "balance_batch": "balanced_loader.integrations.rl",
 }
 
 __all__ = sorted(_EXPORTS)
