@@ -112,7 +112,8 @@ class _StepStream:
                 batch = next(self.loader)
             except StopIteration:
                 return
-            item = _StepInputs(input_ids=torch.from_numpy(np.concatenate([mb.input_ids for mb in batch.microbatches]))[None])
+            ids = np.concatenate([mb.input_ids for mb in batch.microbatches])  # [T] this rank's tokens of the step
+            item = _StepInputs(input_ids=torch.from_numpy(ids)[None])
             item.step_batch = batch
             yield item
 
