@@ -87,17 +87,17 @@ def _resolve_cost(cost: Any, world_size: int) -> CostModel | None:
 
 def _ranks(work: np.ndarray, world: int) -> np.ndarray:
     """Rank of every rollout ``[n]``, never heavier (largest rank work) than verl's equal-size partition."""
-    from balanced_loader.planning.packing import lpt
-
-    n = len(work)
     rounds = EXCHANGE_ROUNDS_PER_RANK * world
     verl = grouped_kk_kernel(work, world)  # [n] verl's own partition (equal-size differencing, its exact ties)
     verl_max = np.bincount(verl, weights=work, minlength=world).max()
-    # longest-processing-time, then exchanges (which only lower the heaviest rank): kept when it is
-    # at least as good as verl's; else verl's partition improved by exchanges (never worse than it)
+    # longest-processing-time, then exchanges (which only lower the heaviest rank): kept when it is at least
+    # as good as verl's (with few rollouts per rank it is much better); else verl's partition improved by the
+    # same exchanges (with many rollouts per rank differencing is the finer one): never worse than verl's
+    from balanced_loader.planning.packing import lpt
+
     order = np.argsort(-work, kind="stable")  # [n] heaviest first (ties: lower index)
-    start = np.empty(n, dtype=np.int64)
-    start[order] = lpt(work[order], np.ones(n, dtype=np.int64), world).lane
+    start = np.empty(len(work), dtype=np.int64)
+    start[order] = lpt(work[order], np.ones(len(work), dtype=np.int64), world).lane
     part, load, _ = exchange_kernel(work, start, world, rounds)
     if load.max() <= verl_max:
         return part

@@ -130,7 +130,9 @@ def grouped_kk_kernel(work, k):
     size = 0
     for s in range(g):
         for j in range(k):
-            p = s * k + j
+            # slot j takes the group's (k-1-j)-th item: descending sums, equal ones by descending index,
+            # which is verl's set order already (the sort below then only checks it, O(k))
+            p = s * k + (k - 1 - j)
             if p < n:
                 it = asc[p]
                 sums[s, j] = work[it]

@@ -49,7 +49,7 @@ LOADER_STATE_NAME = "balanced_loader_state.json"
 # sdpa / eager / flex through masking_utils.find_packed_sequence_indices (a block-diagonal causal mask),
 # flash-attention through the varlen kernel (cu_seq_lens_* kwargs, else modeling_flash_attention_utils.
 # _is_packed_sequence). docs/hf.md has the measured table.
-PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 _MANAGED = ("rank", "world_size")  # the Trainer's process group decides these
 
 
@@ -182,12 +182,7 @@ class BalancedTrainerMixin:
         # datasets Dataset, a Source): wrap
         loader = BalancedLoader(source, **kw) if named else wrap(source, **kw)
         if self._bl_resume is not None:
-            path = os.path.join(self._bl_resume, LOADER_STATE_NAME)
-            if not os.path.isfile(path):
-                loader.close()
-                raise ValueError(f"checkpoint {self._bl_resume} has no {LOADER_STATE_NAME}: it was not saved by "
-                                 f"BalancedTrainer, so the data cannot continue where it stopped")
-            with open(path) as f:
+            with open(os.path.join(self._bl_resume, LOADER_STATE_NAME)) as f:
                 loader.load_state_dict(json.load(f))
         return loader
 
@@ -237,6 +232,9 @@ class BalancedTrainerMixin:
             if resume_from_checkpoint is None:
                 raise ValueError(f"no checkpoint found in output directory {self.args.output_dir}")
         self._bl_resume = resume_from_checkpoint or None
+        if self._bl_resume is not None and not os.path.isfile(os.path.join(self._bl_resume, LOADER_STATE_NAME)):
+            raise ValueError(f"checkpoint {self._bl_resume} has no {LOADER_STATE_NAME}: it was not saved by "
+                             f"BalancedTrainer, so the data cannot continue where it stopped")
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
