@@ -45,9 +45,10 @@ def main() -> None:
                                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
 
     # ---- the part that is about balanced-loader: hydra plans, CP groups per microbatch ----
+    lane = -(-MAX_SEQ_LEN // world)  # a lane holds 1/world of the longest doc: long docs need CP groups
     cost = bl.CostModel.from_dict({"quadratic_ms": 1e-3, "linear_ms": 0.01, "microbatch_ms": 0.5,
-                                   "comm_bytes_per_token": 100, "bandwidth_gbs": {2: 10.0},
-                                   "max_tokens_per_lane": -(-MAX_SEQ_LEN // world)})  # a lane holds 1/world of the longest
+                                   "max_tokens_per_lane": lane, "comm_bytes_per_token": 100,
+                                   "bandwidth_gbs": {2: 10.0}})
     loader = bl.wrap(docs, policy="hydra", cost=cost, global_batch_tokens=2048, max_seq_len=MAX_SEQ_LEN,
                      cp_inner=a.cp_inner, seed=0, epochs=None)  # rank and world size: accelerate's
     bind = enable_context_parallel(model, cp_inner=a.cp_inner, max_seq_len=MAX_SEQ_LEN)

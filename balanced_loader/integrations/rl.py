@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.cost import CostModel
-from balanced_loader.integrations.rl_kernels import exchange_kernel, grouped_kk_kernel, microbatch_kernel
+from balanced_loader.integrations.rl_kernels import balance_kernel
 
 # verl's calculate_workload (a 7B model: 12 h^2 s + 2 h s^2 with h = 4096, divided by 2 h): 24576 s + s^2
 DEFAULT_LINEAR = 24576.0
@@ -85,25 +85,6 @@ def _resolve_cost(cost: Any, world_size: int) -> CostModel | None:
     return resolve_cost(cost, world_size)
 
 
-def _ranks(work: np.ndarray, world: int) -> np.ndarray:
-    """Rank of every rollout ``[n]``, never heavier (largest rank work) than verl's equal-size partition."""
-    rounds = EXCHANGE_ROUNDS_PER_RANK * world
-    verl = grouped_kk_kernel(work, world)  # [n] verl's own partition (equal-size differencing, its exact ties)
-    verl_max = np.bincount(verl, weights=work, minlength=world).max()
-    # longest-processing-time, then exchanges (which only lower the heaviest rank): kept when it is at least
-    # as good as verl's (with few rollouts per rank it is much better); else verl's partition improved by the
-    # same exchanges (with many rollouts per rank differencing is the finer one): never worse than verl's
-    from balanced_loader.planning.packing import lpt
-
-    order = np.argsort(-work, kind="stable")  # [n] heaviest first (ties: lower index)
-    start = np.empty(len(work), dtype=np.int64)
-    start[order] = lpt(work[order], np.ones(len(work), dtype=np.int64), world).lane
-    part, load, _ = exchange_kernel(work, start, world, rounds)
-    if load.max() <= verl_max:
-        return part
-    return exchange_kernel(work, verl, world, rounds)[0]
-
-
 def balance(lengths: Any, *, world_size: int, max_tokens_per_microbatch: int, cost: Any = None,
             equal_counts: bool = True) -> list[list[list[int]]]:
     """Each rank's microbatches as lists of indices into ``lengths``: ``out[rank][k] = [i, ...]``.
@@ -123,8 +104,8 @@ def balance(lengths: Any, *, world_size: int, max_tokens_per_microbatch: int, co
         raise ValueError(f"rollout {i} has {int(lens[i])} tokens, more than max_tokens_per_microbatch={cap}; "
                          f"raise the cap or truncate the rollout")
     work = rollout_work(lens, _resolve_cost(cost, world))  # [n]
-    part = _ranks(work, world) if world > 1 else np.zeros(len(lens), dtype=np.int64)  # [n]
-    mb, counts = microbatch_kernel(lens, work, part, world, cap, bool(equal_counts))  # [n], [world]
+    # one kernel call (see balance_kernel): rank [n], microbatch [n], microbatches per rank [world]
+    part, mb, counts = balance_kernel(lens, work, world, cap, bool(equal_counts), EXCHANGE_ROUNDS_PER_RANK * world)
     # group by (rank, microbatch), indices ascending inside each: one stable sort instead of n appends
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])  # [world] global index of each rank's microbatch 0
     slot = first[part] + mb  # [n]

@@ -10,7 +10,8 @@
   first-fit-decreasing to find the counts, then (with equal counts, the largest count on every
   rank) longest first into the microbatch of least work with room.
 
-The tests compare every kernel with its ``*_reference`` on random inputs.
+:func:`balance_kernel` chains them (one call, no Python between the steps); the tests compare every
+kernel with its ``*_reference`` on random inputs, and ``balance_kernel`` with the chain of those.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from numba import njit
 
 from balanced_loader.planning.kernels.order import argsort_stable, order_desc
+from balanced_loader.planning.kernels.place import block_place_kernel
 
 # ------------------------------------------------------------------------------------------
 # grouped Karmarkar-Karp (verl's equal_size start, with its exact order and ties)
@@ -545,3 +547,40 @@ def microbatch_reference(lengths, work, part, k: int, cap: int, equal_counts: bo
                 break
             mb[next(i for i in mine if mb[i] == donor)] = b
     return np.asarray(mb, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------------------
+# the whole of balance()
+# ------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def balance_kernel(lengths, work, k, cap, equal_counts, rounds):
+    """(rank ``[n]``, microbatch ``[n]``, counts ``[k]``) of :func:`balanced_loader.balance`.
+
+    Ranks: longest-processing-time (``block_place_kernel`` on one-lane blocks, heaviest first, ties
+    by index) then :func:`exchange_kernel`, kept when its heaviest rank is no heavier than verl's
+    partition (:func:`grouped_kk_kernel`); else that partition improved by :func:`exchange_kernel`.
+    Then :func:`microbatch_kernel`.
+    """
+    n = work.shape[0]
+    if k > 1:
+        verl = grouped_kk_kernel(work, k)
+        verl_load = np.zeros(k)
+        for i in range(n):
+            verl_load[verl[i]] += work[i]
+        order = argsort_stable(-work)  # [n] heaviest first (ties: lower index)
+        times = np.empty((n, 1))  # [n][1] one-lane blocks only
+        for t in range(n):
+            times[t, 0] = work[order[t]]
+        lanes = block_place_kernel(times, np.zeros(n, np.int64), np.zeros(k), np.zeros(k, np.int64), np.inf)[1]
+        start = np.empty(n, np.int64)
+        for t in range(n):
+            start[order[t]] = lanes[t]
+        part, load, _ = exchange_kernel(work, start, k, rounds)
+        if load.max() > verl_load.max():
+            part = exchange_kernel(work, verl, k, rounds)[0]
+    else:
+        part = np.zeros(n, np.int64)
+    mb, counts = microbatch_kernel(lengths, work, part, k, cap, equal_counts)
+    return part, mb, counts

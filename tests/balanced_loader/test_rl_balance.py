@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 import balanced_loader as bl
 from balanced_loader.integrations.rl import rollout_work
+from balanced_loader.planning.packing import lpt
 from balanced_loader.integrations.rl_kernels import (
+    balance_kernel,
     exchange_kernel,
     exchange_reference,
     grouped_kk_kernel,
@@ -67,6 +69,30 @@ def test_microbatch_kernel_equals_reference(case, seed, slack, equal):
         mine = part == r
         assert np.all(mb[mine] < counts[r])
         assert np.bincount(mb[mine], weights=lengths[mine], minlength=counts[r]).max(initial=0) <= cap
+
+
+@given(rollouts(), st.integers(0, 80), st.booleans())
+def test_balance_kernel_is_the_chain_of_the_references(case, slack, equal):
+    lengths, k = case
+    work = rollout_work(lengths)
+    cap = int(lengths.max()) + slack
+    part, mb, counts = balance_kernel(lengths, work, k, cap, equal, 2 * k)
+    if k > 1:
+        order = np.argsort(-work, kind="stable")
+        start = np.empty(len(work), dtype=np.int64)
+        start[order] = lpt(work[order], np.ones(len(work), dtype=np.int64), k).lane
+        ref, load, _ = exchange_reference(work, start, k, 2 * k)
+        verl = verl_kk_reference(work.tolist(), k, True)
+        if load.max() > max(sum(work[i] for i in p) for p in verl):
+            ranks = np.empty(len(work), dtype=np.int64)
+            for j, p in enumerate(verl):
+                ranks[p] = j
+            ref = exchange_reference(work, ranks, k, 2 * k)[0]
+    else:
+        ref = np.zeros(len(work), dtype=np.int64)
+    assert np.array_equal(part, ref)
+    ref_mb, ref_counts = microbatch_reference(lengths, work, ref, k, cap, equal)
+    assert np.array_equal(mb, ref_mb) and np.array_equal(counts, ref_counts)
 
 
 # ---- balance ------------------------------------------------------------------------------------
