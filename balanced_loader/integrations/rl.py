@@ -39,7 +39,7 @@ from balanced_loader.integrations.rl_kernels import balance_kernel
 # verl's calculate_workload (a 7B model: 12 h^2 s + 2 h s^2 with h = 4096, divided by 2 h): 24576 s + s^2
 DEFAULT_LINEAR = 24576.0
 DEFAULT_QUADRATIC = 1.0
-EXCHANGE_ROUNDS_PER_RANK = 2  # exchange rounds at most, per rank (each one strictly lowers the sorted loads)
+EXCHANGE_ROUNDS_PER_RANK = 1  # exchange rounds at most, per rank (each one strictly lowers the sorted loads)
 
 __all__ = ["BalancedBatch", "balance", "balance_batch", "rollout_work"]
 
@@ -104,16 +104,16 @@ def balance(lengths: Any, *, world_size: int, max_tokens_per_microbatch: int, co
         raise ValueError(f"rollout {i} has {int(lens[i])} tokens, more than max_tokens_per_microbatch={cap}; "
                          f"raise the cap or truncate the rollout")
     work = rollout_work(lens, _resolve_cost(cost, world))  # [n]
-    # one kernel call (see balance_kernel): rank [n], microbatch [n], microbatches per rank [world]
-    part, mb, counts = balance_kernel(lens, work, world, cap, bool(equal_counts), EXCHANGE_ROUNDS_PER_RANK * world)
-    # group by (rank, microbatch), indices ascending inside each: one stable sort instead of n appends
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])  # [world] global index of each rank's microbatch 0
-    slot = first[part] + mb  # [n]
-    order = np.argsort(slot, kind="stable")  # [n]
-    bounds = np.searchsorted(slot[order], np.arange(int(counts.sum()) + 1)).tolist()  # [total + 1]
-    items = order.tolist()
-    flat = [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    return [flat[a:a + c] for a, c in zip(first.tolist(), counts.tolist())]
+    # one kernel call (see balance_kernel): the microbatches as index runs, rank-major
+    _, _, counts, items, bounds = balance_kernel(lens, work, world, cap, bool(equal_counts),
+                                                 EXCHANGE_ROUNDS_PER_RANK * world)
+    idx, cut = items.tolist(), bounds.tolist()
+    flat = [idx[a:b] for a, b in zip(cut[:-1], cut[1:])]  # [slots] index lists
+    out, s = [], 0
+    for c in counts.tolist():
+        out.append(flat[s:s + c])
+        s += c
+    return out
 
 
 # ------------------------------------------------------------------------------------------

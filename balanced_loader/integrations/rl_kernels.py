@@ -319,8 +319,10 @@ def exchange_kernel(work, part, k, max_rounds):
     for i in range(n):
         load[part[i]] += work[i]
         count[part[i]] += 1
-    # why member lists: a round looks at two ranks' items, O(n / k) each, instead of scanning all n
-    members = np.empty((k, n), np.int64)  # [k][n] each rank's items, ascending (the first count[r] of row r)
+    # why member lists: a round looks at two ranks' items, O(n / k) each, instead of scanning all n;
+    # a round moves at most one item onto a rank, so rows of the largest count + max_rounds never overflow
+    width = min(n, count.max() + max(max_rounds, 0))
+    members = np.empty((k, width), np.int64)  # [k][width] each rank's items, ascending (the first count[r])
     fill = np.zeros(k, np.int64)
     for i in range(n):
         r = part[i]
@@ -556,7 +558,9 @@ def microbatch_reference(lengths, work, part, k: int, cap: int, equal_counts: bo
 
 @njit(cache=True)
 def balance_kernel(lengths, work, k, cap, equal_counts, rounds):
-    """(rank ``[n]``, microbatch ``[n]``, counts ``[k]``) of :func:`balanced_loader.balance`.
+    """(rank ``[n]``, microbatch ``[n]``, counts ``[k]``, items ``[n]``, bounds ``[sum(counts) + 1]``) of
+    :func:`balanced_loader.balance`: ``items[bounds[s]:bounds[s + 1]]`` are the indices (ascending) of
+    slot ``s``, the rank-major, microbatch-minor numbering of all microbatches.
 
     Ranks: longest-processing-time (``block_place_kernel`` on one-lane blocks, heaviest first, ties
     by index) then :func:`exchange_kernel`, kept when its heaviest rank is no heavier than verl's
@@ -583,4 +587,19 @@ def balance_kernel(lengths, work, k, cap, equal_counts, rounds):
     else:
         part = np.zeros(n, np.int64)
     mb, counts = microbatch_kernel(lengths, work, part, k, cap, equal_counts)
-    return part, mb, counts
+    # the items grouped by (rank, microbatch), ascending inside each: a counting sort by slot
+    first = np.zeros(k + 1, np.int64)  # [k + 1] slot of each rank's microbatch 0
+    for r in range(k):
+        first[r + 1] = first[r] + counts[r]
+    bounds = np.zeros(first[k] + 1, np.int64)  # [slots + 1]
+    for i in range(n):
+        bounds[first[part[i]] + mb[i] + 1] += 1
+    for b in range(first[k]):
+        bounds[b + 1] += bounds[b]
+    fill = bounds[:-1].copy()
+    items = np.empty(n, np.int64)  # [n] indices, slot by slot
+    for i in range(n):
+        b = first[part[i]] + mb[i]
+        items[fill[b]] = i
+        fill[b] += 1
+    return part, mb, counts, items, bounds

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 import balanced_loader as bl
 from balanced_loader.integrations.rl import rollout_work
-from balanced_loader.planning.packing import lpt
 from balanced_loader.integrations.rl_kernels import (
     balance_kernel,
     exchange_kernel,
@@ -20,6 +19,7 @@ from balanced_loader.integrations.rl_kernels import (
     microbatch_reference,
     verl_kk_reference,
 )
+from balanced_loader.planning.packing import lpt
 
 torch = pytest.importorskip("torch")
 
@@ -76,7 +76,7 @@ def test_balance_kernel_is_the_chain_of_the_references(case, slack, equal):
     lengths, k = case
     work = rollout_work(lengths)
     cap = int(lengths.max()) + slack
-    part, mb, counts = balance_kernel(lengths, work, k, cap, equal, 2 * k)
+    part, mb, counts, items, bounds = balance_kernel(lengths, work, k, cap, equal, 2 * k)
     if k > 1:
         order = np.argsort(-work, kind="stable")
         start = np.empty(len(work), dtype=np.int64)
