@@ -5,10 +5,7 @@ and TRL's ``SFTTrainer`` (where installed) trains the same model."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +15,8 @@ import pytest
 tr = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 torch = pytest.importorskip("torch")
+
+from distributed import accelerate_launch, run_commands  # noqa: E402
 
 from balanced_loader.cost import CostModel  # noqa: E402
 from balanced_loader.integrations.transformers import (  # noqa: E402
@@ -32,32 +31,6 @@ COST = {"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0, "comm_byt
         "bandwidth_gbs": {2: 10.0}, "max_tokens_per_lane": 256}
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                             "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmds: list[list[str]], cwd: Path) -> None:
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=cwd)
-             for c in cmds]
-    try:
-        errs = [p.communicate(timeout=600)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, err in zip(procs, errs):
-        assert p.returncode == 0, err[-3000:]
-
-
 def _result(out: Path) -> tuple[list[float], dict]:
     losses = json.loads((out / "losses.json").read_text())
     return [losses[str(s)] for s in range(1, 5)], torch.load(out / "params.pt")
@@ -66,14 +39,12 @@ def _result(out: Path) -> tuple[list[float], dict]:
 @pytest.mark.multirank
 def test_two_ranks_and_a_resumed_run_equal_one_process(tmp_path):
     one, two, cut = tmp_path / "one", tmp_path / "two", tmp_path / "cut"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-              str(_port())]
-    _run([[sys.executable, str(EXAMPLE), "--out", str(one)], [*launch, str(EXAMPLE), "--out", str(two)],
-          [sys.executable, str(EXAMPLE), "--out", str(cut), "--stop-after", "2"]], tmp_path)
+    run_commands([[sys.executable, str(EXAMPLE), "--out", str(one)],
+                  [*accelerate_launch(2), str(EXAMPLE), "--out", str(two)],
+                  [sys.executable, str(EXAMPLE), "--out", str(cut), "--stop-after", "2"]], tmp_path)
     state = json.loads((cut / "checkpoint-2" / LOADER_STATE_NAME).read_text())
     assert state["step"] == 2 and not (cut / "checkpoint-4").exists()
-    _run([[sys.executable, str(EXAMPLE), "--out", str(cut), "--resume"]], tmp_path)
+    run_commands([[sys.executable, str(EXAMPLE), "--out", str(cut), "--resume"]], tmp_path)
     ref_losses, ref_params = _result(one)
     for out, tol in ((two, 1e-5), (cut, 1e-7)):
         losses, params = _result(out)

@@ -8,10 +8,7 @@ docs (loss and gradients), and misuse is one line. On 4 gloo ranks under ``accel
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +17,8 @@ import pytest
 import torch
 
 tr = pytest.importorskip("transformers")
+
+from distributed import accelerate_launch, run_commands  # noqa: E402
 
 from balanced_loader.cost import CostModel  # noqa: E402
 from balanced_loader.wrapping import wrap  # noqa: E402
@@ -98,36 +97,11 @@ def _call(bind, mb, model, kw):
         return model(**kw)
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                             "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multirank
 def test_dynamic_cp_loop_on_four_ranks_equals_one_process(tmp_path):
     one, four = tmp_path / "one", tmp_path / "four"
-    procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--cpu", "--out", str(one)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path),
-             subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-                               "4", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                               "--main_process_port", str(_port()), str(EXAMPLE), "--cpu", "--out", str(four)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)]
-    try:
-        errs = [p.communicate(timeout=600)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, err in zip(procs, errs):
-        assert p.returncode == 0, err[-3000:]
+    run_commands([[sys.executable, str(EXAMPLE), "--cpu", "--out", str(one)],
+                  [*accelerate_launch(4), str(EXAMPLE), "--cpu", "--out", str(four)]], tmp_path)
     ref = json.loads((one / "rank0.json").read_text())
     ranks = [json.loads((four / f"rank{r}.json").read_text()) for r in range(4)]
     assert len(ref["losses"]) == 4 and all(d == 1 for step in ref["degrees"] for d in step)
