@@ -8,7 +8,7 @@ lengths, so every rank computes the same answer without a collective:
 
 1. **Ranks**: by the cost model's work ``q s^2 + l s`` (default: verl's ``24576 s + s^2``), two
    starts, verl's own equal-size Karmarkar-Karp partition (reproduced exactly, in numba:
-   :func:`~balanced_loader.integrations.rl_kernels.grouped_kk_kernel`) and a longest-processing-time
+   :func:`~balanced_loader.integrations.rl_kk.grouped_kk_kernel`) and a longest-processing-time
    placement (:func:`~balanced_loader.planning.packing.lpt`) improved by moves and swaps that
    lower the heaviest rank (:func:`~balanced_loader.integrations.rl_kernels.exchange_kernel`); when
    that is heavier than verl's partition, verl's partition improved by the same exchanges wins, so

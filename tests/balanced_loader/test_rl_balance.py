@@ -14,11 +14,10 @@ from balanced_loader.integrations.rl_kernels import (
     balance_kernel,
     exchange_kernel,
     exchange_reference,
-    grouped_kk_kernel,
     microbatch_kernel,
     microbatch_reference,
-    verl_kk_reference,
 )
+from balanced_loader.integrations.rl_kk import grouped_kk_kernel, verl_kk_reference
 from balanced_loader.planning.packing import lpt
 
 torch = pytest.importorskip("torch")

@@ -92,6 +92,19 @@ def test_misuse_is_one_line():
         pass
 
 
+def test_a_rank_without_microbatches_gets_one_padding_microbatch():
+    from types import SimpleNamespace
+
+    from balanced_loader.plan import Group, Pool, StepPlan
+
+    plan = StepPlan(step=0, world_size=2, pools=(Pool(tp=1, pp=1, ranks=((0, 1),),
+                                                        microbatches=((Group(lanes=(0,), segments=((0, 0, 5),)),),)),))
+    bind = enable_context_parallel(_model())
+    (mb,) = bind.microbatches(SimpleNamespace(microbatches=(), plan=plan, rank=1))
+    assert mb.padding and mb.lane == 1 and mb.num_valid_tokens == 0 and mb.to_hf()["input_ids"].shape == (1, 1)
+    bind.disable()
+
+
 def _call(bind, mb, model, kw):
     with bind(mb):
         return model(**kw)
