@@ -36,6 +36,8 @@ _EXPORTS = {
     "CalibrationOptions": "balanced_loader.calibration",
     "Calibrator": "balanced_loader.calibration",
     "Samples": "balanced_loader.calibration",
+    "balance": "balanced_loader.integrations.rl",
+    "balance_batch": "balanced_loader.integrations.rl",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -137,15 +137,22 @@ class Microbatch:
         ``model(**mb.to_hf())`` runs the packed docs correctly (sdpa, eager, flash-attention) and
         returns transformers' mean loss over this microbatch's targets.
 
-        Only a whole sequence can be given to a model without a CP engine: a CP lane shard
-        (``degree > 1``) or a middle pipeline stage raises ``ValueError``.
+        A CP lane shard (``degree > 1``: this lane's share of docs spread over a group, in the CP
+        layout) gives ``input_ids``, its true ``position_ids``, ``shift_labels`` = ``mb.labels`` (the
+        targets shifted *before* sharding, transformers' and accelerate's name; the model then does
+        not shift) and ``labels`` (the same tensor, so that the model computes a loss), ``use_cache``;
+        only a model whose attention runs the group's CP engine can run it
+        (``parallel_runtime.hf.enable_context_parallel``). A middle pipeline stage raises ``ValueError``.
         """
-        if self.degree > 1:
-            raise ValueError(f"to_hf(): microbatch {self.k} is a CP lane shard (lane {self.cp_rank} of a "
-                             f"{self.degree}-lane group), not whole sequences; use cp=1 for transformers models")
         if not self.has_tokens:
             raise ValueError(f"to_hf(): microbatch {self.k} has no tokens (middle pipeline stage {self.stage})")
         import torch  # only here: the loader itself does not need torch
+
+        if self.degree > 1:  # a lane's tokens are not contiguous: its targets come shifted from the loader
+            shifted = torch.from_numpy(self.labels.copy())[None, :]
+            return {"input_ids": torch.from_numpy(self.input_ids.copy())[None, :],
+                    "position_ids": torch.from_numpy(self.position_ids.copy())[None, :],
+                    "labels": shifted, "shift_labels": shifted, "use_cache": False}
 
         labels = self.input_ids.copy()  # [T] unshifted
         labels[self.cu_seqlens[:-1].astype(np.int64)] = IGNORE_INDEX  # no target for a segment's first token

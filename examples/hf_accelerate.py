@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     import balanced_loader as bl
+    from balanced_loader.integrations.transformers import check_packed_attention
 
     kw = {"cpu": args.cpu}
     if args.log_with:
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                      global_batch_tokens=args.global_batch_tokens, seed=args.seed, epochs=None,
                      calibrate={"every": 2, "first": 2} if args.calibrate else False)
     model = tiny_llama(vocab, args.seed)
+    # packed docs must not attend to each other: an implementation that ignores restarting position ids, an
+    # attention_mask or a KV cache would let them (docs/hf.md); refuse that in one line
+    check_packed_attention(model, {"use_cache": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
     if args.log_with:

@@ -40,11 +40,14 @@ class GroupLookup:
 
     rank: int
     timeout_s: float | None = None  # collective timeout of the groups (None: the world's)
+    # False: a group over the whole world is a group of its own, not the world's default group (whose
+    # collectives a user's DDP also issues, from its autograd hooks, in an order of its own)
+    reuse_world: bool = True
     _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
 
     def _create(self, spec: GroupSpec, world: int, backend: str | None) -> None:
         """Create ``spec``'s group (collective over the world: every rank, member or not, in one order)."""
-        if len(spec.ranks) == world:
+        if len(spec.ranks) == world and self.reuse_world:
             pg = dist.group.WORLD
         else:
             pg = new_group(spec.ranks, backend=backend, timeout_s=self.timeout_s)
@@ -97,11 +100,12 @@ class ProcessGroups(GroupLookup):
         extra: Iterable[Sequence[int]] = (),
         backend: str | None = None,
         timeout_s: float | None = None,
+        reuse_world: bool = True,
     ) -> ProcessGroups:
         """Create every group the given topologies and plans need (collective: call on all ranks).
 
         ``backend`` defaults to the world's backend (gloo on CPU, NCCL on CUDA); ``timeout_s`` to the
-        world's collective timeout.
+        world's collective timeout; ``reuse_world=False`` creates a world-spanning group of its own.
         """
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized; call parallel_runtime.launch.init_world() (or "
@@ -110,7 +114,8 @@ class ProcessGroups(GroupLookup):
                                 gpus_per_node=gpus_per_node, extra=extra)
         world = dist.get_world_size()
         rank = dist.get_rank()
-        out = ProcessGroups(rank=rank, world_size=world, specs=tuple(specs), timeout_s=timeout_s)
+        out = ProcessGroups(rank=rank, world_size=world, specs=tuple(specs), timeout_s=timeout_s,
+                            reuse_world=reuse_world)
         for spec in specs:
             if spec.ranks[-1] >= world:
                 raise ValueError(f"{spec.kind} group {spec.ranks} names rank {spec.ranks[-1]} but the "

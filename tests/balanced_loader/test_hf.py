@@ -74,13 +74,16 @@ def test_to_hf_is_the_transformers_convention():
     assert seen > 3
 
 
-def test_to_hf_refuses_a_cp_lane_shard():
-    ld = wrap(docs(), policy="maxlen", cost=cost(), world_size=4, rank=0, global_batch_tokens=900, cp=4)
+def test_to_hf_of_a_cp_lane_shard_gives_labels_shifted_before_sharding():
+    ld = wrap(docs(), policy="maxlen", cost=cost(), world_size=4, rank=1, global_batch_tokens=900, cp=4)
     mb = next(iter(ld)).microbatches[0]
     assert mb.degree == 4
-    with pytest.raises(ValueError, match="CP lane shard") as e:
-        mb.to_hf()
-    assert "\n" not in str(e.value)
+    hf = mb.to_hf()
+    assert set(hf) == {"input_ids", "position_ids", "labels", "shift_labels", "use_cache"}
+    np.testing.assert_array_equal(hf["input_ids"][0].numpy(), mb.input_ids)
+    np.testing.assert_array_equal(hf["position_ids"][0].numpy(), mb.position_ids)  # the lane's true positions
+    np.testing.assert_array_equal(hf["shift_labels"][0].numpy(), mb.labels)  # shifted before sharding
+    assert torch.equal(hf["labels"], hf["shift_labels"]) and hf["use_cache"] is False
 
 
 def test_flash_attention_kwarg_names_exist_in_transformers():

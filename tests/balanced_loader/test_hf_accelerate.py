@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,22 +12,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 torch = pytest.importorskip("torch")
 
+from distributed import accelerate_launch, run_commands  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "hf_accelerate.py"
 STEPS = 4
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                             "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _records(out: Path, world: int) -> list[dict]:
@@ -42,20 +28,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     args = ["--cpu", "--steps", str(STEPS), "--hf-loss-check"]
     # both runs at once (they are independent): the test takes the longer of the two
-    p1 = subprocess.Popen([sys.executable, str(EXAMPLE), *args, "--out", str(one), "--log-with", "tensorboard"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
-    p2 = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                           "--main_process_port", str(_free_port()), str(EXAMPLE), *args, "--out", str(two)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
-    try:
-        runs = [p.communicate(timeout=600)[1] for p in (p1, p2)]
-    finally:
-        for p in (p1, p2):
-            if p.poll() is None:
-                p.kill()
-    for p, err in zip((p1, p2), runs):
-        assert p.returncode == 0, err[-3000:]
+    runs = run_commands([[sys.executable, str(EXAMPLE), *args, "--out", str(one), "--log-with", "tensorboard"],
+                         [*accelerate_launch(2), str(EXAMPLE), *args, "--out", str(two)]], tmp_path)
     (ref,) = _records(one, 1)
     ranks = _records(two, 2)
     assert [r["world_size"] for r in ranks] == [2, 2] and sorted(r["rank"] for r in ranks) == [0, 1]
