@@ -221,6 +221,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             value = yaml_loads(text)
         except yaml.YAMLError:
             raise ValueError(f"--set {key}: value {text!r} is not valid YAML") from None
+        except ValueError as e:  # a mapping value that gives a key twice
+            raise ValueError(f"--set {key}: {e}") from None
         parts = key.strip().split(".")
         node = out
         for p in parts[:-1]:
@@ -252,8 +254,8 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
 
 def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe file (one ValueError line naming the field)."""
-    raw = read_yaml(path, "recipe")
-    return recipe_from_dict(apply_overrides(raw or {}, overrides or []), path)
+    raw = read_yaml(path, "recipe", mapping=True)
+    return recipe_from_dict(apply_overrides(raw, overrides or []), path)
 
 
 def dump_recipe(recipe: Recipe) -> dict:

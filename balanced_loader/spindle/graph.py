@@ -40,6 +40,7 @@ _OP_KEYS = {"name", "task", "layers", "after", "module", "min_gpus", "batch", "a
             "model", "hardware", "seq_len", "tokens"}
 _SHAPE_KEYS = {"hidden", "heads", "kv_heads", "ffn"}
 COUNT_RULES = ("divisors", "aligned")
+MAX_GPUS = 1 << 20  # devices of a graph (as --gpus and a plan file's world size): planning time grows with them
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,7 +151,7 @@ def load_graph(path: str) -> Graph:
     """Read and validate a graph file; every problem is one ``ValueError`` line."""
     from balanced_loader.strict import read_yaml
 
-    data = read_yaml(path, "graph file")
+    data = read_yaml(path, "graph file", mapping=True)
     return graph_from_dict(data, where=f"graph file {path}")
 
 
@@ -181,7 +182,7 @@ def graph_from_dict(data: Any, where: str = "graph") -> Graph:
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
-    gpus = number(data, "gpus", where, integer=True, minimum=1)
+    gpus = number(data, "gpus", where, integer=True, minimum=1, maximum=MAX_GPUS)
     node = min(number(data, "gpus_per_node", where, default=8, integer=True, minimum=1), gpus)
     if gpus % node:
         raise ValueError(f"{where}: gpus {gpus} is not a multiple of gpus_per_node {node}")
