@@ -18,6 +18,7 @@ from typing import Any
 
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.data.batching import LONG_DOC_MODES
+from balanced_loader.data.loader_args import MAX_PREFETCH_STEPS, max_planner_workers
 from balanced_loader.planning import fixed_pools, pool_shapes
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
@@ -56,6 +57,7 @@ class DataConfig:
     shuffle_window: int = 65536
     prefetch_steps: int = 2  # plans computed ahead in the background
     planner_workers: int = 0  # 0: a thread; N: processes
+    read_timeout_s: float = 60.0  # a remote source (URL): how long a read waits for a stalled server
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -281,6 +283,10 @@ def validate(r: Recipe) -> None:
         _positive(getattr(d, name), f"data.{name}")
     _positive(d.prefetch_steps, "data.prefetch_steps", zero=True)
     _positive(d.planner_workers, "data.planner_workers", zero=True)
+    _positive(d.read_timeout_s, "data.read_timeout_s")
+    if d.prefetch_steps > MAX_PREFETCH_STEPS or d.planner_workers > max_planner_workers():
+        raise ValueError(f"data.prefetch_steps must be <= {MAX_PREFETCH_STEPS} and data.planner_workers <= "
+                         f"{max_planner_workers()} (2 per CPU core), got {d.prefetch_steps} and {d.planner_workers}")
     if d.long_docs not in LONG_DOC_MODES:
         raise ValueError(f"data.long_docs must be one of {', '.join(LONG_DOC_MODES)}, got '{d.long_docs}'")
     if p.name not in POLICIES:

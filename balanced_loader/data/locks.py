@@ -31,7 +31,8 @@ def lock_path(target: str | os.PathLike[str]) -> str:
 
 def _holder() -> dict[str, Any]:
     cmd = " ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]])
-    return {"pid": os.getpid(), "host": socket.gethostname(), "command": cmd[:300],
+    cmd = cmd if len(cmd) <= 120 else cmd[:117] + "..."
+    return {"pid": os.getpid(), "host": socket.gethostname(), "command": cmd,
             "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

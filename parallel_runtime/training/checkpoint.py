@@ -57,7 +57,7 @@ BUFFERS = ("master", "exp_avg", "exp_avg_sq")  # the optimizer's flat fp32 shard
 # executed, logged and laid out, never what it computes
 FREE = ("steps", "world.", "cost.", "train.checkpoint_every", "train.attention", "policy.extra",
         "policy.time_limit_s", "policy.candidates", "policy.plan_source", "policy.compare", "data.shards_dir",
-        "data.prefetch_steps", "data.planner_workers")
+        "data.prefetch_steps", "data.planner_workers", "data.read_timeout_s")
 # keys a resume may change only with --allow-changed (the schedule, not the state's meaning)
 FLAGGED = ("optimizer.lr", "optimizer.max_grad_norm", "optimizer.warmup_steps", "optimizer.weight_decay")
 

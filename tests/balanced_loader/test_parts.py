@@ -149,7 +149,8 @@ def test_parts_opened_together_hold_the_whole_build(tmp_path, shape, n):
         meta = build_from_files(files, str(d), max_docs_per_shard=50, part=(k, n))
         assert meta["part"]["index"] == k and meta["part"]["count"] == n
         dirs.append(str(d))
-    counts = [ShardSource(d, allow_part=True).num_docs if os.path.exists(os.path.join(d, "index.json")) else 0 for d in dirs]
+    counts = [ShardSource(d, allow_part=True).num_docs if os.path.exists(os.path.join(d, "index.json")) else 0
+              for d in dirs]
     if shape == "two-files":
         assert 0 in counts  # fewer docs than parts: a part with no docs is an empty, complete folder
     with ShardSource(str(whole)) as ref, open_source(dirs[::-1]) as parts:  # argument order does not matter

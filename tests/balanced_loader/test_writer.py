@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from balanced_loader.data.index import INDEX_FILE, IndexWriter
-from balanced_loader.data.reindex import reindex_folder
 from balanced_loader.data.members import NpyHeaders, tar_end, tar_member_header, tar_padding
+from balanced_loader.data.reindex import reindex_folder
 from balanced_loader.data.shards import ShardSource, ShardWriter
 
 DTYPES = ("uint8", "uint16", "uint32")
