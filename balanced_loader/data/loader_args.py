@@ -169,7 +169,8 @@ def check_step_start(batches: Any, epoch: int, s: int, pos: int) -> None:
     if at == pos and k == s:
         return
     if k == s:
-        raise ValueError(f"{where}: step {s} of epoch {epoch} begins at position {at}; {fix}")
+        raise ValueError(f"{where} is not on a step boundary: step {s} of epoch {epoch} begins at position {at} "
+                         f"(a cursor moved inside a step would replay or skip docs); {fix}")
     if at == pos:
         raise ValueError(f"{where}: position {pos} is where step {k} begins, not step {s}; {fix}")
     raise ValueError(f"{where} is not on a step boundary: it lies inside step {k - 1}, which begins at position "

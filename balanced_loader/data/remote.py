@@ -204,8 +204,9 @@ class RemoteStore:
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         status = _status(e)
         if status is not None:
-            return ValueError(f"{url}: the server answered HTTP {status} ({getattr(e, 'message', e)}){tries}; "
-                              f"check the URL and your access to it")
+            hint = ("the server is failing or overloaded: try again later, or raise retries" if _is_transient(e)
+                    else "check the URL and your access to it")
+            return ValueError(f"{url}: the server answered HTTP {status} ({getattr(e, 'message', e)}){tries}; {hint}")
         if isinstance(e, PermissionError):
             return ValueError(f"{url}: access denied ({e}); check your credentials (storage_options)")
         if _is_timeout(e):
@@ -213,7 +214,7 @@ class RemoteStore:
                               f"server or network); check the server, or raise read_timeout_s "
                               f"(data.read_timeout_s in a recipe)")
         if isinstance(e, OSError) or type(e).__module__.split(".")[0] in ("aiohttp", "fsspec"):
-            return ValueError(f"{_reach_hint(url)} ({type(e).__name__}: {e}){tries}")
+            return ValueError(f"{_reach_hint(url)} ({type(e).__name__}: {e}){tries}"[:600])
         return e
 
     # -- the index --------------------------------------------------------------------------
