@@ -71,7 +71,7 @@ def _loader(src, **kw):
     return bl.BalancedLoader(src, **args)
 
 
-def GOOD_COST_MODEL():  # noqa: N802 (a constant made on use: CostModel imports numba-free code only)
+def GOOD_COST_MODEL():
     from balanced_loader.cost import CostModel
     from balanced_loader.strict import yaml_loads
 
