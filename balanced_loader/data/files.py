@@ -152,7 +152,7 @@ def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = N
         f.write("\n")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     """Make a folder's entries (a rename into it) durable; a no-op where folders cannot be opened."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -202,7 +202,7 @@ class StagedFolder:
             raise write_error(self.target, e) from None
 
     def publish(self) -> None:
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         try:
             os.rename(self.path, self.target)  # atomic; replaces an empty folder, fails on a non-empty one
         except OSError as e:
@@ -211,7 +211,7 @@ class StagedFolder:
                 raise ValueError(f"{self.what} {self.target} was filled by another process while this one wrote "
                                  f"it; nothing of this run was kept") from None
             raise write_error(self.target, e) from None
-        _fsync_dir(os.path.dirname(os.path.abspath(self.target)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.target)))
 
     def discard(self) -> None:
         import shutil
@@ -270,7 +270,7 @@ class OutputSet:
             except OSError as e:
                 raise write_error(final, e) from None
             del self._tmp[final]
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
 
     def discard(self) -> None:
         for tmp in self._tmp.values():

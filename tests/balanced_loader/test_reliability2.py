@@ -110,7 +110,8 @@ def _changed_size(env, tmp):
 
 def _crc_disagrees(env, tmp):
     d = _copy(env, "good", tmp)
-    meta = json.loads(open(os.path.join(d, "shards.json")).read())
+    with open(os.path.join(d, "shards.json")) as f:
+        meta = json.load(f)
     meta["shards"][2]["crc32"] ^= 1
     with open(os.path.join(d, "shards.json"), "w") as f:
         json.dump(meta, f)
@@ -202,7 +203,8 @@ API_CASES = {
                                                   r"inputs of different content \(the same file names and sizes"),
     "a state of the same lengths, other tokens": (_same_lengths_other_tokens,
                                                   r"tokens_fingerprint=.* \(the source changed\)"),
-    "a cursor moved inside a step": (_cursor_inside_a_step, r"is not on a step boundary: step 2 of epoch 0 begins at position \d+"),
+    "a cursor moved inside a step": (_cursor_inside_a_step,
+                                     r"is not on a step boundary: step 2 of epoch 0 begins at position \d+"),
     "a cursor on another step's start": (_cursor_on_another_step, r"position \d+ is where step 1 begins, not step 3"),
     "world_size=10**9": (lambda env, tmp: _loader([100] * 10, world_size=10**9),
                          r"world_size must be in 1..1,048,576, got 1,000,000,000"),
@@ -255,15 +257,24 @@ def test_api_mistakes_are_one_value_error_at_once_and_write_nothing(case, env, t
                 and not os.path.exists(env / "good" / os.path.basename(f))]
 
 
+def _index_files(folder: str) -> dict[str, bytes]:
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.startswith("index"):
+            with open(os.path.join(folder, f), "rb") as fh:
+                out[f] = fh.read()
+    return out
+
+
 def test_the_explicit_index_command_rebuilds_what_opening_refuses(env, tmp_path, capsys):
     d = _copy(env, "good", tmp_path)
     shards = len(ShardSource(d).shard_names)
-    want = {f: open(os.path.join(d, f), "rb").read() for f in os.listdir(d) if f.startswith("index")}
+    want = _index_files(d)
     for f in want:
         os.remove(os.path.join(d, f))
     assert cli.main(["index", d, "--no-progress"]) == 0
     assert f"checked {shards} shard crc32(s) and 40 doc checksum(s)" in capsys.readouterr().out
-    assert {f: open(os.path.join(d, f), "rb").read() for f in want} == want  # the writer's index, byte for byte
+    assert _index_files(d) == want  # the writer's index, byte for byte
     src = bl.open_source(d)
     assert src.max_token_id == max(int(x.max()) for x in _docs())
     # a corrupted doc is never indexed: the checksums it recorded refuse it
