@@ -66,12 +66,12 @@ def _copy(env, name: str, tmp_path) -> str:
 
 
 def _loader(src, **kw):
-    args = dict(policy="greedy", cost=GOOD_COST_MODEL(), world_size=2, rank=0, global_batch_tokens=1000)
+    args = dict(policy="greedy", cost=_cost(), world_size=2, rank=0, global_batch_tokens=1000)
     args.update(kw)
     return bl.BalancedLoader(src, **args)
 
 
-def GOOD_COST_MODEL():
+def _cost():
     from balanced_loader.cost import CostModel
     from balanced_loader.strict import yaml_loads
 
@@ -148,7 +148,7 @@ def _hf_none_row(env, tmp):
 
 def _wrap_ids(bad):
     def case(env, tmp):
-        loader = bl.wrap([np.array([1, bad, 4])] * 4, global_batch_tokens=100, cost=GOOD_COST_MODEL(),
+        loader = bl.wrap([np.array([1, bad, 4])] * 4, global_batch_tokens=100, cost=_cost(),
                          world_size=1, rank=0, policy="greedy")
         next(loader)
     return case
