@@ -108,6 +108,10 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # a concurrent prefetch opens dozens of connections at once: with socketserver's backlog of 5, a loaded
+    # machine's accept queue overflows and a client whose connection looks open waits for an answer that
+    # never comes (until its read timeout)
+    request_queue_size = 256
 
     def __init__(self, root: str, port: int, ranges: bool, latency_s: float) -> None:
         self.root = os.path.realpath(root)
