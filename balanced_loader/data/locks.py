@@ -45,6 +45,17 @@ def describe_holder(text: str) -> str:
         return "another process"
 
 
+def _read_holder(f: IO[str]) -> str:
+    """The holder's record; it writes it just after taking the lock, so an empty file is read again briefly."""
+    for _ in range(40):
+        f.seek(0)
+        text = f.read()
+        if text.strip():
+            return describe_holder(text)
+        time.sleep(0.025)
+    return "another process"
+
+
 class OutputLock:
     """An exclusive lock on the output folder ``target`` (see the module doc); a context manager.
 
@@ -75,8 +86,7 @@ class OutputLock:
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                f.seek(0)
-                holder = describe_holder(f.read())
+                holder = _read_holder(f)
                 f.close()
                 raise ValueError(f"{self.what} {self.target} is in use by {holder}; wait for it to finish or "
                                  f"choose another {self.what}") from None
