@@ -195,7 +195,7 @@ class CostModel:
 
     @staticmethod
     def from_file(path: str) -> CostModel:
-        data = read_yaml(path, "cost file")
+        data = read_yaml(path, "cost file", mapping=True)
         return CostModel.from_dict(data, where=f"cost file {path}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -43,6 +42,12 @@ from balanced_loader.calibration.schedule import CostSchedule
 from balanced_loader.cost import CostModel
 from balanced_loader.data.batching import LONG_DOC_MODES, Cut, DocStats, EpochBatches
 from balanced_loader.data.epochs import EpochCuts
+from balanced_loader.data.loader_args import (  # resolve_world: the loader's rank and world size, public here too
+    check_loader_args,
+    check_pad_id,
+    check_step_start,
+    resolve_world,
+)
 from balanced_loader.data.mixing import MixtureStream, stream_for
 from balanced_loader.data.mixture import ClippedLengths, MixtureSource
 from balanced_loader.data.open import open_source
@@ -117,45 +122,6 @@ def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:
     return best
 
 
-def _env_int(name: str) -> int:
-    v = os.environ[name]
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
-
-
-def resolve_world(rank: Any, world_size: Any) -> tuple[int, int]:
-    """``(rank, world_size)``: the arguments where given, else the initialized ``torch.distributed``
-    process group (only when torch is already imported: it is never imported for this), else the
-    ``RANK``/``WORLD_SIZE`` environment variables, else one process (rank 0 of 1).
-
-    A process that looks like one of several (``LOCAL_RANK`` set, or ``WORLD_SIZE``/
-    ``LOCAL_WORLD_SIZE`` above 1) but has no rank from any of these is an error, never rank 0.
-    """
-    dist = sys.modules.get("torch.distributed")
-    group = None
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        group = (dist.get_rank(), dist.get_world_size())
-    if world_size is None:
-        world_size = group[1] if group else _env_int("WORLD_SIZE") if os.environ.get("WORLD_SIZE") else 1
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if rank is None:
-        if group:
-            rank = group[0]
-        elif os.environ.get("RANK"):
-            rank = _env_int("RANK")
-        else:
-            hints = [f"{k}={os.environ[k]}" for k in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-                     if os.environ.get(k) and (k == "LOCAL_RANK" or os.environ[k] != "1")]
-            if hints:
-                raise ValueError(f"rank is not set but this process is one of several ({', '.join(hints)}): "
-                                 f"pass rank=, set RANK, or initialize torch.distributed before the loader")
-            rank = 0
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
-    return rank, world_size
 
 
 class BalancedLoader:
@@ -187,23 +153,22 @@ class BalancedLoader:
                  epochs: int | None = 1, prefetch_steps: int = 2, planner_workers: int = 0,
                  plan_config: dict[str, Any] | PlanConfig | None = None, cp: int | None = None, cp_inner: int = 1,
                  pad_id: int = 0, validate: bool = False, order: str = "any", calibrate: Any = False) -> None:
-        # every argument is checked before the source is opened (no pass over the data for a typo)
+        # every argument is checked (type, range, bounds) before the source is opened: no pass over the data
+        # for a typo (balanced_loader.data.loader_args); the token settings may be schedules (data.schedule)
         rank, world_size = resolve_world(rank, world_size)
-        budget = setting(global_batch_tokens, "global_batch_tokens")  # an int, or a schedule of them
+        scheduled = isinstance(global_batch_tokens, (list, tuple)), isinstance(max_seq_len, (list, tuple))
+        a = check_loader_args(policy=policy, global_batch_tokens=1 if scheduled[0] else global_batch_tokens,
+                              seed=seed, max_seq_len=None if scheduled[1] else max_seq_len, long_docs=long_docs,
+                              long_doc_modes=LONG_DOC_MODES, shuffle=shuffle, shuffle_window=shuffle_window,
+                              epochs=epochs, prefetch_steps=prefetch_steps, planner_workers=planner_workers,
+                              cp_inner=cp_inner, pad_id=pad_id, validate=validate)
+        seed, epochs = a["seed"], a["epochs"]
+        budget = setting(global_batch_tokens if scheduled[0] else a["global_batch_tokens"], "global_batch_tokens")
         if order not in ORDERS or (order == "strict" and shuffle):
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}" if order not in ORDERS
                              else "order='strict' keeps the source order: pass shuffle=False")
-        if long_docs not in LONG_DOC_MODES:
-            raise ValueError(f"long_docs must be one of {', '.join(LONG_DOC_MODES)}, got '{long_docs}'")
-        if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
-            raise ValueError(f"epochs must be a positive integer or None (endless), got {epochs!r}")
-        if prefetch_steps < 0 or planner_workers < 0:
-            raise ValueError("prefetch_steps and planner_workers must be >= 0")
-        if shuffle_window < 1:
-            raise ValueError(f"shuffle_window must be >= 1, got {shuffle_window}")
-        if cp_inner < 1:
-            raise ValueError(f"cp_inner must be >= 1, got {cp_inner}")
-        limit = setting(max_seq_len, "max_seq_len") if max_seq_len is not None else None
+        limit = None if max_seq_len is None else setting(max_seq_len if scheduled[1] else a["max_seq_len"],
+                                                         "max_seq_len")
         self.cost = resolve_cost(cost, world_size)
         # which cost model plans which step; calibrate=True: the closed loop (observe) extends it
         self.costs = CostSchedule(self.cost, world_size, calibrate)
@@ -219,6 +184,7 @@ class BalancedLoader:
         self.global_batch_tokens, self.max_seq_len = budget.to_json(), limit.to_json()
         self.order = order
         self.source: Source = open_source(source)
+        check_pad_id(a["pad_id"], self.source)
         self.long_docs = long_docs
         self.shuffle = bool(shuffle)
         self.shuffle_window = int(shuffle_window)
@@ -449,7 +415,9 @@ class BalancedLoader:
                 "num_docs": self.source.num_docs, "num_tokens": int(self.source.num_tokens),  # cached by the source
                 # a hash of the lengths in doc order (computed once; a shard folder's comes from index.json):
                 # a permuted or edited dataset with the same totals is a different source
-                "lengths_fingerprint": self.source.fingerprint()}
+                "lengths_fingerprint": self.source.fingerprint(),
+                # and of the tokens (a shard folder's: its shards' crc32s): same lengths, other tokens differ too
+                "tokens_fingerprint": self.source.tokens_fingerprint()}
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor and everything the remaining batches depend on (plain JSON-able values).
@@ -475,10 +443,11 @@ class BalancedLoader:
             raise ValueError(f"loader state version {state.get('version')} is not supported "
                              f"(this loader knows {STATE_VERSION})")
         mine = self._identity()
-        if "lengths_fingerprint" not in state:  # a state saved before fingerprints: counts are all it has
-            log.warning("the loader state has no lengths fingerprint (saved by an older version); the source "
-                        "is checked by its doc and token counts only")
-            mine.pop("lengths_fingerprint")
+        for key in ("lengths_fingerprint", "tokens_fingerprint"):
+            if key not in state:  # a state saved before this fingerprint: what it has is all it can check
+                log.warning("the loader state has no %s (saved by an older version); the source is checked "
+                            "without it", key)
+                mine.pop(key)
         for key in ("policy",):
             if state.get(key) != mine[key]:
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
@@ -486,7 +455,7 @@ class BalancedLoader:
                                  f"fresh loader from an epoch boundary to change it)")
         for key, value in mine.items():
             if state.get(key) != value:
-                what = ("the source changed" if key.startswith(("num_", "lengths_"))
+                what = ("the source changed" if key.startswith(("num_", "lengths_", "tokens_"))
                         else "the loader config changed")
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
                                  f"has {key}={value!r} ({what}); exact resume needs the same setup")
@@ -511,6 +480,8 @@ class BalancedLoader:
             raise ValueError(f"loader state cursor (epoch {epoch}, step {s}, position {rest[0]}) is outside the epoch")
         else:
             pos = rest[0]
+            if not self._finished(epoch):  # the position must begin step s of that epoch (a pass over its lengths)
+                check_step_start(self._get_epoch(epoch).batches, epoch, s, pos)
         self.costs.load_state_dict(state)
         self._cancel()
         self._epochs.clear()  # cut afresh from the saved position

@@ -3,7 +3,8 @@
 The one home of config parsing; every error is one ``ValueError`` line naming the file or section
 and the key:
 
-* :func:`read_yaml`: a file's parsed YAML.
+* :func:`read_yaml`: a file's parsed YAML (``mapping=True``: the document must be a mapping). A key
+  given twice in one mapping is an error naming it and its line (PyYAML would keep the last).
 * :func:`check_keys`: unknown keys of a flat mapping fail, naming them and the allowed ones.
 * :func:`number` / :func:`check_number`: a number checked for type (``true`` is not 1), integrality,
   finiteness (no ``.inf`` / ``.nan``) and range.
@@ -30,15 +31,35 @@ _YAML12_FLOAT = re.compile(r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|
 _LOADER: Any = None
 
 
+class DuplicateKeyError(ValueError):
+    """A mapping that gives one key twice (``ValueError``: one line naming the key and its line)."""
+
+
 def yaml_loads(text: Any) -> Any:
     """``yaml.safe_load`` with YAML 1.2 floats: ``1e-6`` is a number (PyYAML's YAML 1.1 rules make it
-    the string ``'1e-6'`` unless written ``1.0e-6``, a trap in cost files, recipes and ``--set``)."""
+    the string ``'1e-6'`` unless written ``1.0e-6``, a trap in cost files, recipes and ``--set``), and a
+    key given twice in one mapping is a :class:`DuplicateKeyError` (PyYAML silently keeps the last)."""
     import yaml  # only the commands that read YAML pay for it
 
     global _LOADER
     if _LOADER is None:
         class Loader(yaml.SafeLoader):
-            pass
+            def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+                if isinstance(node, yaml.MappingNode):
+                    seen: dict[Any, int] = {}  # key -> the line it was first given on
+                    for key_node, _ in node.value:
+                        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: overriding it is no repeat
+                            continue
+                        key = self.construct_object(key_node, deep=True)
+                        line = key_node.start_mark.line + 1
+                        try:
+                            if key in seen:
+                                raise DuplicateKeyError(f"duplicate key {key!r} on line {line} (first given on "
+                                                        f"line {seen[key]}); give each key once")
+                            seen[key] = line
+                        except TypeError:  # an unhashable key: the base class reports it
+                            continue
+                return super().construct_mapping(node, deep=deep)
 
         Loader.yaml_implicit_resolvers = {k: [r for r in v if r[0] != "tag:yaml.org,2002:float"]
                                           for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
@@ -47,19 +68,39 @@ def yaml_loads(text: Any) -> Any:
     return yaml.load(text, Loader=_LOADER)  # a SafeLoader subclass: no arbitrary objects
 
 
-def read_yaml(path: str, what: str) -> Any:
-    """Parsed content of ``path``; a missing file or bad YAML is one ``ValueError`` naming ``what`` and ``path``."""
+def read_yaml(path: str, what: str, *, mapping: bool = False) -> Any:
+    """Parsed content of ``path``; a missing file, bad YAML or a key given twice is one ``ValueError``
+    naming ``what`` and ``path``. ``mapping``: the document must be a mapping (an empty file is ``{}``)."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml_loads(f)
+            data = yaml_loads(f)
     except OSError as e:
         raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{what} {path} is not text (expected YAML)") from None
+    except DuplicateKeyError as e:
+        raise ValueError(f"{what} {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if mapping:
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ValueError(f"{what} {path} must be a YAML mapping (key: value lines), but its document is "
+                             f"{_kind(data)}")
+    return data
+
+
+def _kind(data: Any) -> str:
+    """What a YAML document is, for messages: ``a list``, ``the string 'x'``, ``the number 3``."""
+    if isinstance(data, list):
+        return f"a list of {len(data)} item(s)"
+    if isinstance(data, str):
+        return f"the string {data[:40]!r}"
+    if isinstance(data, bool) or data is None:
+        return f"the value {data!r}"
+    return f"the {type(data).__name__} {data!r}"[:80]
 
 
 def check_keys(d: Mapping[str, Any], allowed: Iterable[str], where: str, *, word: str = "key") -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.data.hf_datasets import HFDatasetSource, hf_kind
+from balanced_loader.data.loader_args import MAX_TOKEN_ID
 from balanced_loader.data.sources import Source, as_lengths
 
 
@@ -43,7 +44,12 @@ class DatasetSource(Source):
     """A map-style dataset (``len`` and ``__getitem__``) whose samples hold token ids."""
 
     def __init__(self, dataset: Any, *, lengths: Any = None, length_fn: Callable[[Any], int] | None = None,
-                 tokens_fn: Callable[[Any], Any] | None = None, cache_docs: int = 8) -> None:
+                 tokens_fn: Callable[[Any], Any] | None = None, cache_docs: int = 8,
+                 vocab_size: int | None = None) -> None:
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or not 1 <= vocab_size <= MAX_TOKEN_ID + 1):
+            raise ValueError(f"vocab_size must be an integer in 1..2**32, got {vocab_size!r}")
+        self.vocab_size = vocab_size
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ValueError(f"{type(dataset).__name__} is not a map-style dataset (needs __len__ and "
                              f"__getitem__); for a stream, build shards with balanced-loader build-shards")
@@ -78,6 +84,16 @@ class DatasetSource(Source):
         toks = np.asarray(self.tokens_fn(sample))
         if toks.ndim != 1:
             raise ValueError(f"sample {i}: tokens_fn returned shape {toks.shape}; expected 1-D token ids")
+        if toks.size:  # token ids are vocabulary indices: never negative, never past the vocabulary
+            if not np.issubdtype(toks.dtype, np.integer):
+                raise ValueError(f"sample {i}: token ids must be integers, got dtype {toks.dtype}")
+            lo, hi = int(toks.min()), int(toks.max())
+            top = (self.vocab_size - 1) if self.vocab_size is not None else MAX_TOKEN_ID
+            if lo < 0 or hi > top:
+                bad = lo if lo < 0 else hi
+                where = f"vocab_size {self.vocab_size}" if self.vocab_size is not None else "the 32-bit id range"
+                raise ValueError(f"sample {i} holds token id {bad}, outside {where} (ids 0..{top}); fix the "
+                                 f"dataset or its tokens_fn")
         return toks
 
     def read(self, doc_id: int, start: int, length: int) -> np.ndarray:
@@ -109,14 +125,15 @@ class DatasetSource(Source):
 
 
 def wrap(data: Any, *, lengths: Any = None, length_fn: Callable[[Any], int] | None = None,
-         tokens_fn: Callable[[Any], Any] | None = None, **loader_kwargs: Any):
+         tokens_fn: Callable[[Any], Any] | None = None, vocab_size: int | None = None, **loader_kwargs: Any):
     """A :class:`~balanced_loader.loader.BalancedLoader` over a torch ``DataLoader``/``Dataset``.
 
     ``loader_kwargs`` are the BalancedLoader's (``policy``, ``cost``, ``world_size``, ``rank``,
     ``global_batch_tokens``, ``cp``, ...); they are checked before any pass over the data. A
     DataLoader contributes only its dataset, which must be map-style (an ``IterableDataset`` has
     no random access; build shards instead). A dict of columns uses its ``input_ids`` column
-    (one token sequence per sample).
+    (one token sequence per sample). Token ids are checked as samples are read: negative ids, or ids at
+    or past ``vocab_size`` (default: the 32-bit range), are one ``ValueError`` naming the sample.
     """
     import inspect
 
@@ -149,5 +166,5 @@ def wrap(data: Any, *, lengths: Any = None, length_fn: Callable[[Any], int] | No
     if torch_data is not None and isinstance(data, torch_data.IterableDataset):
         raise ValueError("wrap needs a map-style dataset; an IterableDataset has no random access "
                          "(write it to shards with balanced-loader build-shards and open the folder)")
-    source = DatasetSource(data, lengths=lengths, length_fn=length_fn, tokens_fn=tokens_fn)
+    source = DatasetSource(data, lengths=lengths, length_fn=length_fn, tokens_fn=tokens_fn, vocab_size=vocab_size)
     return BalancedLoader(source, **loader_kwargs)

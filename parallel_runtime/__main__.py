@@ -15,7 +15,9 @@ WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK on every process::
 
 (without a GPU this still starts 4 processes; they join a gloo world). ``--reference`` runs the
 same data and model in one process without parallelism and writes the same metrics. A run
-whose ``--out`` holds a checkpoint resumes from it and appends to its ``metrics.jsonl``.
+whose ``--out`` holds a checkpoint resumes from it and appends to its ``metrics.jsonl``; one
+whose ``--out`` holds metrics but no checkpoint is refused (``--fresh`` starts over). Rank 0
+locks ``--out`` for the whole run: a second run on it exits 2 at once, naming the first.
 Exit codes: 0 done, 2 bad input (one line naming the field), 1 a failure on some rank.
 
 Every rank that stops says why in one line on stderr, prefixed with its rank in a world of
@@ -61,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="one process, whole model, no parallelism: the same plans' docs (the exactness check)")
     ap.add_argument("--allow-changed", action="store_true",
                     help="a resume may change optimizer.lr, max_grad_norm, warmup_steps, weight_decay (reported)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="start over in an --out that holds metrics.jsonl but no checkpoint (the old metrics are "
+                         "replaced); without it such a folder is refused, never given a second history")
     return ap.parse_args(argv)
 
 
@@ -111,7 +116,7 @@ def train(argv: list[str]) -> int:
 
     if args.reference:
         try:
-            Trainer(recipe, out, reference=True, allow_changed=args.allow_changed).train(args.steps)
+            Trainer(recipe, out, reference=True, allow_changed=args.allow_changed, fresh=args.fresh).train(args.steps)
         except ValueError as e:
             return user_error(str(e))
         return 0
@@ -125,7 +130,7 @@ def train(argv: list[str]) -> int:
     try:
         init_from_env(backend, w.timeout_s)
         _note_node_size(recipe, rank)
-        trainer = Trainer(recipe, out, allow_changed=args.allow_changed)
+        trainer = Trainer(recipe, out, allow_changed=args.allow_changed, fresh=args.fresh)
         trainer.train(args.steps)
         dist.barrier()
         dist.destroy_process_group()

@@ -19,6 +19,7 @@ from typing import Any
 from balanced_loader.calibration.calibrator import CalibrationOptions
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.data.batching import LONG_DOC_MODES
+from balanced_loader.data.loader_args import MAX_PREFETCH_STEPS, max_planner_workers
 from balanced_loader.data.mixture import MIX_BY
 from balanced_loader.data.schedule import setting, weight_schedule
 from balanced_loader.loader import ORDERS
@@ -74,6 +75,7 @@ class DataConfig:
     order: str = "any"  # strict (with shuffle: false): steps follow the source order exactly
     prefetch_steps: int = 2  # plans computed ahead in the background
     planner_workers: int = 0  # 0: a thread; N: processes
+    read_timeout_s: float = 60.0  # a remote source (URL): how long a read waits for a stalled server
 
     @property
     def longest_seq_len(self) -> int:
@@ -247,6 +249,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             value = yaml_loads(text)
         except yaml.YAMLError:
             raise ValueError(f"--set {key}: value {text!r} is not valid YAML") from None
+        except ValueError as e:  # a mapping value that gives a key twice
+            raise ValueError(f"--set {key}: {e}") from None
         parts = key.strip().split(".")
         node = out
         for p in parts[:-1]:
@@ -278,8 +282,8 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
 
 def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe file (one ValueError line naming the field)."""
-    raw = read_yaml(path, "recipe")
-    return recipe_from_dict(apply_overrides(raw or {}, overrides or []), path)
+    raw = read_yaml(path, "recipe", mapping=True)
+    return recipe_from_dict(apply_overrides(raw, overrides or []), path)
 
 
 def dump_recipe(recipe: Recipe) -> dict:
@@ -308,6 +312,10 @@ def validate(r: Recipe) -> None:
     _validate_mixture(d)
     _positive(d.prefetch_steps, "data.prefetch_steps", zero=True)
     _positive(d.planner_workers, "data.planner_workers", zero=True)
+    _positive(d.read_timeout_s, "data.read_timeout_s")
+    if d.prefetch_steps > MAX_PREFETCH_STEPS or d.planner_workers > max_planner_workers():
+        raise ValueError(f"data.prefetch_steps must be <= {MAX_PREFETCH_STEPS} and data.planner_workers <= "
+                         f"{max_planner_workers()} (2 per CPU core), got {d.prefetch_steps} and {d.planner_workers}")
     if d.long_docs not in LONG_DOC_MODES:
         raise ValueError(f"data.long_docs must be one of {', '.join(LONG_DOC_MODES)}, got '{d.long_docs}'")
     if p.name not in POLICIES:

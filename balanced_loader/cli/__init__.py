@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "waves": ("cmd_waves", "Spindle wavefront schedule of a multi-task graph"),
     "presets": ("cmd_presets", "list cost, model and hardware presets"),
     "verify": ("cmd_verify", "check a shard folder fully: index, shard and per-doc checksums, tar headers"),
+    "index": ("cmd_index", "rebuild a shard folder's length index, checked against its recorded checksums"),
 }
 
 

@@ -2,8 +2,8 @@
 
 SOURCE_OR_LENGTHS is a length file (.txt, .txt.gz, .npy), a shard folder or a .jsonl file; several
 shard folders are analyzed as one source (the parts of a ``build-shards --part`` build).
-Writes ``OUT/histogram.png`` and ``OUT/analyze.json``. ``--mix NAME=PATH:WEIGHT ...`` analyzes a
-mixture instead, source by source (:mod:`balanced_loader.cli.mix_report`).
+Writes ``OUT/histogram.png`` and ``OUT/analyze.json``, published as a pair (a failure leaves the old pair).
+``--mix NAME=PATH:WEIGHT ...`` analyzes a mixture instead, source by source (:mod:`balanced_loader.cli.mix_report`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     from balanced_loader.cli import analysis as analyze
     from balanced_loader.cli import charts
-    from balanced_loader.data.files import write_json
+    from balanced_loader.data.files import OutputSet, write_json
     from balanced_loader.presets import load_cost
 
     if bool(args.source) == bool(args.mix):
@@ -103,15 +103,15 @@ def run(args: argparse.Namespace) -> int:
     adv = analyze.advise(analyzed, cost, world_size=args.world_size, tp=args.tp, pp=args.pp)
 
     os.makedirs(args.out, exist_ok=True)
-    png = os.path.join(args.out, "histogram.png")
+    png, jpath = os.path.join(args.out, "histogram.png"), os.path.join(args.out, "analyze.json")
     marks = {k: float(v) for k, v in stats.get("percentiles", {}).items() if k in ("p50", "p99", "p99.9")}
-    charts.length_histogram(analyzed, png, lane_cap=sc.max_tokens_per_lane, marks=marks,
-                            title=f"{os.path.basename(args.first_source.rstrip('/'))}: {stats['docs']:,} docs, "
-                                  f"{stats['tokens']:,} tokens")
     report = {"source": args.source, "description": what, "cost": cost_name, "stats": stats,
               "degrees": degrees, "advice": adv.to_json(), "histogram": png}
-    jpath = os.path.join(args.out, "analyze.json")
-    write_json(jpath, report, indent=1)
+    with OutputSet(args.out) as outs:  # the chart and the JSON replace the folder's old pair together
+        charts.length_histogram(analyzed, outs.path("histogram.png"), lane_cap=sc.max_tokens_per_lane, marks=marks,
+                                title=f"{os.path.basename(args.first_source.rstrip('/'))}: {stats['docs']:,} docs, "
+                                      f"{stats['tokens']:,} tokens")
+        write_json(outs.path("analyze.json"), report, indent=1)
     if args.json:
         print(json.dumps(report))
         return 0

@@ -3,7 +3,8 @@
 Prints a table (modeled step time, speedup over the first policy, skew, bubbles, planning
 time, time over the step-time lower bound, barrier waits when a plan has barriers), writes
 ``OUT/compare.json``, ``OUT/rank_load.png`` (per-rank busy time of one step for each policy, barrier
-waits hatched on top) and ``OUT/step_times.png`` (step time per policy over steps).
+waits hatched on top) and ``OUT/step_times.png`` (step time per policy over steps), published as a set:
+a failure on any of them (a full disk) leaves the folder's previous three as they were.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.cli import comparison as cmp
     from balanced_loader.cli.streams import stream_batches, wants_stream
     from balanced_loader.data.batching import global_batches, validation_lengths
-    from balanced_loader.data.files import write_json
+    from balanced_loader.data.files import OutputSet, write_json
     from balanced_loader.loader import default_max_seq_len
     from balanced_loader.planning.config import PlanConfig
     from balanced_loader.presets import load_cost
@@ -112,17 +113,16 @@ def run(args: argparse.Namespace) -> int:
                      **({"mixture_tokens": mixture} if mixture else {})},
         "policies": [r.to_json(per_rank_step=k) for r in runs],
     }
-    jpath = os.path.join(args.out, "compare.json")
-    write_json(jpath, report)
-    load_png = charts.rank_load({r.policy: r.metrics[k].rank_busy_ms for r in runs},
-                                {r.policy: r.metrics[k].step_ms for r in runs},
-                                os.path.join(args.out, "rank_load.png"),
-                                title=f"Per-rank busy time, step {k} ({args.world_size} ranks, "
-                                      f"{len(batches[k]):,} sequences, {int(batches[k].lengths.sum()):,} tokens)",
-                                barrier_ms={r.policy: r.metrics[k].rank_barrier_ms for r in runs})
-    steps_png = charts.step_times({r.policy: [m.step_ms for m in r.metrics] for r in runs},
-                                  os.path.join(args.out, "step_times.png"),
-                                  title=f"Modeled step time per policy ({args.world_size} ranks, "
-                                        f"cost {cost.name or os.path.basename(args.cost_file or '')})")
+    with OutputSet(args.out) as outs:  # the JSON and both charts replace the folder's old set together
+        write_json(outs.path("compare.json"), report)
+        charts.rank_load({r.policy: r.metrics[k].rank_busy_ms for r in runs},
+                         {r.policy: r.metrics[k].step_ms for r in runs}, outs.path("rank_load.png"),
+                         title=f"Per-rank busy time, step {k} ({args.world_size} ranks, "
+                               f"{len(batches[k]):,} sequences, {int(batches[k].lengths.sum()):,} tokens)",
+                         barrier_ms={r.policy: r.metrics[k].rank_barrier_ms for r in runs})
+        charts.step_times({r.policy: [m.step_ms for m in r.metrics] for r in runs}, outs.path("step_times.png"),
+                          title=f"Modeled step time per policy ({args.world_size} ranks, "
+                                f"cost {cost.name or os.path.basename(args.cost_file or '')})")
+    jpath, load_png, steps_png = (outs.final(n) for n in ("compare.json", "rank_load.png", "step_times.png"))
     print(f"wrote {jpath}, {load_png} and {steps_png}")
     return 0

@@ -52,9 +52,9 @@ def stdlib_shards(out_dir: str, *, limit: int | None = None, max_shard_bytes: in
                 return src
         except ValueError:
             pass
-    if os.path.isdir(out_dir):
+    if os.path.isdir(out_dir):  # the build publishes the folder whole: clear what an older build left
         for f in os.listdir(out_dir):
-            if f.endswith((".tar", ".tar.tmp", ".npy", ".npy.tmp")) or f in (INDEX_FILE, META_FILE):
+            if f.endswith((".tar", ".npy", ".tmp")) or f in (INDEX_FILE, META_FILE):
                 os.remove(os.path.join(out_dir, f))
     build_from_files(files, out_dir, max_shard_bytes=max_shard_bytes, progress=progress)
     return ShardSource(out_dir)

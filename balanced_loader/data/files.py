@@ -1,4 +1,5 @@
-"""Complete-or-absent output files: :func:`atomic_write` (stdlib only; imports nothing of ours).
+"""Complete-or-absent outputs: :func:`atomic_write` (one file), :class:`StagedFolder` (a folder written
+whole, renamed into place), :class:`OutputSet` (files published together). Stdlib only; imports nothing of ours.
 
 Every file the package writes (plans, reports, charts, shards, the length index) goes through
 it: the bytes land in a hidden temporary file in the same folder, are flushed to disk, and the
@@ -149,3 +150,148 @@ def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = N
     with atomic_write(path, "w") as f:
         json.dump(obj, f, indent=indent)
         f.write("\n")
+
+
+def fsync_dir(path: str) -> None:
+    """Make a folder's entries (a rename into it) durable; a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_new_folder(path: str | os.PathLike[str], what: str) -> None:
+    """``path`` must not exist or be an empty folder (an output written whole); one ``ValueError`` otherwise."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"{what} {path} is a file; give a folder to create")
+    entries = sorted(os.listdir(path))
+    if entries:
+        shown = ", ".join(entries[:3]) + (" ..." if len(entries) > 3 else "")
+        raise ValueError(f"{what} {path} already holds files ({shown}); choose a new folder or remove it first")
+
+
+class StagedFolder:
+    """A folder written whole: its files go into a hidden folder beside ``target``
+    (``.NAME.partial-XXXXXXXX``), and :meth:`publish` renames that folder to ``target`` when
+    everything is written; :meth:`discard` (any failure) removes it. So ``target`` is either absent
+    (or the empty folder it was) or complete: a full disk, an exception or Ctrl-C leaves nothing
+    a reader could take for data. ``target`` must not exist or be an empty folder.
+    """
+
+    PARTIAL = ".partial-"
+
+    def __init__(self, target: str | os.PathLike[str], what: str = "output folder") -> None:
+        self.target = os.path.normpath(os.fspath(target))
+        self.what = what
+        check_new_folder(self.target, what)
+        parent = os.path.dirname(os.path.abspath(self.target))
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self.path = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}{self.PARTIAL}", dir=parent)
+            os.chmod(self.path, 0o777 & ~_umask())  # mkdtemp makes 0700; give the folder the usual permissions
+        except OSError as e:
+            raise write_error(self.target, e) from None
+
+    def publish(self) -> None:
+        fsync_dir(self.path)
+        try:
+            os.rename(self.path, self.target)  # atomic; replaces an empty folder, fails on a non-empty one
+        except OSError as e:
+            self.discard()
+            if e.errno in (errno_.ENOTEMPTY, errno_.EEXIST):
+                raise ValueError(f"{self.what} {self.target} was filled by another process while this one wrote "
+                                 f"it; nothing of this run was kept") from None
+            raise write_error(self.target, e) from None
+        fsync_dir(os.path.dirname(os.path.abspath(self.target)))
+
+    def discard(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def remove_partials(target: str | os.PathLike[str]) -> None:
+    """Remove the staging folders a killed :class:`StagedFolder` of ``target`` left behind (call while
+    holding ``target``'s :class:`~balanced_loader.data.locks.OutputLock`: no one else is writing it)."""
+    import shutil
+
+    target = os.path.normpath(os.path.abspath(os.fspath(target)))
+    parent, prefix = os.path.dirname(target), f".{os.path.basename(target)}{StagedFolder.PARTIAL}"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if name.startswith(prefix) and os.path.isdir(os.path.join(parent, name)):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+class OutputSet:
+    """Several files of one output (``compare.json`` and its charts) published as a set.
+
+    :meth:`path` gives a temporary name next to each final file for the writer to fill (through
+    :func:`atomic_write` or any writer); :meth:`commit` renames every one into place only after all
+    of them were written, so a failure (a full disk on the last chart) leaves the folder's previous
+    set as it was: never a new ``compare.json`` beside old charts. A context manager: commit on
+    success, remove the temporary files on any exception.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = os.fspath(folder)
+        self._tmp: dict[str, str] = {}  # final path -> temporary path
+
+    def path(self, name: str) -> str:
+        final = os.path.join(self.folder, name)
+        if final not in self._tmp:
+            try:
+                # the final extension last: writers that pick a format by extension (charts) still see it
+                fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=f".tmp{os.path.splitext(name)[1]}",
+                                           dir=self.folder)
+                os.close(fd)
+            except OSError as e:
+                raise write_error(final, e) from None
+            self._tmp[final] = tmp
+        return self._tmp[final]
+
+    def final(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+    def commit(self) -> None:
+        for final, tmp in list(self._tmp.items()):
+            try:
+                os.chmod(tmp, 0o666 & ~_umask())
+                os.replace(tmp, final)
+            except OSError as e:
+                raise write_error(final, e) from None
+            del self._tmp[final]
+        fsync_dir(self.folder)
+
+    def discard(self) -> None:
+        for tmp in self._tmp.values():
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        self._tmp.clear()
+
+    def __enter__(self) -> OutputSet:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            finally:
+                self.discard()
+            return
+        names = dict(self._tmp)
+        self.discard()
+        if isinstance(exc, OSError):  # name the file the user asked for, not its temporary name
+            msg = str(exc.strerror or exc)
+            for final, tmp in names.items():
+                msg = msg.replace(tmp, final)
+            raise OSError(exc.errno, f"{msg} (the folder's previous files were kept)") from None

@@ -38,7 +38,7 @@ log = logging.getLogger("balanced_loader")
 
 CACHE_PREFIX = "balanced-loader-lengths"
 CACHE_FORMAT = "balanced-loader/hf-lengths"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a None row is refused, never cached as an empty doc
 _ZERO_COPY = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))  # served as stored, no id check
 TOKENIZE_HINT = ('tokenize it first, e.g. ds = ds.map(lambda b: tok(b["text"]), batched=True) with a '
                  'transformers tokenizer (the result is cached by datasets), then open_source(ds)')
@@ -198,7 +198,12 @@ class HFDatasetSource(Source):
         import pyarrow.compute as pc  # see _attach
 
         col = self._column
-        lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)  # [num_rows]
+        if col.null_count:  # a None row is not an empty doc (a None id is refused too): one line naming it
+            row = int(pc.index(pc.is_null(col), True).as_py())
+            raise ValueError(f"row {row} of column '{self.token_field}' is None (null) ({col.null_count} such "
+                             f"row(s)); fill or drop them (e.g. ds.filter(lambda r: r['{self.token_field}'] "
+                             f"is not None)): an empty doc is an empty list")
+        lengths = pc.list_value_length(col).to_numpy().astype(np.int64)  # [num_rows]
         if self._indices is not None:
             lengths = lengths[self._indices.to_numpy()]  # [num_docs]
         meta: dict[str, Any] = {"format": CACHE_FORMAT, "version": CACHE_VERSION,
@@ -259,6 +264,15 @@ class HFDatasetSource(Source):
         return token_dtype(hi + 1)
 
     # ---- Source -------------------------------------------------------------------------
+    def tokens_fingerprint(self) -> str | None:
+        """The dataset's own fingerprint (``datasets`` changes it with every transform) and the column."""
+        return f"hf:{self.dataset._fingerprint}:{self.token_field}"
+
+    @property
+    def max_token_id(self) -> int | None:
+        v = self._meta.get("max_id")
+        return int(v) if v is not None else None
+
     def describe(self) -> str:
         return f"Hugging Face dataset ({len(self.lengths)} rows, column '{self.token_field}')"
 

@@ -9,6 +9,9 @@ remote reader transfers. Stdlib only::
         server.total_bytes()                     # body bytes served, all files
 
 ``ranges=False`` imitates a server that ignores ``Range`` (always ``200`` with the whole file).
+Faults, for the retry tests: ``errors=N`` answers the next N requests ``503 Service Unavailable``,
+``drops=N`` closes the connection of the next N requests without an answer, ``stall_s`` makes every
+request wait that long before its answer (a stalled server).
 Also ``python -m balanced_loader.data.httpserve DIR [PORT]``.
 """
 
@@ -67,6 +70,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, head: bool) -> None:
         if self.server.latency_s:
             time.sleep(self.server.latency_s)
+        fault = self.server.take_fault()
+        if fault == "error":
+            self._send(503, {"Retry-After": "0"}, b"busy")
+            return
+        if fault == "drop":  # the connection ends before any answer (a restarting server, a dropped link)
+            self.close_connection = True
+            self.request.shutdown(socket.SHUT_RDWR)
+            return
         path = self._file()
         if path is None:
             self._send(404, {}, b"not found")
@@ -97,15 +108,30 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # a concurrent prefetch opens dozens of connections at once: with socketserver's backlog of 5, a loaded
+    # machine's accept queue overflows and a client whose connection looks open waits for an answer that
+    # never comes (until its read timeout)
+    request_queue_size = 256
 
     def __init__(self, root: str, port: int, ranges: bool, latency_s: float) -> None:
         self.root = os.path.realpath(root)
         self.ranges = ranges
         self.latency_s = latency_s
+        self.faults = {"error": 0, "drop": 0}  # answers still to be spoiled, by kind
+        self.faults_served = 0
         self.bytes_served: dict[str, int] = {}  # URL path -> body bytes sent
         self.requests = 0
         self._count_lock = threading.Lock()
         super().__init__(("127.0.0.1", port), _Handler)
+
+    def take_fault(self) -> str | None:
+        with self._count_lock:
+            for kind, left in self.faults.items():
+                if left:
+                    self.faults[kind] = left - 1
+                    self.faults_served += 1
+                    return kind
+        return None
 
     def count(self, path: str, n: int) -> None:
         with self._count_lock:
@@ -121,8 +147,10 @@ class RangeServer:
     requests are served concurrently, one thread each).
     """
 
-    def __init__(self, root: str, *, port: int = 0, ranges: bool = True, latency_ms: float = 0.0) -> None:
-        self._server = _Server(root, port, ranges, latency_ms / 1000)
+    def __init__(self, root: str, *, port: int = 0, ranges: bool = True, latency_ms: float = 0.0,
+                 errors: int = 0, drops: int = 0, stall_s: float = 0.0) -> None:
+        self._server = _Server(root, port, ranges, latency_ms / 1000 + stall_s)
+        self.fail_next(errors=errors, drops=drops)
         self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="range-server", daemon=True)
@@ -136,6 +164,15 @@ class RangeServer:
     @property
     def requests(self) -> int:
         return self._server.requests
+
+    def fail_next(self, *, errors: int = 0, drops: int = 0) -> None:
+        """Spoil the next ``errors`` answers with 503 and then ``drops`` by closing the connection."""
+        with self._server._count_lock:
+            self._server.faults = {"error": int(errors), "drop": int(drops)}
+
+    @property
+    def faults_served(self) -> int:
+        return self._server.faults_served
 
     def total_bytes(self) -> int:
         return sum(self._server.bytes_served.values())

@@ -1,5 +1,7 @@
-"""The length index of a shard folder: ``index.json`` and its arrays, scanned from the tar headers or
-streamed by the writer.
+"""The length index of a shard folder: ``index.json`` and its arrays, streamed by the writer, or scanned
+from the tar headers by the explicit ``balanced-loader index DIR`` (:mod:`.reindex`); never built
+implicitly on open: :func:`index_problems` lists how an index disagrees with its folder, and a reader
+refuses such a folder naming the fix (:func:`reindex_hint`).
 
 See :mod:`balanced_loader.data.shards` for the folder layout. Scanning (:func:`build_index`) reads
 only the tar and ``.npy`` headers; the writer's checksums (``shards.crc.npy``) are taken over when
@@ -31,6 +33,11 @@ ARRAYS = ("lengths", "shard", "offset")
 TOKEN_EXT = ".npy"
 META_COPIED = ("part", "inputs")  # keys of shards.json that the index carries over
 
+
+def reindex_hint(folder: str) -> str:
+    """The fix named by every index error of a local folder."""
+    return (f"rebuild the index with: balanced-loader index {folder} (it checks every shard against the "
+            f"checksums the build recorded)")
 
 def array_name(name: str) -> str:
     """The file name of index array ``name`` (``lengths``, ``shard``, ``offset``, ``crc_start``)."""
@@ -120,12 +127,15 @@ def _writer_checksums(folder: str, meta: dict[str, Any] | None, lengths: np.ndar
     return start, block
 
 
-def build_index(folder: str, *, write: bool = True, progress: bool = False) -> dict[str, Any]:
+def build_index(folder: str, *, write: bool = True, progress: bool = False,
+                max_token_id: int | None = None) -> dict[str, Any]:
     """Scan every ``*.tar`` of a folder (headers only) and write the length index.
 
     Checks each shard against ``shards.json`` when the writer left one, and takes the writer's
     checksums. Returns the index JSON; with ``write=False`` the arrays come back under
-    ``"_arrays"`` instead of files.
+    ``"_arrays"`` instead of files. ``max_token_id``: the largest token id, when the caller read the
+    tokens (:mod:`.reindex`); a scan reads headers only. Only ``balanced-loader index`` (through
+    :func:`.reindex.reindex_folder`) writes a scanned index; readers never do.
     """
     names = list_shards(folder)
     if not names:
@@ -172,7 +182,7 @@ def build_index(folder: str, *, write: bool = True, progress: bool = False) -> d
     crc_start, block = _writer_checksums(folder, meta, arrays["lengths"], dtype.itemsize) if checked else (None, None)
     index = index_json(dtype=dtype, meta=meta, num_docs=len(arrays["lengths"]),
                        num_tokens=int(arrays["lengths"].sum()), fingerprint=lengths_fingerprint(arrays["lengths"]),
-                       named=named, block=block, shards=shards)
+                       named=named, block=block, shards=shards, max_token_id=max_token_id)
     if crc_start is not None:
         arrays["crc_start"] = crc_start
     if not write:
@@ -185,12 +195,18 @@ def build_index(folder: str, *, write: bool = True, progress: bool = False) -> d
 
 
 def index_json(*, dtype: np.dtype, meta: dict[str, Any] | None, num_docs: int, num_tokens: int, fingerprint: str,
-               named: bool, block: int | None, shards: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON of ``index.json`` (one function for the scan and the writer: the same keys in the same order)."""
+               named: bool, block: int | None, shards: list[dict[str, Any]],
+               max_token_id: int | None = None) -> dict[str, Any]:
+    """The JSON of ``index.json`` (one function for the scan and the writer: the same keys in the same order).
+
+    ``max_token_id``: the largest token id in the data (None: not read), which a trainer checks
+    against its model's vocabulary before any step."""
     index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "dtype": dtype.str,
              "tokenizer": meta.get("tokenizer") if meta else None,
              "num_docs": int(num_docs), "num_tokens": int(num_tokens), "lengths_fingerprint": fingerprint,
-             "member_names": "doc_id" if named else "any", "check_block_bytes": block, "shards": shards}
+             "member_names": "doc_id" if named else "any", "check_block_bytes": block,
+             "max_token_id": None if max_token_id is None or max_token_id < 0 else int(max_token_id),
+             "shards": shards}
     for key in META_COPIED:  # what build-shards recorded about the build (part K/N, the input set)
         if meta and key in meta:
             index[key] = meta[key]
@@ -274,8 +290,8 @@ class IndexWriter:
             self._streams[k].write(values)
             values.clear()
 
-    def commit(self, *, dtype: np.dtype, meta: dict[str, Any], num_tokens: int, shards: list[dict[str, Any]]
-               ) -> dict[str, Any]:
+    def commit(self, *, dtype: np.dtype, meta: dict[str, Any], num_tokens: int, shards: list[dict[str, Any]],
+               max_token_id: int | None = None) -> dict[str, Any]:
         """Write the arrays and ``index.json`` (``meta``: the folder's ``shards.json`` content); returns the index."""
         self._flush()
         for s in self._streams.values():
@@ -284,7 +300,7 @@ class IndexWriter:
         lengths = np.load(array_path(self.folder, "lengths"), mmap_mode="r", allow_pickle=False)  # [num_docs] int64
         index = index_json(dtype=dtype, meta=meta, num_docs=len(lengths), num_tokens=num_tokens,
                            fingerprint=lengths_fingerprint(lengths), named=True,
-                           block=int(meta["check_block_bytes"]), shards=shards)
+                           block=int(meta["check_block_bytes"]), shards=shards, max_token_id=max_token_id)
         del lengths
         write_json(os.path.join(self.folder, INDEX_FILE), index, indent=1)
         return index
@@ -301,10 +317,55 @@ def read_index_json(path: str) -> dict[str, Any]:
             data = f.read()
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
-    return parse_index_json(data, path)
+    return parse_index_json(data, path, fix=reindex_hint(os.path.dirname(path) or "."))
 
 
-def parse_index_json(data: bytes, where: str, *, fix: str = "delete it to rebuild the index") -> dict[str, Any]:
+def index_problems(folder: str, index: dict[str, Any]) -> list[str]:
+    """How a local folder disagrees with its ``index.json`` (empty: it agrees), cheaply: every listed
+    shard is there with its recorded size, no ``.tar`` is there that the index does not list (a stray
+    shard), and ``shards.json`` (the build's record, when there) lists the same shards with the same
+    docs, sizes and crc32s. Reading never re-indexes; these lines are errors (verify lists them all)."""
+    out = []
+    listed = [s["name"] for s in index.get("shards", [])]
+    for s in index.get("shards", []):
+        path = os.path.join(folder, s["name"])
+        if not os.path.exists(path):
+            out.append(f"shard {path} listed in {INDEX_FILE} is missing; restore it")
+        elif os.path.getsize(path) != s["bytes"]:
+            out.append(f"shard {path} has {os.path.getsize(path)} bytes but {INDEX_FILE} recorded {s['bytes']}: "
+                       f"it is truncated or was rewritten; restore it")
+    for name in sorted(set(list_shards(folder)) - set(listed)):
+        out.append(f"shard {os.path.join(folder, name)} is not in {INDEX_FILE} (a stray or added shard); "
+                   f"remove it")
+    meta_path = os.path.join(folder, META_FILE)
+    if os.path.exists(meta_path):
+        try:
+            meta = read_index_json(meta_path)
+        except ValueError as e:
+            return [*out, str(e)]
+        recorded = {s["name"]: s for s in meta.get("shards", [])}
+        if sorted(recorded) != sorted(listed):
+            out.append(f"{INDEX_FILE} lists shards {_names(listed)} but {META_FILE} (the build's record) lists "
+                       f"{_names(list(recorded))}")
+        for s in index.get("shards", []):
+            r = recorded.get(s["name"])
+            if r is None:
+                continue
+            for key in ("docs", "bytes", "crc32"):
+                if key in r and s.get(key) != r[key]:
+                    out.append(f"{INDEX_FILE} records {key} {s.get(key)} for shard {s['name']} but {META_FILE} "
+                               f"records {r[key]}: the index does not belong to these shards")
+                    break
+    return out
+
+
+def _names(names: list[str]) -> str:
+    names = sorted(names)
+    return f"[{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}] ({len(names)})"
+
+
+def parse_index_json(data: bytes, where: str, *, fix: str = "rebuild the index with balanced-loader index DIR"
+                     ) -> dict[str, Any]:
     """The JSON of ``index.json`` / ``shards.json`` read from ``where`` (a path or URL); one
     ``ValueError`` ending in ``fix`` when it is not a shard index this reader knows."""
     try:

@@ -24,7 +24,8 @@ from balanced_loader.data.stores import is_url
 
 def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None, token_field: str = "input_ids",
                 cache_dir: str | None = None, cache_shards: bool = False,
-                storage_options: dict[str, Any] | None = None) -> Source:
+                storage_options: dict[str, Any] | None = None, allow_part: bool = False,
+                read_timeout_s: float | None = None, retries: int | None = None) -> Source:
     """Open a source: a shard folder (local, or a URL: ``http(s)://``, ``s3://``, ``gs://``, any fsspec
     URL), a ``.jsonl`` file, a length file (``.npy``, ``.txt``, ``.txt.gz``; planning only), a list/tuple
     of shard folders (str or PathLike: one source, see :mod:`.parts`), a list/array of lengths, or a
@@ -33,7 +34,13 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None, t
 
     Remote folders only (see :mod:`balanced_loader.data.remote`): ``cache_dir`` keeps the fetched
     index files (and, with ``cache_shards=True``, whole shards on first read) in a local folder;
-    ``storage_options`` go to fsspec (credentials, endpoints).
+    ``storage_options`` go to fsspec (credentials, endpoints); ``read_timeout_s`` (default 60) is how
+    long a read waits for a stalled server, ``retries`` (default 3) how often a transient failure
+    (HTTP 5xx, a dropped connection) is retried with backoff.
+
+    A shard folder opens only with a complete index that agrees with its shards (it is never built
+    on open: ``balanced-loader index DIR``); a part of a ``--part K/N`` build opens alone only with
+    ``allow_part=True``.
     """
     if isinstance(spec, Source):
         return spec
@@ -41,21 +48,23 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None, t
         if tokenizer is not None:
             raise ValueError(f"open_source does not tokenize a Hugging Face dataset; {TOKENIZE_HINT}")
         return HFDatasetSource(spec, token_field=token_field)
-    remote = {"cache_dir": cache_dir, "cache_shards": cache_shards, "storage_options": storage_options}
+    remote: dict[str, Any] = {"cache_dir": cache_dir, "cache_shards": cache_shards,
+                              "storage_options": storage_options}
+    remote.update({k: v for k, v in (("read_timeout_s", read_timeout_s), ("retries", retries)) if v is not None})
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(s, (str, os.PathLike)) for s in spec):
         if len(spec) == 1 and (is_url(spec[0]) or not _is_part(spec[0])):
-            return open_source(spec[0], text_field=text_field, tokenizer=tokenizer, **remote)
+            return open_source(spec[0], text_field=text_field, tokenizer=tokenizer, allow_part=allow_part, **remote)
         return PartsSource(list(spec), remote=remote)
     if isinstance(spec, str) and spec.startswith("file://"):
         spec = spec[len("file://"):]
     if is_url(spec):
         from balanced_loader.data.remote import open_remote  # fsspec is imported only for URLs
 
-        return open_remote(spec, **remote)
+        return open_remote(spec, allow_part=allow_part, **remote)
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         if os.path.isdir(path):
-            return ShardSource(path)
+            return ShardSource(path, allow_part=allow_part)
         if not os.path.exists(path):
             raise ValueError(f"source {path} does not exist (expected a shard folder, a .jsonl file "
                              f"or a length file)")

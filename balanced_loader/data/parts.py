@@ -2,8 +2,10 @@
 plain folders.
 
 Folders built with ``--part`` are ordered by their recorded part index (not by argument order)
-and must form one complete build: every part ``0..N-1`` once, the same ``N``, the same input set,
-tokenizer and dtype. Plain folders (built without ``--part``) are combined in argument order
+and must form one complete build: every part ``0..N-1`` once, the same ``N``, the same input set
+(names and sizes, and a content hash of every input byte that each part computes), tokenizer and
+dtype. A part alone is not a dataset: ``open_source(part)`` refuses it unless ``allow_part=True``.
+Plain folders (built without ``--part``) are combined in argument order
 (tokenizer and dtype must still agree). doc_id = the part's doc offset + its local doc_id, so with
 the part rule of :mod:`.build` the combined source numbers docs exactly as one whole build would
 (same lengths fingerprint). A part that got no docs holds only ``shards.json`` and counts as 0 docs.
@@ -14,6 +16,7 @@ on first access (8 bytes per doc); reads, ``num_docs`` and ``shard_bounds`` do n
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -21,7 +24,7 @@ import numpy as np
 
 from balanced_loader.data.index import INDEX_FILE, META_FILE, check_token_dtype, list_shards, read_index_json
 from balanced_loader.data.shards import ShardSource
-from balanced_loader.data.sources import Source
+from balanced_loader.data.sources import Source, tokenizer_key
 from balanced_loader.data.stores import is_url
 
 
@@ -39,6 +42,11 @@ class _EmptyPart:
         self.num_tokens = 0
         self.bytes_read = 0
         self.has_checksums = True
+        self.vocab_size = self.tokenizer.get("vocab_size") if isinstance(self.tokenizer, dict) else None
+        self.max_token_id = None
+
+    def tokens_fingerprint(self) -> str:
+        return "empty"
 
     def close(self) -> None:
         pass
@@ -50,7 +58,7 @@ def _open_part(folder: str, remote: dict[str, Any] | None = None, **kw: Any) -> 
     if is_url(folder):
         from balanced_loader.data.remote import open_remote  # fsspec is imported only for URLs
 
-        return open_remote(folder, verify=kw.get("verify", "full"), **(remote or {}))
+        return open_remote(folder, verify=kw.get("verify", "full"), allow_part=True, **(remote or {}))
     if os.path.isfile(folder):
         raise ValueError(f"{folder} is a file; a list of sources must be shard folders (one source from a "
                          f".jsonl or length file: pass its path alone)")
@@ -60,12 +68,7 @@ def _open_part(folder: str, remote: dict[str, Any] | None = None, **kw: Any) -> 
         meta = read_index_json(meta_path)
         if meta.get("num_docs") == 0 and "part" in meta:
             return _EmptyPart(folder, meta)
-    return ShardSource(folder, **kw)
-
-
-def _tokenizer_key(tok: Any) -> Any:
-    """A tokenizer identity without its path (the same tokenizer.json may live elsewhere on each machine)."""
-    return {k: v for k, v in tok.items() if k != "path"} if isinstance(tok, dict) else tok
+    return ShardSource(folder, allow_part=True, **kw)
 
 
 def _order_parts(folders: list[str], parts: list[Any]) -> list[int]:
@@ -84,10 +87,13 @@ def _order_parts(folders: list[str], parts: list[Any]) -> list[int]:
             raise ValueError(f"{folders[0]} is part {first['index']}/{first['count']} but {f} is part "
                              f"{i['index']}/{i['count']}: parts of builds with different N"
                              "; open the parts of one build")
-        if p.index.get("inputs") != parts[0].index.get("inputs"):
-            raise ValueError(f"{folders[0]} and {f} were built from different input sets "
-                             f"(sha256 {(parts[0].index.get('inputs') or {}).get('sha256', '?')[:12]} vs "
-                             f"{(p.index.get('inputs') or {}).get('sha256', '?')[:12]}); open the parts of one build")
+        mine, first_in = p.index.get("inputs") or {}, parts[0].index.get("inputs") or {}
+        for key, what in (("sha256", "input sets (file names and sizes)"),
+                          ("content", "inputs of different content (the same file names and sizes, other bytes)")):
+            if mine.get(key) != first_in.get(key):
+                raise ValueError(f"{folders[0]} and {f} were built from {what}: {key} "
+                                 f"{str(first_in.get(key))[:12]} vs {str(mine.get(key))[:12]}; open the parts of "
+                                 f"one build (rebuild every part from the same input files)")
     seen: dict[int, str] = {}
     for f, i in zip(folders, info, strict=True):
         if i["index"] in seen:
@@ -136,7 +142,7 @@ class PartsSource(Source):
     @staticmethod
     def _check_same(folders: list[str], parts: list[Any]) -> None:
         for f, p in zip(folders[1:], parts[1:], strict=True):
-            if _tokenizer_key(p.tokenizer) != _tokenizer_key(parts[0].tokenizer):
+            if tokenizer_key(p.tokenizer) != tokenizer_key(parts[0].tokenizer):
                 raise ValueError(f"{folders[0]} was built with tokenizer {parts[0].tokenizer} but {f} with "
                                  f"{p.tokenizer}; combine folders of one tokenizer")
             if p.dtype != parts[0].dtype:
@@ -170,6 +176,21 @@ class PartsSource(Source):
 
     def describe(self) -> str:
         return f"{len(self.parts)} shard folders ({self.folders[0]} ...)"
+
+    def tokens_fingerprint(self) -> str | None:
+        fps = [p.tokens_fingerprint() for p in self.parts]
+        if any(fp is None for fp in fps):
+            return None
+        return hashlib.blake2b(("parts:" + ",".join(fps)).encode(), digest_size=16).hexdigest()
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.parts[0].vocab_size  # the parts share a tokenizer (checked on open)
+
+    @property
+    def max_token_id(self) -> int | None:
+        ids = [p.max_token_id for p in self.parts if p.num_docs]
+        return None if not ids or any(i is None for i in ids) else max(ids)
 
     def _locate(self, doc_id: int) -> tuple[Any, int]:
         d = int(doc_id)

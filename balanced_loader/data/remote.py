@@ -18,8 +18,14 @@ local ones:
 
 The index is never built over the network: a folder without one is a ``ValueError`` saying how
 to write it. A server that ignores ``Range`` (fsspec's ``cat_file`` would silently download the
-whole file for every read) is detected by a probe on opening and by the length of every read.
-fsspec (and aiohttp for HTTP) is imported only here, when a URL is opened.
+whole file for every read) is detected by a 16-byte probe before the first token read and by the
+length of every read; reading only the index (planning, ``analyze``) works on such a server.
+
+Every request has a read timeout of its own (``read_timeout_s``, default 60 s: a stalled server
+fails a read in that time, one line) and transient failures (HTTP 5xx and 429, a dropped or reset
+connection) are retried ``retries`` times (default 3) with exponential backoff (0.5 s, 1 s, 2 s ...)
+before one line names the URL and the last error. fsspec (and aiohttp for HTTP) is imported only
+here, when a URL is opened.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import hashlib
 import io
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -45,9 +52,34 @@ BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "a
             "oci": "ocifs", "oss": "ossfs", "hdfs": "pyarrow", "webhdfs": "requests", "dropbox": "dropboxdrivefs"}
 PROBE_BYTES = 16  # a range read of index.json on opening: a longer answer means the server ignores Range
 CONNECT_TIMEOUT_S = 30.0  # HTTP: a host that does not answer fails in this time, not aiohttp's 5 minutes
-INDEX_HOWTO = ("open the local folder once to write it (python -c \"import balanced_loader; "
-               "balanced_loader.open_source('DIR')\", or balanced-loader analyze DIR), then upload index.json "
-               "and index.*.npy next to the shards")
+READ_TIMEOUT_S = 60.0  # HTTP: a server that stops sending fails a read in this time (read_timeout_s)
+RETRIES = 3  # transient failures (5xx, 429, dropped connections) retried this often (retries)
+BACKOFF_S = 0.5  # the first retry waits this long, each next one twice as long
+INDEX_HOWTO = ("build it on the local folder (balanced-loader index DIR; build-shards writes it), then upload "
+               "index.json and index.*.npy next to the shards")
+
+
+def _status(e: BaseException) -> int | None:
+    s = getattr(e, "status", None) or getattr(e, "code", None)
+    return s if isinstance(s, int) else None
+
+
+def _is_timeout(e: BaseException) -> bool:
+    import asyncio
+
+    return isinstance(e, (TimeoutError, asyncio.TimeoutError)) or "Timeout" in type(e).__name__
+
+
+def _is_transient(e: BaseException) -> bool:
+    """A failure worth retrying: HTTP 5xx / 429, or a connection that was dropped or reset mid-answer."""
+    status = _status(e)
+    if status is not None:
+        return status >= 500 or status == 429
+    if _is_timeout(e):
+        return False  # a stalled server: the read timeout already waited; fail now
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"ServerDisconnectedError", "ClientPayloadError", "ClientOSError", "ClientConnectionError",
+                         "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "IncompleteRead"})
 
 
 def _reach_hint(url: str) -> str:
@@ -66,9 +98,18 @@ class RemoteStore:
     remote = True
 
     def __init__(self, url: str, *, cache_dir: str | os.PathLike[str] | None = None, cache_shards: bool = False,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, read_timeout_s: float = READ_TIMEOUT_S,
+                 retries: int = RETRIES) -> None:
         if cache_shards and cache_dir is None:
             raise ValueError("cache_shards=True needs a cache_dir to keep the shards in")
+        if (isinstance(read_timeout_s, bool) or not isinstance(read_timeout_s, (int, float))
+                or not 0 < read_timeout_s <= 1e6):
+            raise ValueError(f"read_timeout_s must be a number of seconds in (0, 1e6], got {read_timeout_s!r}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 10:
+            raise ValueError(f"retries must be an integer in 0..10, got {retries!r}")
+        self.read_timeout_s = float(read_timeout_s)
+        self.retries = retries
+        self._ranges_checked = False  # the Range probe runs before the first token read, not on opening
         self.url = url.rstrip("/")
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
         self.cache_shards = bool(cache_shards)
@@ -105,8 +146,8 @@ class RemoteStore:
                 import aiohttp
             except ImportError:
                 raise ValueError(f"reading {self.url} needs aiohttp: {REMOTE_EXTRA}") from None
-            opts["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
-                                                                      sock_read=300)}
+            opts["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(
+                total=None, sock_connect=min(CONNECT_TIMEOUT_S, self.read_timeout_s), sock_read=self.read_timeout_s)}
         try:
             fs, root = fsspec.core.url_to_fs(self.url, **opts)
         except ImportError as e:
@@ -125,31 +166,56 @@ class RemoteStore:
 
     def _fetch(self, name: str, start: int | None = None, end: int | None = None, *,
                missing: str | None = None) -> bytes:
-        """Bytes ``[start, end)`` of a file of the folder (all of it without a range); one ``ValueError``
-        naming the URL for every failure (``missing``: the message for a file that is not there)."""
-        fs = self._connect()
+        """Bytes ``[start, end)`` of a file of the folder (all of it without a range); transient failures are
+        retried with backoff, then every failure is one ``ValueError`` naming the URL (``missing``: the
+        message for a file that is not there)."""
         url = self.path(name)
         try:
-            buf = fs.cat_file(f"{self._root}/{name}", start=start, end=end)
+            buf = self._retrying(url, lambda fs: fs.cat_file(f"{self._root}/{name}", start=start, end=end))
         except FileNotFoundError:
             raise ValueError(missing or f"{url} is not there (404): the folder on the server is incomplete; "
                                         f"upload it again whole") from None
-        except Exception as e:  # a network library's errors, translated into one line for the user
-            status = getattr(e, "status", None) or getattr(e, "code", None)
-            if status == 416:  # a range past the end: the file is shorter than the index says
-                return b""
-            if isinstance(status, int):
-                raise ValueError(f"{url}: the server answered HTTP {status} ({getattr(e, 'message', e)}); "
-                                 f"check the URL and your access to it") from None
-            if isinstance(e, PermissionError):
-                raise ValueError(f"{url}: access denied ({e}); check your credentials "
-                                 f"(storage_options)") from None
-            if isinstance(e, (OSError, TimeoutError)) or type(e).__module__.split(".")[0] in ("aiohttp", "fsspec"):
-                raise ValueError(f"{_reach_hint(url)} ({type(e).__name__}: {e})") from None
-            raise
+        if buf is None:  # 416: a range past the end: the file is shorter than the index says
+            return b""
         with self._lock:
             self.bytes_fetched += len(buf)
         return buf
+
+    def _retrying(self, url: str, call: Any) -> Any:
+        """``call(fs)``, retried with backoff on transient failures; a ``FileNotFoundError`` propagates,
+        HTTP 416 returns ``None``, any other failure is one ``ValueError`` (:meth:`_failure`)."""
+        for attempt in range(self.retries + 1):
+            fs = self._connect()
+            try:
+                return call(fs)
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # a network library's errors, translated into one line for the user
+                if _status(e) == 416:
+                    return None
+                if _is_transient(e) and attempt < self.retries:
+                    time.sleep(BACKOFF_S * 2 ** attempt)
+                    continue
+                raise self._failure(url, e, attempt + 1) from None
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _failure(self, url: str, e: BaseException, attempts: int) -> BaseException:
+        """One line for a request that failed for good (after ``attempts`` tries)."""
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        status = _status(e)
+        if status is not None:
+            hint = ("the server is failing or overloaded: try again later, or raise retries" if _is_transient(e)
+                    else "check the URL and your access to it")
+            return ValueError(f"{url}: the server answered HTTP {status} ({getattr(e, 'message', e)}){tries}; {hint}")
+        if isinstance(e, PermissionError):
+            return ValueError(f"{url}: access denied ({e}); check your credentials (storage_options)")
+        if _is_timeout(e):
+            return ValueError(f"{url}: no answer within the read timeout of {self.read_timeout_s:g} s (a stalled "
+                              f"server or network); check the server, or raise read_timeout_s "
+                              f"(data.read_timeout_s in a recipe)")
+        if isinstance(e, OSError) or type(e).__module__.split(".")[0] in ("aiohttp", "fsspec"):
+            return ValueError(f"{_reach_hint(url)} ({type(e).__name__}: {e}){tries}"[:600])
+        return e
 
     # -- the index --------------------------------------------------------------------------
 
@@ -161,8 +227,7 @@ class RemoteStore:
         index = parse_index_json(raw, where, fix=f"upload the folder's own {INDEX_FILE} ({INDEX_HOWTO})")
         if index.get("format") != INDEX_FORMAT:
             raise ValueError(f"{where} is not a shard index; {INDEX_HOWTO}")
-        if not self.cache_shards and raw:
-            self._probe(raw)
+        self._index_bytes = len(raw)
         self._shards = {s["name"]: s for s in index["shards"]}
         if self.cache_dir is not None:
             key = hashlib.blake2b(self.url.encode(), digest_size=8).hexdigest()
@@ -179,14 +244,20 @@ class RemoteStore:
                 f.write(raw)
         return index, arrays
 
-    def _probe(self, raw: bytes) -> None:
-        n = min(PROBE_BYTES, len(raw))
-        got = self._fetch(INDEX_FILE, 0, n)
+    def _check_ranges(self) -> None:
+        """Before the first token read (not on opening: planning reads only the index, which needs no
+        ranges): a 16-byte range of ``index.json`` must come back as 16 bytes."""
+        if self._ranges_checked:
+            return
+        n = min(PROBE_BYTES, getattr(self, "_index_bytes", PROBE_BYTES))
+        got = self._fetch(INDEX_FILE, 0, n) if n else b""
         if len(got) != n:
             raise ValueError(f"the server of {self.url} ignores HTTP range requests (asked for {n} bytes of "
-                             f"{INDEX_FILE}, got {len(got)}): every read would download a whole shard; serve the "
-                             f"folder from a server that answers Range with 206 Partial Content (nginx, S3, GCS), "
-                             f"or pass cache_dir= with cache_shards=True to download each shard once")
+                             f"{INDEX_FILE}, got {len(got)}): reading tokens would download a whole shard for every "
+                             f"read; serve the folder from a server that answers Range with 206 Partial Content "
+                             f"(nginx, S3, GCS), or open it with open_source(url, cache_dir=DIR, cache_shards=True) "
+                             f"to download each shard once (planning from the index needs neither)")
+        self._ranges_checked = True
 
     def load_array(self, name: str, what: str, fix: str) -> np.ndarray:
         """A ``.npy`` of the folder, fetched whole once (memory-mapped from the cache folder when there is one)."""
@@ -217,6 +288,7 @@ class RemoteStore:
             return self._local.pread(name, n, offset)
         if n <= 0:
             return b""
+        self._check_ranges()
         buf = self._fetch(name, offset, offset + n)
         if len(buf) > n:  # fsspec returns the whole body of a 200 answer to a range request
             raise ValueError(f"the server of {self.url} ignored a range request for {self.path(name)} (asked for "
@@ -229,6 +301,7 @@ class RemoteStore:
         range failed or came back longer than asked (the read then asks again and reports the problem)."""
         if self.cache_shards or not reqs:
             return [None] * len(reqs)
+        self._check_ranges()
         fs = self._connect()
         try:
             got = fs.cat_ranges([f"{self._root}/{name}" for name, _, _ in reqs], [off for _, _, off in reqs],
@@ -257,14 +330,11 @@ class RemoteStore:
             entry = self._shards.get(name, {})
             url = self.path(name)
             with atomic_path(local) as tmp:
-                fs = self._connect()
                 try:
-                    fs.get_file(f"{self._root}/{name}", tmp)
+                    self._retrying(url, lambda fs: fs.get_file(f"{self._root}/{name}", tmp))
                 except FileNotFoundError:
                     raise ValueError(f"shard {url} listed in the index is not on the server; upload the "
                                      f"folder again whole") from None
-                except (OSError, TimeoutError) as e:
-                    raise ValueError(f"{_reach_hint(url)} ({type(e).__name__}: {e})") from None
                 size = os.path.getsize(tmp)
                 with self._lock:
                     self.bytes_fetched += size
@@ -281,15 +351,19 @@ class RemoteStore:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "cache_dir": self.cache_dir, "cache_shards": self.cache_shards,
-                "storage_options": self.storage_options}
+                "storage_options": self.storage_options, "read_timeout_s": self.read_timeout_s,
+                "retries": self.retries}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["url"], cache_dir=state["cache_dir"], cache_shards=state["cache_shards"],  # type: ignore[misc]
-                      storage_options=state["storage_options"])
+                      storage_options=state["storage_options"],
+                      read_timeout_s=state.get("read_timeout_s", READ_TIMEOUT_S), retries=state.get("retries", RETRIES))
 
 
 def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, cache_shards: bool = False,
-                storage_options: dict[str, Any] | None = None, verify: str = "full") -> ShardSource:
+                storage_options: dict[str, Any] | None = None, verify: str = "full", allow_part: bool = False,
+                read_timeout_s: float = READ_TIMEOUT_S, retries: int = RETRIES) -> ShardSource:
     """A :class:`ShardSource` over the shard folder at ``url`` (see the module doc)."""
-    store = RemoteStore(url, cache_dir=cache_dir, cache_shards=cache_shards, storage_options=storage_options)
-    return ShardSource(store.url, verify=verify, store=store)
+    store = RemoteStore(url, cache_dir=cache_dir, cache_shards=cache_shards, storage_options=storage_options,
+                        read_timeout_s=read_timeout_s, retries=retries)
+    return ShardSource(store.url, verify=verify, store=store, allow_part=allow_part)

@@ -21,11 +21,11 @@ doc_ids run in shard order, then member order, so the docs of shard ``s`` are
 ``[a, b)`` of a doc are one ``pread`` of ``(b - a) * itemsize`` bytes at ``offset + a * itemsize``.
 
 The writer streams the index as it writes (:class:`~.index.IndexWriter`; the member bytes come from
-:mod:`.members`); a folder without one is scanned by :func:`~.index.build_index`, which gives the
-same bytes. Reads are checked (:mod:`.integrity`): the
-first read of a doc checks its tar and ``.npy`` headers against the index (fetched with the doc's
-first bytes when that read starts at the doc's start: one request), and every read checks
-the checksums it covers, the whole-doc crc32 or the 1 KiB block crc32s of a partial read
+:mod:`.members`) and publishes the folder whole; a folder without an index (tars of another tool) is
+indexed only by the explicit ``balanced-loader index DIR`` (:mod:`.reindex`), never on open. Reads
+are checked (:mod:`.integrity`): the first read of a doc checks its tar and ``.npy`` headers against
+the index (fetched with the doc's first bytes when that read starts at the doc's start: one
+request), and every read checks the checksums it covers, the whole-doc crc32 or the 1 KiB block crc32s of a partial read
 (``verify="full"``, the default; ``"header"`` skips the checksums, ``"off"`` both). A mismatch
 is one ``ValueError`` naming the shard file and the doc_id: wrong tokens are never returned.
 Every file is written complete or not at all (:func:`~balanced_loader.data.files.atomic_write`).
@@ -36,7 +36,7 @@ fsspec byte ranges), with the same checks.
 from __future__ import annotations
 
 import contextlib
-import logging
+import hashlib
 import os
 import threading
 import zlib
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.files import AtomicFile, write_error, write_json
+from balanced_loader.data.files import AtomicFile, StagedFolder, write_error, write_json
 from balanced_loader.data.index import (
     ARRAYS,
     CRC_FILE,
@@ -58,10 +58,11 @@ from balanced_loader.data.index import (
     IndexWriter,
     NpyStream,
     array_path,
-    build_index,
     check_token_dtype,
+    index_problems,
     list_shards,
     read_index_json,
+    reindex_hint,
 )
 from balanced_loader.data.integrity import (
     CHECK_BLOCK_BYTES,
@@ -74,8 +75,6 @@ from balanced_loader.data.members import NpyHeaders, tar_end, tar_member_header,
 from balanced_loader.data.sources import Source
 from balanced_loader.data.stores import LocalStore
 
-log = logging.getLogger("balanced_loader")
-
 VERIFY_MODES = ("full", "header", "off")
 
 
@@ -87,10 +86,12 @@ VERIFY_MODES = ("full", "header", "off")
 class ShardWriter:
     """Writes docs into numbered tar shards, then the checksums and the length index (``close()``).
 
-    A shard is written to a temporary file and renamed when full, so a folder never holds a
-    half-written ``.tar``; the index is written last, so its presence means the folder is
-    complete. A failure (an exception inside ``with``, a full disk) removes every file this
-    writer made, so a failed build leaves no shards that could be indexed as a partial dataset.
+    Everything is written into a hidden staging folder beside ``out_dir``
+    (:class:`~balanced_loader.data.files.StagedFolder`), renamed to ``out_dir`` by ``close()`` once
+    the shards, checksums, ``shards.json`` and the index are all written: ``out_dir`` is complete
+    or absent. A failure (an exception inside ``with``, a full disk, Ctrl-C) removes the staging
+    folder, so a failed build leaves nothing that could be opened or indexed as a partial dataset.
+    ``out_dir`` must not exist or be an empty folder.
 
     Each member's bytes are built directly (:mod:`.members`: the bytes ``tarfile`` and numpy
     would write), and the checksums and the length index are streamed to their (temporary) files
@@ -121,18 +122,15 @@ class ShardWriter:
         self.prefix = prefix
         self.extra = dict(extra or {})
         self.allow_empty = bool(allow_empty)
-        os.makedirs(out_dir, exist_ok=True)
-        existing = [f for f in os.listdir(out_dir) if f.endswith(".tar") or f in (INDEX_FILE, META_FILE)]
-        if existing:
-            raise ValueError(f"{out_dir} already holds shards ({sorted(existing)[0]} ...); "
-                             f"choose an empty folder or remove them first")
+        self._stage = StagedFolder(out_dir, "shard folder")  # ValueError when out_dir holds files
+        self._dir = self._stage.path  # where the files are written until close() publishes them
+        self.max_token_id = -1  # the largest token id written (recorded in the index)
         self.shards: list[dict[str, Any]] = []
         self.num_docs = 0
         self.num_tokens = 0
         self._npy_header = NpyHeaders(self.dtype)
         self._out: AtomicFile | None = None  # the shard being written
         self._crc_file: CrcFile | None = None  # its bytes go through this (size and crc32 of the whole shard)
-        self._written: list[str] = []  # files this writer completed (removed again on failure)
         self._docs = 0
         self._bytes = 0
         self._crc_buf: list[int] = []  # checksums not yet in the checksum file
@@ -140,15 +138,15 @@ class ShardWriter:
         self._index: IndexWriter | None = None
         self._meta: dict[str, Any] | None = None  # set by close()
         try:
-            self._crcs = NpyStream(os.path.join(out_dir, CRC_FILE), np.uint32)
-            self._index = IndexWriter(out_dir)
+            self._crcs = NpyStream(os.path.join(self._dir, CRC_FILE), np.uint32)
+            self._index = IndexWriter(self._dir)
         except BaseException:
             self._discard()
             raise
 
     def _open(self) -> None:
         name = f"{self.prefix}-{len(self.shards):06d}.tar"
-        self._out = AtomicFile(os.path.join(self.out_dir, name))
+        self._out = AtomicFile(os.path.join(self._dir, name))
         self._crc_file = CrcFile(self._out.file)
         self._docs = 0
         self._bytes = 0
@@ -166,19 +164,22 @@ class ShardWriter:
             raise write_error(path, e) from None
         out, self._out = self._out, None
         out.commit()  # fsync and rename; on failure the temporary file is removed
-        self._written.append(out.path)
         self.shards[-1].update(docs=self._docs, bytes=self._crc_file.size, crc32=self._crc_file.crc)
 
     def _discard(self) -> None:
-        """Drop the files being written (their temporary files) and every file already completed."""
+        """Drop everything written: the open files, then the whole staging folder (a file that cannot be
+        closed on a full disk raises while closing; that must not keep the folder)."""
         for part in (self._out, self._crcs, self._index):
             if part is not None:
-                part.discard()
+                with contextlib.suppress(Exception):
+                    part.discard()
         self._out = self._crcs = self._index = None
-        for path in self._written:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        self._written.clear()
+        self._stage.discard()
+
+    def _named(self, e: OSError) -> OSError:
+        """A write error that names ``out_dir`` (not the staging folder) and says nothing was kept."""
+        msg = str(e.strerror or e).replace(self._dir, self.out_dir)
+        return OSError(e.errno, f"{msg} (the partial build was removed; nothing was written to {self.out_dir})")
 
     def add(self, tokens: Any) -> int:
         """Append one doc; returns its doc_id."""
@@ -221,6 +222,8 @@ class ShardWriter:
         if len(self._crc_buf) >= self.CRC_CHUNK:
             self._flush_crcs()
         self._index.add(n, len(self.shards) - 1, offset, len(crcs))
+        if n:
+            self.max_token_id = max(self.max_token_id, int(arr.max()))
         self._docs += 1
         self._bytes += size + 512
         self.num_docs += 1
@@ -247,24 +250,24 @@ class ShardWriter:
             self._flush_crcs()
             assert self._crcs is not None
             self._crcs.commit()
-            self._written.append(self._crcs.path)
             self._crcs = None
             meta = {"format": META_FORMAT, "version": INDEX_VERSION, "dtype": self.dtype.str,
                     "tokenizer": self.tokenizer, "num_docs": self.num_docs, "num_tokens": self.num_tokens,
                     "check_block_bytes": self.check_block_bytes, "shards": self.shards, **self.extra}
-            write_json(os.path.join(self.out_dir, META_FILE), meta, indent=1)
-            self._written.append(os.path.join(self.out_dir, META_FILE))
+            write_json(os.path.join(self._dir, META_FILE), meta, indent=1)
             if not self.num_docs:
                 if not self.allow_empty:
                     raise ValueError(f"{self.out_dir} holds no .tar shards: the shard writer was given no docs")
                 self._index.discard()  # no shards, so no length index: a reader of parts counts this folder as 0 docs
                 self._index = None
-                self._meta = meta
-                return meta
-            self._written += [array_path(self.out_dir, k) for k in (*ARRAYS, "crc_start")]
-            self._written.append(os.path.join(self.out_dir, INDEX_FILE))
-            self._index.commit(dtype=self.dtype, meta=meta, num_tokens=self.num_tokens, shards=self.shards)
-            self._index = None
+            else:
+                self._index.commit(dtype=self.dtype, meta=meta, num_tokens=self.num_tokens, shards=self.shards,
+                                   max_token_id=self.max_token_id)
+                self._index = None
+            self._stage.publish()  # the whole folder appears at once
+        except OSError as e:
+            self._discard()
+            raise self._named(e) from None
         except BaseException:
             self._discard()
             raise
@@ -274,11 +277,13 @@ class ShardWriter:
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.close()
-        else:
-            self._discard()
+            return
+        self._discard()
+        if isinstance(exc, OSError):  # name out_dir, not the staging folder that is gone now
+            raise self._named(exc) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,8 +294,11 @@ class ShardWriter:
 class ShardSource(Source):
     """A shard folder: memory-mapped length index and one checked ``pread`` per token range.
 
-    The index of a local folder is built on first open when missing (or when the folder gained
-    shards). A listed shard that is missing or changed size is one ``ValueError`` naming the file.
+    The index is never built or rebuilt on open: a folder without one, or whose index disagrees
+    with the shards there (a missing or stray ``.tar``, a changed size, a ``shards.json`` that
+    records other shards), is one ``ValueError`` naming the file and the fix (``balanced-loader
+    index DIR``, which rebuilds it explicitly against every recorded checksum). A part of a
+    ``--part K/N`` build (N > 1) opens alone only with ``allow_part=True``.
     ``verify``: ``"full"`` (default: member headers once per doc, block checksums on every
     read), ``"header"`` (headers only) or ``"off"``. Folders written before checksums existed
     are read with the header check. File handles are cached (at most ``max_open_files``);
@@ -301,8 +309,8 @@ class ShardSource(Source):
     read and checked here exactly as local files are.
     """
 
-    def __init__(self, folder: str, *, max_open_files: int = 64, progress: bool = False,
-                 verify: str = "full", store: Any = None) -> None:
+    def __init__(self, folder: str, *, max_open_files: int = 64,
+                 verify: str = "full", store: Any = None, allow_part: bool = False) -> None:
         self.folder = os.fspath(folder)
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
@@ -312,17 +320,23 @@ class ShardSource(Source):
             if not os.path.isdir(self.folder):
                 raise ValueError(f"shard folder {self.folder} does not exist")
             store = LocalStore(self.folder, max_open_files)
-            index, arrays = self._local_index(progress)
+            index, arrays = self._local_index()
         else:
             index, arrays = store.open_index()  # a complete index, fetched (never built over the network)
         self._store = store
         index_path = store.path(INDEX_FILE)
         n = int(index["num_docs"])
         if any(len(arrays[k]) != n for k in ARRAYS) or ("crc_start" in arrays and len(arrays["crc_start"]) != n + 1):
-            fix = "upload the folder's index files again" if store.remote else \
-                f"delete {index_path} to rebuild the index"
+            fix = "upload the folder's index files again" if store.remote else reindex_hint(self.folder)
             raise ValueError(f"the index arrays of {self.folder} do not match {INDEX_FILE}; {fix}")
+        part = index.get("part")
+        if isinstance(part, dict) and int(part.get("count", 1)) > 1 and not allow_part:
+            raise ValueError(f"{self.folder} is part {part.get('index')}/{part['count']} of a build-shards --part "
+                             f"build, not a whole dataset: open all {part['count']} parts together "
+                             f"(open_source([part0, part1, ...]), or --source DIR0 DIR1 ...), or pass "
+                             f"allow_part=True to read this part alone")
         self.index = index
+        self.allow_part = bool(allow_part)
         self.dtype = check_token_dtype(index["dtype"], index_path)
         self.tokenizer = index.get("tokenizer")
         self.shard_names = [s["name"] for s in index["shards"]]
@@ -348,44 +362,58 @@ class ShardSource(Source):
         # recorded at build time; Source.fingerprint computes it (once) for older indexes
         self._fingerprint: str | None = index.get("lengths_fingerprint")
 
-    def _local_index(self, progress: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """The index of a local folder and its arrays (memory-mapped), checked against the shards and
-        (re)built when missing or when the set of shards changed."""
+    def _local_index(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The index of a local folder and its arrays (memory-mapped), checked against the shards.
+
+        Never built or rebuilt here: a folder without an index, or whose index disagrees with its
+        shards (:func:`~.index.index_problems`), is one ``ValueError`` naming ``balanced-loader index``."""
         index_path = os.path.join(self.folder, INDEX_FILE)
-        index = read_index_json(index_path) if os.path.exists(index_path) else None
-        if index is not None and index.get("format") != INDEX_FORMAT:
-            raise ValueError(f"{index_path} is not a shard index; delete it to rebuild the index")
-        if index is not None:
-            listed = {s["name"] for s in index["shards"]}
-            for s in index["shards"]:
-                path = os.path.join(self.folder, s["name"])
-                if not os.path.exists(path):
-                    raise ValueError(f"shard {path} listed in the index is missing; restore it, or delete "
-                                     f"{index_path} to re-index the remaining shards")
-                size = os.path.getsize(path)
-                if size != s["bytes"]:
-                    raise ValueError(f"shard {path} has {size} bytes but the index recorded {s['bytes']}: "
-                                     f"it is truncated or was rewritten; rebuild it, or delete {index_path}")
-            if set(list_shards(self.folder)) != listed:
-                log.info("%s: the set of shards changed; rebuilding the length index", self.folder)
-                index = None
-        if index is None:
-            writable = os.access(self.folder, os.W_OK)
-            index = build_index(self.folder, write=writable, progress=progress)
-            if not writable:
-                log.warning("%s is read-only: the length index is kept in memory", self.folder)
-                return index, index.pop("_arrays")
+        fix = reindex_hint(self.folder)
+        if not os.path.exists(index_path):
+            if not list_shards(self.folder):
+                raise ValueError(f"{self.folder} holds no .tar shards and no length index; build shards with "
+                                 f"balanced-loader build-shards (an empty part of a --part build opens only with "
+                                 f"the other parts)")
+            raise ValueError(f"shard folder {self.folder} has no length index ({INDEX_FILE}); {fix}")
+        index = read_index_json(index_path)
+        if index.get("format") != INDEX_FORMAT:
+            raise ValueError(f"{index_path} is not a shard index; {fix}")
+        problems = index_problems(self.folder, index)
+        if problems:
+            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            raise ValueError(f"{problems[0]}{more}; the index does not match the folder: {fix}")
         arrays = {}
         for k in (*ARRAYS, "crc_start") if index.get("check_block_bytes") else ARRAYS:
             try:
                 arrays[k] = np.load(array_path(self.folder, k), mmap_mode="r", allow_pickle=False)
             except (OSError, ValueError) as e:
-                raise ValueError(f"index file {array_path(self.folder, k)} cannot be read ({e}); "
-                                 f"delete {index_path} to rebuild the index") from None
+                raise ValueError(f"index file {array_path(self.folder, k)} cannot be read ({e}); {fix}") from None
         return index, arrays
 
     def describe(self) -> str:
         return f"shard folder {self.folder}"
+
+    def tokens_fingerprint(self) -> str | None:
+        """A hash of the shards' crc32s (from the index: no read), their doc counts and the dtype: it changes
+        when any token byte does. ``None`` when some shard has no recorded crc32 (another tool's tars)."""
+        shards = self.index["shards"]
+        if not shards or not all("crc32" in sh for sh in shards):
+            return None
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"shards:{self.dtype.str}:{self.num_docs}:".encode())
+        for sh in shards:
+            h.update(f"{sh['docs']}:{sh['bytes']}:{sh['crc32']};".encode())
+        return h.hexdigest()
+
+    @property
+    def vocab_size(self) -> int | None:
+        v = (self.tokenizer or {}).get("vocab_size") if isinstance(self.tokenizer, dict) else None
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    @property
+    def max_token_id(self) -> int | None:
+        v = self.index.get("max_token_id")
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
     @property
     def num_tokens(self) -> int:
@@ -548,14 +576,16 @@ class ShardSource(Source):
         self._store.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {"folder": self.folder, "max_open_files": self.max_open_files, "verify": self.verify}
+        state = {"folder": self.folder, "max_open_files": self.max_open_files, "verify": self.verify,
+                 "allow_part": self.allow_part}
         if self._store.remote:  # its configuration (URL, cache folder, options); it reconnects when unpickled
             state["store"] = self._store
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["folder"], max_open_files=state["max_open_files"],  # type: ignore[misc]
-                      verify=state.get("verify", "full"), store=state.get("store"))
+                      verify=state.get("verify", "full"), store=state.get("store"),
+                      allow_part=state.get("allow_part", False))
 
 
 def write_shards(docs: Any, out_dir: str, *, dtype: Any = np.uint16, tokenizer: dict[str, Any] | None = None,

@@ -10,6 +10,7 @@ it reads in ``bytes_read`` (the loader benchmark compares them with the bytes ne
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -30,6 +31,10 @@ class Source(ABC):
     lengths: np.ndarray  # [num_docs] int64
     shard_bounds: np.ndarray | None = None  # [num_shards + 1] doc offsets, when docs live in shards
     bytes_read: int = 0
+    # the vocabulary the tokens come from (ids 0..vocab_size - 1), when the source knows it
+    vocab_size: int | None = None
+    # the largest token id in the data, when recorded (a shard index keeps it); None: unknown
+    max_token_id: int | None = None
 
     @property
     def num_docs(self) -> int:
@@ -71,6 +76,13 @@ class Source(ABC):
         if fp is None:
             fp = self._fingerprint = lengths_fingerprint(np.asarray(self.lengths))
         return fp
+
+    def tokens_fingerprint(self) -> str | None:
+        """A hash that changes with the tokens, not only the lengths (loader states carry it): a shard
+        folder's from its shards' crc32s, a ``.jsonl``'s from its bytes and tokenizer; ``None`` where the
+        source cannot tell cheaply (lengths only, a wrapped dataset)."""
+        return None
+
 
     def _check_doc(self, doc_id: int) -> int:
         d = int(doc_id)
@@ -128,7 +140,12 @@ def as_lengths(values: Any, where: str = "lengths") -> np.ndarray:
     return arr
 
 
-def jsonl_text(line: bytes, text_field: str, where: str) -> str:
+def tokenizer_key(tok: Any) -> Any:
+    """A tokenizer identity without its path (the same tokenizer.json may live elsewhere on each machine)."""
+    return {k: v for k, v in tok.items() if k != "path"} if isinstance(tok, dict) else tok
+
+
+def jsonl_text(line: bytes | str, text_field: str, where: str) -> str:
     """The ``text_field`` string of one ``.jsonl`` line; one ``ValueError`` naming ``where`` otherwise."""
     try:
         obj = json.loads(line)
@@ -186,6 +203,9 @@ class JsonlSource(Source):
         offsets: list[int] = []
         sizes: list[int] = []
         lengths: list[int] = []
+        digest = hashlib.blake2b(digest_size=16)  # the file's bytes and the tokenizer: the tokens' identity
+        digest.update(json.dumps(tokenizer_key(self.tokenizer.identity()), sort_keys=True).encode())
+        top = -1
         try:
             f = open(self.path, "rb")  # noqa: SIM115 (closed by the with below)
         except OSError as e:
@@ -193,12 +213,17 @@ class JsonlSource(Source):
         with f:
             pos = 0
             for lineno, line in enumerate(f, 1):
+                digest.update(line)
                 if line.strip():
                     toks = self._encode_line(line, lineno)
                     offsets.append(pos)
                     sizes.append(len(line))
                     lengths.append(len(toks))
+                    if len(toks):
+                        top = max(top, int(np.max(toks)))
                 pos += len(line)
+        self._tokens_fp = digest.hexdigest()
+        self._max_id = top if top >= 0 else None
         self._offsets = np.asarray(offsets, dtype=np.int64)  # [num_docs] byte offset of each line
         self._sizes = np.asarray(sizes, dtype=np.int64)  # [num_docs] bytes of each line
         self.lengths = np.asarray(lengths, dtype=np.int64)  # [num_docs]
@@ -206,6 +231,17 @@ class JsonlSource(Source):
 
     def describe(self) -> str:
         return f"jsonl file {self.path}"
+
+    def tokens_fingerprint(self) -> str | None:
+        return self._tokens_fp
+
+    @property
+    def vocab_size(self) -> int | None:
+        return int(self.tokenizer.vocab_size)
+
+    @property
+    def max_token_id(self) -> int | None:
+        return self._max_id
 
     def _encode_line(self, line: bytes, lineno: int) -> np.ndarray:
         return self.tokenizer.encode(jsonl_text(line, self.text_field, f"{self.path} line {lineno}"))

@@ -45,8 +45,11 @@ class HFTokenizer:
     """A local Hugging Face tokenizer: a ``tokenizer.json`` file or a folder holding one.
 
     Uses the ``tokenizers`` package when installed, else ``transformers`` (local files only;
-    nothing is ever downloaded). No special tokens are added.
+    nothing is ever downloaded). No special tokens are added. It reads text: bytes given to it must be
+    valid UTF-8 (``build_from_files`` decodes files itself, refusing or counting invalid bytes).
     """
+
+    reads_text = True
 
     def __init__(self, path: str, *, sha256: str | None = None) -> None:
         path = os.path.abspath(path)
@@ -90,7 +93,13 @@ class HFTokenizer:
 
     @staticmethod
     def _text(data: bytes | str) -> str:
-        return data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+        if isinstance(data, str):
+            return data
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"a doc is not valid UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                             f"decode it first (errors='replace' to keep going)") from None
 
     def encode(self, data: bytes | str) -> np.ndarray:
         ids = self._encode(self._text(data))

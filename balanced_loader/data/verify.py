@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from balanced_loader.data.index import INDEX_FILE, build_index, list_shards, read_index_json
+from balanced_loader.data.index import INDEX_FILE, build_index, index_problems, read_index_json, reindex_hint
 from balanced_loader.data.integrity import file_crc32, lengths_fingerprint
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.stores import is_url
@@ -39,30 +39,20 @@ class Report:
 
 
 def _index_problems(folder: str, r: Report) -> bool:
-    """Index present, listing exactly the shards there with their sizes; False when reading must stop."""
+    """Index present, agreeing with the shards there (:func:`~.index.index_problems`); False when reading
+    must stop."""
     path = os.path.join(folder, INDEX_FILE)
     if not os.path.exists(path):
-        r.problems.append(f"{path} is missing (opening the folder builds it; or rebuild the shards)")
+        r.problems.append(f"{path} is missing; {reindex_hint(folder)}")
         return False
     try:
         index = read_index_json(path)
     except ValueError as e:
         r.problems.append(str(e))
         return False
-    listed = [s["name"] for s in index.get("shards", [])]
-    ok = True
-    for s in index.get("shards", []):
-        p = os.path.join(folder, s["name"])
-        if not os.path.exists(p):
-            r.problems.append(f"shard {p} is listed in {INDEX_FILE} but missing")
-            ok = False
-        elif os.path.getsize(p) != s["bytes"]:
-            r.problems.append(f"shard {p} has {os.path.getsize(p)} bytes, {INDEX_FILE} recorded {s['bytes']}")
-            ok = False
-    for name in sorted(set(list_shards(folder)) - set(listed)):
-        r.problems.append(f"shard {os.path.join(folder, name)} is not in {INDEX_FILE}")
-        ok = False
-    return ok
+    problems = index_problems(folder, index)
+    r.problems.extend(problems)
+    return not problems
 
 
 def _compare(r: Report, src: ShardSource, fresh: dict[str, np.ndarray]) -> None:
@@ -94,7 +84,7 @@ def verify_folder(folder: str) -> Report:
     if not _index_problems(folder, r):
         return r
     try:
-        src = ShardSource(folder, verify="full")
+        src = ShardSource(folder, verify="full", allow_part=True)
     except ValueError as e:
         r.problems.append(str(e))
         return r

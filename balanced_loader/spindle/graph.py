@@ -40,6 +40,10 @@ _OP_KEYS = {"name", "task", "layers", "after", "module", "min_gpus", "batch", "a
             "model", "hardware", "seq_len", "tokens"}
 _SHAPE_KEYS = {"hidden", "heads", "kv_heads", "ffn"}
 COUNT_RULES = ("divisors", "aligned")
+MAX_GPUS = 1 << 20  # devices of a graph (as --gpus and a plan file's world size): planning time grows with them
+MAX_BATCH = 1 << 30  # samples of a MetaOp's step
+MAX_MS = 1e9  # alpha_ms / beta_ms: the wave LP needs times within a few dozen orders of magnitude of each other
+MIN_LAYER_MS = 1e-6  # a layer that takes no time has an infinite rate: the wave LP cannot be solved
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,7 +154,7 @@ def load_graph(path: str) -> Graph:
     """Read and validate a graph file; every problem is one ``ValueError`` line."""
     from balanced_loader.strict import read_yaml
 
-    data = read_yaml(path, "graph file")
+    data = read_yaml(path, "graph file", mapping=True)
     return graph_from_dict(data, where=f"graph file {path}")
 
 
@@ -158,8 +162,8 @@ def _float(d: Mapping[str, Any], key: str, where: str) -> float:
     if key not in d:
         raise ValueError(f"{where}: missing key '{key}'")
     v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"{where}: '{key}' must be a number >= 0, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= MAX_MS:
+        raise ValueError(f"{where}: '{key}' must be a number in [0, {MAX_MS:g}] (ms), got {v!r}")
     return float(v)
 
 
@@ -181,7 +185,7 @@ def graph_from_dict(data: Any, where: str = "graph") -> Graph:
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
-    gpus = number(data, "gpus", where, integer=True, minimum=1)
+    gpus = number(data, "gpus", where, integer=True, minimum=1, maximum=MAX_GPUS)
     node = min(number(data, "gpus_per_node", where, default=8, integer=True, minimum=1), gpus)
     if gpus % node:
         raise ValueError(f"{where}: gpus {gpus} is not a multiple of gpus_per_node {node}")
@@ -251,8 +255,12 @@ def _metaop(d: dict[str, Any], where: str, *, known: set[str], gpus: int, node: 
         for k in ("seq_len", "tokens", "hardware"):
             if k in d:
                 raise ValueError(f"{where}: '{k}' only applies to a MetaOp given by model shape")
-        batch = number(d, "batch", where, integer=True, minimum=1)
-        scaling = AlphaBeta(alpha_ms=_float(d, "alpha_ms", where), beta_ms=_float(d, "beta_ms", where), batch=batch)
+        batch = number(d, "batch", where, integer=True, minimum=1, maximum=MAX_BATCH)
+        alpha, beta = _float(d, "alpha_ms", where), _float(d, "beta_ms", where)
+        if alpha + beta < MIN_LAYER_MS:
+            raise ValueError(f"{where}: alpha_ms + beta_ms is {alpha + beta:g}; a layer must take some time "
+                             f"(at least {MIN_LAYER_MS:g} ms on one device)")
+        scaling = AlphaBeta(alpha_ms=alpha, beta_ms=beta, batch=batch)
         divisible_by = batch if rule == "divisors" else 0
 
     counts = tuple(n for n in range(min_gpus, gpus + 1)

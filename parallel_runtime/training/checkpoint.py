@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from balanced_loader.data.files import write_text
+from balanced_loader.data.files import fsync_dir, write_text
 from parallel_runtime.launch import is_comm_error
 from parallel_runtime.training.optimizer import ShardedOptimizer
 
@@ -58,7 +58,7 @@ BUFFERS = ("master", "exp_avg", "exp_avg_sq")  # the optimizer's flat fp32 shard
 FREE = ("steps", "world.", "cost.", "train.checkpoint_every", "train.attention", "train.calibrate", "train.trace",
         "calibration.", "policy.extra",
         "policy.time_limit_s", "policy.candidates", "policy.plan_source", "policy.compare", "data.shards_dir",
-        "data.prefetch_steps", "data.planner_workers")
+        "data.prefetch_steps", "data.planner_workers", "data.read_timeout_s")
 # keys a resume may change only with --allow-changed (the schedule, not the state's meaning)
 FLAGGED = ("optimizer.lr", "optimizer.max_grad_norm", "optimizer.warmup_steps", "optimizer.weight_decay")
 
@@ -139,7 +139,7 @@ def save(root: str, step: int, opt: ShardedOptimizer, meta: Mapping[str, Any], *
                 **meta, "files": files}
         write_text(os.path.join(tmp, META), json.dumps(full, indent=1, default=list))
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         write_text(os.path.join(root, LATEST), name + "\n")
         for entry in os.listdir(root):
             if entry.startswith("step-") and entry != name:
@@ -269,17 +269,3 @@ def _latest_name(root: str) -> str | None:
     if not name.startswith("step-") or os.sep in name:
         raise ValueError(f"{path} does not name a checkpoint ({name[:40]!r}); restore it or start a new --out")
     return name
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename inside ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

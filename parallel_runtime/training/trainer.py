@@ -46,6 +46,7 @@ from parallel_runtime.launch import new_group, phase
 from parallel_runtime.model import Transformer
 from parallel_runtime.topology import PoolShape, Topology
 from parallel_runtime.training import checkpoint as CK
+from parallel_runtime.training import guards as G
 from parallel_runtime.training import metrics as M
 from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
@@ -70,7 +71,7 @@ def open_data(recipe: Recipe, *, build: bool):
         from balanced_loader.data.shards import ShardSource
 
         return stdlib_shards(d.shards_dir, limit=d.stdlib_limit) if build else ShardSource(d.shards_dir)
-    return open_source(recipe.resolve(d.source))
+    return open_source(recipe.resolve(d.source), read_timeout_s=d.read_timeout_s)
 
 
 DATA_BUILD_TIMEOUT_S = 3600.0  # how long ranks wait for the bundled corpus to be built (not world.timeout_s)
@@ -153,9 +154,11 @@ class RunInfo:
 class Trainer:
     """Trains ``recipe`` on this rank (call on every rank of an initialised world, or alone with reference)."""
 
+    @G.release_lock_on_error
     def __init__(self, recipe: Recipe, out_dir: str, *, reference: bool = False,
-                 allow_changed: bool = False) -> None:
-        """``allow_changed``: a resume may change the learning rate and clipping (``--allow-changed``)."""
+                 allow_changed: bool = False, fresh: bool = False) -> None:
+        """``allow_changed``: a resume may change the learning rate and clipping (``--allow-changed``);
+        ``fresh``: start over in an ``out_dir`` whose metrics no checkpoint continues (``--fresh``)."""
         self.recipe = recipe
         self.out_dir = out_dir
         distributed = not reference
@@ -168,6 +171,7 @@ class Trainer:
         rank = dist.get_rank() if distributed else 0
         self.info = RunInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
                             reference=reference)
+        self._out_lock = G.lock_out(out_dir, rank)  # one writer per --out: a second run fails here, naming this one
         w = recipe.world
         if w.device == "cuda":
             if not torch.cuda.is_available():
@@ -186,6 +190,8 @@ class Trainer:
             self.source = open_data_world(recipe, rank=rank, local_rank=self.info.local_rank)
         else:
             self.source = open_data(recipe, build=True)
+        self.vocab = G.model_vocab(recipe)  # (size, recipe key): the data's ids must fit, checked before any step
+        G.check_vocab(self.source, *self.vocab)
         self.loader = self._loader(recipe.policy.name, calibrate=recipe.train.calibrate)
         self.compare = {} if reference else {name: self._loader(name) for name in recipe.policy.compare}
         self.loop = ClosedLoop(calibrate=recipe.train.calibrate, trace=recipe.train.trace, rank=rank,
@@ -218,7 +224,7 @@ class Trainer:
         self._memory: dict[str, int] = {}  # this rank's memory parts in the step being run
         self.step = 0
         self.resumed_from: int | None = None
-        self._load_checkpoint(allow_changed)
+        self._load_checkpoint(allow_changed, fresh)
 
     def _loader(self, policy: str, *, calibrate: bool = False) -> BalancedLoader:
         r, d = self.recipe, self.recipe.data
@@ -239,7 +245,9 @@ class Trainer:
         saved = self.step if self._has_checkpoint() else None
         try:
             while self.step < until:
-                m = self.train_step(self.next_batch(self.loader))
+                batch = self.next_batch(self.loader)
+                G.check_step_ids(batch, *self.vocab)
+                m = self.train_step(batch)
                 out.append(m)
                 if self.info.rank == 0:
                     print(M.format_step(m), flush=True)
@@ -418,10 +426,14 @@ class Trainer:
         return CK.save(self.checkpoint_dir, self.step, self.optimizer, meta, rank=self.info.rank,
                        distributed=not self.info.reference)
 
-    def _load_checkpoint(self, allow_changed: bool) -> None:
+    def _load_checkpoint(self, allow_changed: bool, fresh: bool = False) -> None:
         """Resume from ``OUT/checkpoint/latest`` if there is one: every check comes before any state
-        changes or any file is written (a refused resume leaves OUT as it was)."""
+        changes or any file is written (a refused resume leaves OUT as it was). Without one, metrics
+        already in OUT are refused unless ``fresh`` (:func:`.guards.check_history`)."""
         saved = CK.find(self.checkpoint_dir)
+        if self.info.rank == 0:
+            G.check_history(self.out_dir, self.metrics.path, checkpoint=None if saved is None else saved.step,
+                            fresh=fresh)
         if saved is None:
             return
         meta, folder = saved.meta, saved.folder
@@ -453,6 +465,8 @@ class Trainer:
         self.loader.close()
         for ld in self.compare.values():
             ld.close()
+        if self._out_lock is not None:
+            self._out_lock.release()
 
 
 def _ref_attention(recipe: Recipe) -> str:

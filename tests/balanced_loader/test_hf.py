@@ -264,7 +264,7 @@ class Counting:
 
 
 @pytest.mark.parametrize("kw, needle", [({"polcy": "hydra"}, "unknown keyword(s) ['polcy']"),
-                                        ({"world_size": 0}, "world_size must be a positive integer"),
+                                        ({"world_size": 0}, "world_size must be in 1..1,048,576, got 0"),
                                         ({"policy": "nope"}, "unknown policy 'nope'"),
                                         ({"cp": 0}, "cp must be a positive integer"),
                                         ({"plan_config": {"cpp": 1}}, "plan_config: unknown key"),

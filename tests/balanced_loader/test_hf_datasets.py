@@ -46,7 +46,7 @@ def expected(row):
 
 
 def test_every_doc_once_through_the_loader_two_ranks(tmp_path):
-    lengths = [int(n) for n in np.random.default_rng(1).integers(0, 300, size=80)] + [0, None, 5]
+    lengths = [int(n) for n in np.random.default_rng(1).integers(0, 300, size=80)] + [0, 5]
     data = rows(lengths)
     ds = saved(tmp_path, {"input_ids": data}, ids("int32"))
     delivered: dict[int, list[tuple[int, int]]] = {}
@@ -68,7 +68,7 @@ def test_every_doc_once_through_the_loader_two_ranks(tmp_path):
         steps.append(n)
     assert steps[0] == steps[1] > 1
     want = {d for d, n in enumerate(lengths) if n}
-    assert set(delivered) == want  # empty and null rows are skipped, every other row delivered
+    assert set(delivered) == want  # empty rows are skipped, every other row delivered
     for d in want:
         pos = 0
         for start, length in sorted(delivered[d]):  # the segments tile the doc exactly once
@@ -78,7 +78,7 @@ def test_every_doc_once_through_the_loader_two_ranks(tmp_path):
 
 
 def test_lengths_computed_once_then_memory_mapped(tmp_path):
-    lengths = [3, 0, 7, None, 1]
+    lengths = [3, 0, 7, 0, 1]
     ds = saved(tmp_path, {"input_ids": rows(lengths), "text": list("abcde")}, {**ids("uint16"),
                                                                               "text": datasets.Value("string")})
     first = open_source(ds)
@@ -236,7 +236,9 @@ def test_errors(tmp_path):
     src = open_source(ds)
     with pytest.raises(ValueError, match="outside doc 1"):
         src.read(1, 1, 2)
-    empty = saved(tmp_path, {"input_ids": [[], None]}, ids("int32"), "empty")
+    with pytest.raises(ValueError, match=r"row 1 of column 'input_ids' is None \(null\)"):  # not an empty doc
+        open_source(saved(tmp_path, {"input_ids": [[1], None, [2]]}, ids("int32"), "null"))
+    empty = saved(tmp_path, {"input_ids": [[], []]}, ids("int32"), "empty")
     with pytest.raises(ValueError, match="has no tokens to train on"):
         BalancedLoader(empty, policy="greedy", cost=cost(64), world_size=1, rank=0, global_batch_tokens=10,
                        max_seq_len=64)

@@ -142,6 +142,10 @@ def _make_legacy(path):
 def test_folder_without_checksums_is_readable_with_the_header_check(folder, capsys):
     path, docs = folder
     _make_legacy(path)
+    with pytest.raises(ValueError, match="has no length index"):  # never indexed on open
+        ShardSource(str(path))
+    assert cli.main(["index", str(path), "--no-progress"]) == 0
+    assert "reads check headers only" in capsys.readouterr().out
     src = ShardSource(str(path))
     assert not src.has_checksums
     for d in range(len(docs)):
@@ -260,7 +264,7 @@ def test_shard_writer_failures_leave_no_files(tmp_path, monkeypatch):
 
     with pytest.raises(RuntimeError):
         write_shards(gen(), str(tmp_path / "x"), max_docs_per_shard=DOCS_PER_SHARD)
-    assert os.listdir(tmp_path / "x") == []  # the finished shards went too: no partial dataset to index
+    assert os.listdir(tmp_path) == []  # neither x nor its staging folder: no partial dataset to index
 
     write = CrcFile.write
 
@@ -278,4 +282,5 @@ def test_shard_writer_failures_leave_no_files(tmp_path, monkeypatch):
         monkeypatch.setattr(CrcFile, "write", full_at(limit))
         with pytest.raises(OSError, match=r"cannot write .*shard-000000.tar: No space left on device"):
             write_shards(docs, str(tmp_path / f"y{i}"), max_docs_per_shard=DOCS_PER_SHARD)
-        assert os.listdir(tmp_path / f"y{i}") == []
+        assert not os.path.exists(tmp_path / f"y{i}")
+        assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no staging folder left

@@ -242,14 +242,14 @@ def test_default_max_seq_len_is_what_the_policy_can_plan(policy, world, limit):
 
 @pytest.mark.parametrize("kw,match", [
     ({"rank": 4}, "rank must be in 0..3"),
-    ({"world_size": 0}, "world_size must be a positive integer"),
-    ({"global_batch_tokens": 0}, "global_batch_tokens must be a positive integer"),
+    ({"world_size": 0}, "world_size must be in 1..1,048,576, got 0"),
+    ({"global_batch_tokens": 0}, "global_batch_tokens must be in 1.."),
     ({"long_docs": "chop"}, "long_docs must be one of"),
     ({"policy": "nope"}, "unknown policy 'nope'"),
     ({"cost": None}, "needs a cost model"),
     ({"cost": "no-such-preset"}, "unknown cost preset"),
     ({"plan_config": {"tpp": 2}}, r"unknown key\(s\) \['tpp'\]"),
-    ({"epochs": 0}, "epochs must be a positive integer or None"),
+    ({"epochs": 0}, r"epochs must be in 1..1,073,741,824 or None \(endless\), got 0"),
 ])
 def test_bad_arguments(kw, match):
     args = {"policy": "greedy", "cost": small_cost(64), "world_size": 4, "rank": 0, "global_batch_tokens": 100}

@@ -149,7 +149,8 @@ def test_parts_opened_together_hold_the_whole_build(tmp_path, shape, n):
         meta = build_from_files(files, str(d), max_docs_per_shard=50, part=(k, n))
         assert meta["part"]["index"] == k and meta["part"]["count"] == n
         dirs.append(str(d))
-    counts = [ShardSource(d).num_docs if os.path.exists(os.path.join(d, "index.json")) else 0 for d in dirs]
+    counts = [ShardSource(d, allow_part=True).num_docs if os.path.exists(os.path.join(d, "index.json")) else 0
+              for d in dirs]
     if shape == "two-files":
         assert 0 in counts  # fewer docs than parts: a part with no docs is an empty, complete folder
     with ShardSource(str(whole)) as ref, open_source(dirs[::-1]) as parts:  # argument order does not matter
@@ -214,7 +215,9 @@ def test_hf_batch_encoding_equals_per_doc_encoding(hf_tokenizer):
     tok = get_tokenizer(hf_tokenizer)
     rng = random.Random(5)
     docs = [_text(rng) for _ in range(50)] + ["", " ", "\n\n", "é" * 3, "x" * 5000]
-    docs += [d.encode("utf-8") for d in docs[:5]] + [b"\xff\xfe bad utf-8"]
+    docs += [d.encode("utf-8") for d in docs[:5]]
+    with pytest.raises(ValueError, match="not valid UTF-8"):  # decoding is the caller's (counted) choice
+        tok.encode(b"\xff\xfe bad utf-8")
     batch = tok.encode_batch(docs)
     single = [tok.encode(d) for d in docs]
     assert len(batch) == len(single)
@@ -256,7 +259,8 @@ BAD_SETS = {
     "a part missing": (["a3.0", "a3.2"], r"part 1 of 3 missing \(got parts 0, 2\)"),
     "a part twice": (["a2.0", "a2.1", "a2.0"], r"part 0/2 is given twice: .*a2\.0 and .*a2\.0"),
     "different N": (["a2.0", "a3.1", "a3.2"], r"a2\.0 is part 0/2 but .*a3\.1 is part 1/3"),
-    "different input sets": (["a2.0", "b2.1"], r"a2\.0 and .*b2\.1 were built from different input sets"),
+    "different input sets": (["a2.0", "b2.1"], r"a2\.0 and .*b2\.1 were built from input sets \(file names and "
+                                               r"sizes\)"),
     "different tokenizers": (["a2.0", "h2.1"], r"a2\.0 was built with tokenizer \{'name': 'bytes'.* but .*h2\.1 "
                                                r"with \{'name': 'hf'"),
     "different dtypes": (["u8", "u16"], r"u8 stores uint8 tokens but .*u16 stores uint16"),
@@ -278,10 +282,12 @@ def test_mismatched_folders_are_one_error(part_dirs, capsys, case):
     assert err.startswith("balanced-loader plan: error: ")
 
 
-def test_one_part_alone_is_incomplete_as_a_list_but_opens_as_a_folder(part_dirs):
+def test_one_part_alone_is_refused_unless_asked_for(part_dirs):
     with pytest.raises(ValueError, match="part 1 of 2 missing"):
         open_source([part_dirs["a2.0"]])
-    with open_source(part_dirs["a2.0"]) as src:  # one folder: that part's docs only
+    with pytest.raises(ValueError, match=r"a2\.0 is part 0/2 of a build-shards --part build, not a whole dataset"):
+        open_source(part_dirs["a2.0"])
+    with open_source(part_dirs["a2.0"], allow_part=True) as src:  # asked for: that part's docs only
         assert isinstance(src, ShardSource) and src.index["part"]["index"] == 0
 
 
@@ -299,7 +305,7 @@ def test_a_whole_build_without_docs_is_an_error(tmp_path, capsys):
     f.write_text("\n  \n")
     assert cli.main(["build-shards", str(f), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert "hold no docs" in capsys.readouterr().err
-    assert not [x for x in os.listdir(tmp_path / "o")]  # nothing half-written
+    assert not os.path.exists(tmp_path / "o") and os.listdir(tmp_path) == ["blank.jsonl"]  # nothing half-written
 
 
 def test_analyze_takes_the_part_folders(part_dirs, tmp_path, capsys):
@@ -330,7 +336,7 @@ def test_workers_read_a_bounded_number_of_chunks_ahead_and_report_errors(tmp_pat
         build_from_files([str(bad)], str(tmp_path / "out"), workers=2, chunk_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"bad\.jsonl line at byte 510: not JSON"):  # a range inside the file
         build_from_files([str(bad)], str(tmp_path / "out"), workers=2, chunk_bytes=100)
-    assert os.listdir(tmp_path / "out") == []  # a failed build leaves nothing behind
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # a failed build leaves nothing behind
 
 
 def test_a_range_inside_one_huge_line_reads_only_its_own_bytes(tmp_path, monkeypatch):

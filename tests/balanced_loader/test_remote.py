@@ -138,8 +138,10 @@ def test_cache_dir_keeps_the_index_and_whole_shards(local, server, tmp_path):
 
 def test_server_without_range_support(local, tmp_path):
     with RangeServer(local.folder, ranges=False) as s:
+        src = open_source(s.url)  # planning reads only the index files: no Range needed
+        assert np.array_equal(src.lengths, local.lengths) and src.fingerprint() == local.fingerprint()
         with pytest.raises(ValueError, match="ignores HTTP range requests .* got \\d+\\)"):
-            open_source(s.url)
+            src.tokens(0)  # a 16-byte probe before the first token read
         assert not any(k.endswith(".tar") for k in s.bytes_served)  # caught before any shard was touched
         # whole-shard caching needs no Range: each shard is downloaded once, then read locally
         src = open_source(s.url, cache_dir=str(tmp_path), cache_shards=True)

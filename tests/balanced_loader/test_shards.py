@@ -1,5 +1,6 @@
-"""Shard folders: writer, length index (built on open), random-access reads, webdataset compatibility,
-corrupt and missing shards, the build-shards command and the stdlib corpus."""
+"""Shard folders: writer, length index (never built on open; ``balanced-loader index`` rebuilds it),
+random-access reads, webdataset compatibility, corrupt and missing shards, the build-shards command and
+the stdlib corpus."""
 
 from __future__ import annotations
 
@@ -63,31 +64,49 @@ def test_plain_webdataset_reads_the_shards(folder):
     assert seen == len(docs)
 
 
-def test_index_is_built_on_first_open(folder):
+def test_index_is_never_built_on_open_only_by_the_index_command(folder, capsys):
     path, docs = folder
     for f in os.listdir(path):
         if f.startswith("index") or f == "shards.json":
             os.remove(path / f)
+    with pytest.raises(ValueError, match=r"has no length index \(index.json\); rebuild the index with: "
+                                         r"balanced-loader index "):
+        ShardSource(str(path))
+    assert not (path / INDEX_FILE).exists()  # opening wrote nothing
+    assert cli.main(["index", str(path), "--no-progress"]) == 0  # tars of "another tool": headers only
+    out = capsys.readouterr().out
+    assert "no shards.json" in out and f"{len(docs)} docs" in out
     src = ShardSource(str(path))
-    assert (path / INDEX_FILE).exists() and src.lengths.tolist() == [len(d) for d in docs]
+    assert src.lengths.tolist() == [len(d) for d in docs] and src.tokenizer is None  # identity unknown
     np.testing.assert_array_equal(src.tokens(5), docs[5])
-    assert src.tokenizer is None  # no writer metadata: identity unknown
+    assert src.max_token_id == max(int(d.max()) for d in docs if len(d))  # the index command read every token
 
 
-def test_index_rebuilt_when_shards_are_added(folder, tmp_path_factory):
+def test_added_shards_are_refused_not_taken_in(folder, tmp_path_factory):
     path, docs = folder
-    extra = tmp_path_factory.mktemp("extra")
+    extra = tmp_path_factory.mktemp("extra") / "x"
     write_shards([np.arange(5, dtype=np.uint16)], str(extra))
     os.replace(extra / "shard-000000.tar", path / "zz-extra.tar")
-    (path / "shards.json").unlink()
+    with pytest.raises(ValueError, match=r"zz-extra.tar is not in index.json \(a stray or added shard\)"):
+        ShardSource(str(path))
+    with pytest.raises(ValueError, match=r"zz-extra.tar is not one of the shards shards.json records"):
+        cli_index(path)
+    (path / "shards.json").unlink()  # the folder is now tars of "another tool": the explicit index takes them in
+    cli_index(path)
     src = ShardSource(str(path))
     assert src.num_docs == len(docs) + 1 and src.tokens(len(docs)).tolist() == [0, 1, 2, 3, 4]
+
+
+def cli_index(path):
+    from balanced_loader.data.reindex import reindex_folder
+
+    return reindex_folder(str(path))
 
 
 def test_missing_shard_is_one_clear_error(folder):
     path, _ = folder
     os.remove(path / "shard-000002.tar")
-    with pytest.raises(ValueError, match=r"shard .*shard-000002.tar listed in the index is missing"):
+    with pytest.raises(ValueError, match=r"shard .*shard-000002.tar listed in index.json is missing"):
         ShardSource(str(path))
 
 
@@ -96,17 +115,20 @@ def test_truncated_shard_is_one_clear_error(folder):
     victim = path / "shard-000001.tar"
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match=r"shard .*shard-000001.tar has \d+ bytes but the index recorded"):
+    with pytest.raises(ValueError, match=r"shard .*shard-000001.tar has \d+ bytes but index.json recorded"):
         ShardSource(str(path))
     os.remove(path / INDEX_FILE)  # re-indexing checks against the writer's record
     with pytest.raises(ValueError, match=r"shard .*shard-000001.tar is (corrupt|not a readable tar)"):
-        ShardSource(str(path))
+        cli_index(path)
+    assert not (path / INDEX_FILE).exists()
 
 
 def test_garbage_shard_is_one_clear_error(tmp_path):
     (tmp_path / "bad.tar").write_bytes(b"this is not a tar file" * 100)
-    with pytest.raises(ValueError, match=r"shard .*bad.tar is not a readable tar file"):
+    with pytest.raises(ValueError, match=r"has no length index"):
         ShardSource(str(tmp_path))
+    with pytest.raises(ValueError, match=r"shard .*bad.tar is not a readable tar file"):
+        cli_index(tmp_path)
 
 
 def test_shard_truncated_after_open_names_the_file(folder):
@@ -121,7 +143,7 @@ def test_shard_truncated_after_open_names_the_file(folder):
 
 def test_writer_refuses_a_folder_with_shards(folder):
     path, _ = folder
-    with pytest.raises(ValueError, match="already holds shards"):
+    with pytest.raises(ValueError, match="already holds files"):
         write_shards([np.arange(3)], str(path))
     with pytest.raises(ValueError, match="do not fit uint16"):
         write_shards([np.array([70_000])], str(path / "sub"))
@@ -159,7 +181,7 @@ def test_build_shards_command(tmp_path, capsys):
     assert cli.main(["build-shards", str(tmp_path / "nothing*.txt"), "--out", str(tmp_path / "o2")]) == 2
     assert "matches no files" in capsys.readouterr().err
     assert cli.main(["build-shards", str(tmp_path / "in"), "--out", str(out)]) == 2
-    assert "already holds shards" in capsys.readouterr().err
+    assert "already holds files" in capsys.readouterr().err
 
 
 def test_stdlib_corpus_files():

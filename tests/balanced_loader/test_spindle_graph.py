@@ -67,7 +67,7 @@ def test_nested_chains_give_in_degree_frontiers():
     ([_op("a", min_gpus=3, batch=6)], {}, ["MetaOp 'a'", "no allowed device count"]),
     ([_op("a"), _op("a")], {}, ["MetaOp 'a' is listed twice"]),
     ([_op("a", colour="red")], {}, ["MetaOp 'a'", "unknown key(s) ['colour']"]),
-    ([_op("a", alpha_ms=-1)], {}, ["MetaOp 'a'", "'alpha_ms' must be a number >= 0"]),
+    ([_op("a", alpha_ms=-1)], {}, ["MetaOp 'a'", "'alpha_ms' must be a number in [0, 1e+09] (ms), got -1"]),
     ([_op("a", batch=float("inf"))], {}, ["MetaOp 'a'", "'batch' must be an integer"]),
     ([_op("a", layers=2.5)], {}, ["MetaOp 'a'", "'layers' must be an integer"]),
     ([{"name": "a", "task": "A", "layers": 2, "batch": 8, "alpha_ms": 1}], {}, ["MetaOp 'a'", "beta_ms"]),

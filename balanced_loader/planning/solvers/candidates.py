@@ -264,6 +264,28 @@ def _fill(counts: dict[int, int], loads: dict[int, float], left: int, grid: Grid
     return True
 
 
+MAX_BINS = 1024  # length bins of the grid: the DP's time grows with their square
+MAX_UNITS = 4096  # GPU units (world_size / delta_n): the DP's time grows with their square, its table linearly
+MAX_DP_STEPS = 2e9  # inner-loop steps of the DP (about 10 s of numba on one core)
+
+
+def check_dp_size(grid: Grid, n_units: int, *, world_size: int, delta_s: int, delta_n: int, longest: int) -> None:
+    """Refuse a grid whose DP would run for minutes or fill memory, naming the knob that fixes it."""
+    nb = len(grid.upper)
+    if nb > MAX_BINS:
+        raise ValueError(f"delta_s {delta_s} (--delta-s) cuts the lengths into {nb:,} bins, over {MAX_BINS:,} (the DP "
+                         f"time grows with their square); use a delta_s of at least {-(-longest // MAX_BINS):,}")
+    if n_units > MAX_UNITS:
+        raise ValueError(f"world size {world_size:,} / delta_n {delta_n} (--delta-n) is {n_units:,} GPU units, over "
+                         f"{MAX_UNITS:,} (the DP time grows with their square); use a delta_n of at least "
+                         f"{-(-world_size // MAX_UNITS):,} that divides the world size")
+    steps = n_units * n_units / 2 * nb * nb / 2 * len(grid.shapes) / max(1, int(grid.units.min()))
+    if steps > MAX_DP_STEPS:
+        raise ValueError(f"{n_units:,} GPU units x {nb:,} length bins x {len(grid.shapes)} shapes is about {steps:.1e} "
+                         f"DP steps, over {MAX_DP_STEPS:.0e} (minutes of work); raise delta_s (--delta-s) or "
+                         f"delta_n (--delta-n)")
+
+
 def generate(lengths: np.ndarray, weights: np.ndarray | None, cost: CostModel, world_size: int, *,
              delta_s: int = 128, delta_n: int = 1, fixed_cost: str = "packed") -> list[Candidate]:
     """Candidates for a histogram: ``lengths`` ``[m]`` each seen ``weights[i]`` times (default 1).
@@ -286,6 +308,7 @@ def generate(lengths: np.ndarray, weights: np.ndarray | None, cost: CostModel, w
                          f"split long docs (--max-len) or add a larger shape under 'strategies'")
     grid = build_grid(lengths, weights, shapes, delta_s, delta_n, fixed_cost)
     n_units = world_size // delta_n
+    check_dp_size(grid, n_units, world_size=world_size, delta_s=delta_s, delta_n=delta_n, longest=longest)
     t, trace = dp_table(grid, n_units)
     nb = len(grid.upper)
     # homogeneous first: a shape dividing the world that holds the longest doc, fastest on the whole histogram
@@ -366,7 +389,7 @@ _TOP_KEYS = {"format", "version", "world_size", "max_len", "delta_s", "delta_n",
 
 def load(path: str, world_size: int, cost: CostModel | None = None) -> list[Candidate]:
     """Read a candidates file, checking its world size and (with ``cost``) that every shape is usable."""
-    data = read_yaml(path, "candidates file")
+    data = read_yaml(path, "candidates file", mapping=True)
     where = f"candidates file {path}"
     if not isinstance(data, dict) or data.get("format") != CANDIDATES_FORMAT:
         raise ValueError(f"{where}: expected \"format: {CANDIDATES_FORMAT}\" "
