@@ -107,6 +107,7 @@ class TrainConfig:
     attention: str = "auto"  # local attention kernel: auto | masked | loop | sdpa | flash
     checkpoint_every: int = 0  # also checkpoint every N steps (always at the end of a run)
     recompute: bool = False  # activation checkpointing: keep each block's input, recompute its inside in backward
+    overlap: bool = True  # pull/push buckets in flight beside forward/backward (parallel_runtime.training.overlap)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

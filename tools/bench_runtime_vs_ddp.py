@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss\s+\S+\s+tokens\s+(\d+)")
 
 NATIVE = {"vocab_size": 256, "hidden": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 8, "ffn_hidden": 1536}
-# the same decoder as a transformers Llama (RMSNorm eps and untied head as the native model's; RoPE theta 1e4 is the default)
+# the same decoder as a transformers Llama (RMSNorm eps, untied head; RoPE theta 1e4 is transformers' default)
 LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 512, "intermediate_size": 1536,
          "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
          "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
@@ -208,7 +208,8 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
     times = [stamps[s] - stamps[s - 1] for s in range(max(warmup, 1), steps)]
     return {"config": config, "step_s": statistics.median(times), "steps_s": [round(t, 3) for t in times],
             "tokens": statistics.mean(toks[s] for s in range(max(warmup, 1), steps)),
-            "rss_mb": max(sampler.rss.values(), default=0) / 2**20, "hwm_mb": max(sampler.hwm.values(), default=0) / 2**20,
+            "rss_mb": max(sampler.rss.values(), default=0) / 2**20,
+            "hwm_mb": max(sampler.hwm.values(), default=0) / 2**20,
             "load": [round(load0, 2), round(_load1(), 2)]}
 
 

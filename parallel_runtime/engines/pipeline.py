@@ -136,12 +136,19 @@ class Clock:
         self.total_s += self._now() - self._t0
 
 
+def _nothing() -> None:
+    pass
+
+
 class PipelineStage:
     """Runs the forward and backward of microbatches on one stage of one lane."""
 
     def __init__(self, model: Transformer, link: StageLink, *, num_valid_tokens: int, dtype: torch.dtype,
-                 device: torch.device, clock: Clock) -> None:
+                 device: torch.device, clock: Clock, sync_point: Callable[[], None] | None = None) -> None:
+        """``sync_point``: called after every forward and before every wait on a peer (a receive from a
+        neighbouring stage, a barrier), e.g. to finish parameter pulls in flight there."""
         self.model = model
+        self.sync_point = sync_point or _nothing
         self.link = link
         self.first = model.first_stage
         self.last = model.last_stage
@@ -155,6 +162,7 @@ class PipelineStage:
         shape = (inp.num_tokens, self.hidden)
         x = None
         if not self.first:
+            self.sync_point()
             x = self.link.recv_forward(shape, self.dtype, self.device).requires_grad_()
         with self.clock:
             h = self.model.embed_tokens(inp.input_ids) if self.first else x
@@ -164,6 +172,7 @@ class PipelineStage:
                 self.loss_sum += float(out.detach())
             else:
                 out = h
+        self.sync_point()
         if not self.last:
             self.link.send_forward(out)
         self._saved[k] = (x, out)
@@ -172,6 +181,7 @@ class PipelineStage:
         x, out = self._saved.pop(k)
         grad = None
         if not self.last:
+            self.sync_point()
             grad = self.link.recv_backward(tuple(out.shape), self.dtype, self.device)
         with self.clock:
             out.backward(grad)
@@ -191,6 +201,7 @@ class PipelineStage:
         for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
             if i:
                 assert barrier is not None, "a plan with barriers needs the pool's barrier"
+                self.sync_point()
                 barrier()
             for kind, j in schedule_1f1b(hi - lo, pp, stage):
                 k = lo + j

@@ -160,14 +160,16 @@ def _view(flat: torch.Tensor, start: int, count: int, stride: int, length: int) 
     return flat.as_strided((count, length), (stride, 1), flat.storage_offset() + start)
 
 
-def take(flat: torch.Tensor, s: np.ndarray, e: np.ndarray) -> torch.Tensor:
-    """``flat``'s elements in the runs, concatenated in run order (a view when they are one run)."""
+def take(flat: torch.Tensor, s: np.ndarray, e: np.ndarray, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``flat``'s elements in the runs, concatenated in run order: a view when they are one run, else
+    copied into ``out`` (``[total]``, same dtype; default a new tensor)."""
     s, e = _merge(s, e)
     if len(s) == 0:
         return flat[:0]
     if len(s) == 1:
         return flat[int(s[0]):int(e[0])]
-    out = torch.empty(int((e - s).sum()), dtype=flat.dtype, device=flat.device)
+    if out is None:
+        out = torch.empty(int((e - s).sum()), dtype=flat.dtype, device=flat.device)
     o = 0
     for block in _strided(s, e):
         m = block[1] * block[3]
@@ -226,7 +228,6 @@ class ExchangePlan:
     """One exchange: its buckets (derived from this rank's runs and every rank's runs inside its shard)."""
 
     buckets: tuple[Bucket, ...]
-
 
 
 def plan_exchange(layout: FlatLayout, rows: np.ndarray, every: list[np.ndarray], rank: int, bucket_elems: int,

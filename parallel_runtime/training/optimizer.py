@@ -40,14 +40,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel_runtime.training.exchange import ExchangePlan, plan_exchange, put, take
+from parallel_runtime.training.exchange import Bucket, ExchangePlan, plan_exchange, put, take
 from parallel_runtime.training.layout import FlatLayout, LocalParam, ParamSpec
 
 __all__ = ["AdamWConfig", "FlatLayout", "LocalParam", "ParamSpec", "ShardedOptimizer"]
@@ -72,6 +74,22 @@ class AdamWConfig:
             return self.lr * (step + 1) / self.warmup_steps
         return self.lr
 
+
+
+# torch's fused AdamW kernel (CPU, CUDA); absent in old builds: the chunked step instead
+_FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One bucket's collective, started by :meth:`ShardedOptimizer.launch`."""
+
+    bucket: Bucket
+    push: bool
+    work: Any  # the collective's handle (None: done already)
+    mine: torch.Tensor  # this rank's buffer: a pull's receive buffer, a push's send buffer
+    peer: torch.Tensor  # the owner's side: a pull's send buffer (or a view of the shard), a push's receive buffer
+    flats: Sequence[torch.Tensor]  # the working slices (pull) or their gradients (push), flat
 
 
 _MAX_PLANS = 64  # exchange plans kept (distinct layout sets seen); oldest dropped first, on every rank alike
@@ -127,7 +145,10 @@ class ShardedOptimizer:
         self.exchanges = 0  # pull/push collectives (buckets) run
         self.peak_bucket_elems = 0  # the largest send or receive buffer of one of them
         self.plans_built = 0  # exchange plans derived (cache misses)
+        self.comm_s = 0.0  # seconds this rank was blocked in the optimizer's collectives (exposed communication)
         self._plans: dict[tuple[int, ...], ExchangePlan] = {}
+        self._buffers: list[torch.Tensor] = []  # reusable bucket buffers: (receive/send, send/receive) per slot
+        self._decay_runs = _decay_runs(layout, lo, hi)  # shard-relative [a, b) runs with / without weight decay
 
     def _bounds(self) -> tuple[int, int]:
         lo = self.rank * self.layout.shard_size
@@ -160,25 +181,33 @@ class ShardedOptimizer:
     def pull(self, local: Iterable[LocalParam]) -> None:
         """Copy this rank's slices of the master parameters into its working parameters (collective:
         every rank of the group calls it, with whatever local layout it has)."""
-        rows, flats = self._describe(local, push=False)
-        plan = self._plan(rows)
-        self._run(plan, [t.detach().view(-1) for t in flats], push=False)
+        rows, flats = self.describe(local, push=False)
+        plan = self.plan_for(rows)
+        flats = [t.detach().view(-1) for t in flats]
+        for bk in plan.buckets:
+            self.complete(self.launch(bk, flats, push=False))
 
     @torch.no_grad()
     def push(self, local: Iterable[LocalParam]) -> None:
         """Sum every rank's local gradients into the owners' shards (``self.grad``, overwritten; collective)."""
-        rows, grads = self._describe(local, push=True)
-        plan = self._plan(rows)
+        rows, grads = self.describe(local, push=True)
+        plan = self.plan_for(rows)
         self.grad.zero_()
-        self._run(plan, [g.reshape(-1) for g in grads], push=True)
+        flats = [g.reshape(-1) for g in grads]
+        for bk in plan.buckets:
+            self.complete(self.launch(bk, flats, push=True))
 
-    def _describe(self, local: Iterable[LocalParam], *, push: bool) -> tuple[np.ndarray, list[torch.Tensor]]:
+    def describe(self, local: Iterable[LocalParam], *, push: bool,
+                 contributes: bool | None = None) -> tuple[np.ndarray, list[torch.Tensor]]:
         """``[n, 3]`` int64 rows (parameter index, tp index, tp size) and the tensors they fill or read;
-        for a push only the contributing parameters and their gradients."""
+        for a push only the contributing parameters and their gradients. ``contributes`` (push only):
+        whether this rank's parameters have gradients this step, where they are not attached yet
+        (default: those whose ``.grad`` is set); the tensors are then the parameters themselves."""
         rows, tensors = [], []
         for lp in local:
             spec = lp.spec
-            if push and (lp.tensor.grad is None or (spec.tp_dim is None and lp.tp_index != 0)):
+            has_grad = lp.tensor.grad is not None if contributes is None else contributes
+            if push and (not has_grad or (spec.tp_dim is None and lp.tp_index != 0)):
                 continue  # no gradient here, or replicated inside the TP group: tp index 0 contributes it once
             p = self.layout.index.get(spec.name)
             if p is None:
@@ -195,10 +224,10 @@ class ShardedOptimizer:
                 raise ValueError(f"{spec.name}: the working tensor has shape {tuple(lp.tensor.shape)}, its slice "
                                  f"(tp {lp.tp_index}/{lp.tp_size}) has {tuple(shape)}")
             rows.append((p, lp.tp_index, lp.tp_size))
-            tensors.append(lp.tensor.grad if push else lp.tensor)
+            tensors.append(lp.tensor.grad if push and contributes is None else lp.tensor)
         return np.array(rows, dtype=np.int64).reshape(-1, 3), tensors
 
-    def _plan(self, rows: np.ndarray) -> ExchangePlan:
+    def plan_for(self, rows: np.ndarray) -> ExchangePlan:
         """The cached exchange for every rank's current description: one all-gather of 16 bytes per rank
         per call; on a miss also one of the descriptions and a MAX all-reduce of the cell loads. The key
         is every rank's (fingerprint, length), so all ranks hit or miss together."""
@@ -207,7 +236,9 @@ class ShardedOptimizer:
         world = self.layout.world_size
         if self.distributed:
             metas = [torch.empty_like(meta) for _ in range(world)]
+            t0 = time.perf_counter()
             dist.all_gather(metas, meta, group=self.group)
+            self.comm_s += time.perf_counter() - t0
             key = tuple(int(v) for m in metas for v in m.tolist())
         else:
             key = (fp, len(rows))
@@ -236,34 +267,71 @@ class ShardedOptimizer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.cpu().numpy()
 
-    def _run(self, plan: ExchangePlan, flats: list[torch.Tensor], *, push: bool) -> None:
-        """Every bucket of ``plan``: a pull (owners -> slices) or a push (slices -> owners, summed)."""
-        for bk in plan.buckets:
-            mine = torch.empty(sum(bk.mine_n), dtype=torch.float32, device=self.device)
-            if push:
-                for j, off, loc, n in bk.parts:  # gradients of local parameter j -> send buffer
-                    put(mine, off, off + n, take(flats[j], loc, loc + n), add=False)
-                recv = torch.empty(sum(bk.peer_n), dtype=torch.float32, device=self.device)
-                self._all_to_all(recv, bk.peer_n, mine, bk.mine_n)
-                put(self.grad, bk.ps, bk.pe, recv, add=True)
-                self.bytes_pushed += mine.numel() * 4
-                self.bytes_push_received += recv.numel() * 4
-            else:
-                send = take(self.master, bk.ps, bk.pe)
-                self._all_to_all(mine, bk.mine_n, send, bk.peer_n)
-                for j, off, loc, n in bk.parts:  # receive buffer -> local parameter j
-                    put(flats[j], loc, loc + n, take(mine, off, off + n), add=False)
-                self.bytes_pulled += mine.numel() * 4
-                self.bytes_pull_sent += send.numel() * 4
+    # ---- one bucket: launch (optionally asynchronous) and complete ---------------------------
+    def _buffer(self, slot: int, n: int) -> torch.Tensor:
+        """``[n]`` fp32 view of reusable buffer ``slot`` (grown to the largest bucket, then steady)."""
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.float32, device=self.device))
+        if self._buffers[slot].numel() < n:
+            self._buffers[slot] = torch.empty(0, dtype=torch.float32, device=self.device)  # free before growing
+            self._buffers[slot] = torch.empty(n, dtype=torch.float32, device=self.device)
+        return self._buffers[slot][:n]
 
-    def _all_to_all(self, out: torch.Tensor, out_n: list[int], inp: torch.Tensor, inp_n: list[int]) -> None:
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the reusable bucket buffers (send and receive buffers of the exchanges in flight)."""
+        return sum(b.numel() for b in self._buffers) * 4
+
+    @torch.no_grad()
+    def launch(self, bk: Bucket, flats: Sequence[torch.Tensor], *, push: bool, slot: int = 0,
+               async_op: bool = False) -> InFlight:
+        """Start bucket ``bk``'s collective: a pull (owners -> slices ``flats``) or a push (the gradients
+        ``flats`` -> owners). ``slot``: which pair of reusable buffers it uses (one per bucket in flight)."""
+        mine = self._buffer(2 * slot, sum(bk.mine_n))
+        if push:
+            for j, off, loc, n in bk.parts:  # gradients of local parameter j -> send buffer
+                put(mine, off, off + n, take(flats[j], loc, loc + n), add=False)
+            peer = self._buffer(2 * slot + 1, sum(bk.peer_n))
+            work = self._all_to_all(peer, bk.peer_n, mine, bk.mine_n, async_op)
+            self.bytes_pushed += mine.numel() * 4
+            self.bytes_push_received += peer.numel() * 4
+        else:
+            peer = take(self.master, bk.ps, bk.pe, out=self._buffer(2 * slot + 1, sum(bk.peer_n)))
+            work = self._all_to_all(mine, bk.mine_n, peer, bk.peer_n, async_op)
+            self.bytes_pulled += mine.numel() * 4
+            self.bytes_pull_sent += peer.numel() * 4
+        return InFlight(bucket=bk, push=push, work=work, mine=mine, peer=peer, flats=flats)
+
+    @torch.no_grad()
+    def complete(self, f: InFlight) -> float:
+        """Wait for ``f``'s collective and take its result (pull: into the slices; push: summed into
+        ``self.grad``); returns the seconds waited."""
+        t0 = time.perf_counter()
+        if f.work is not None:
+            f.work.wait()
+        waited = time.perf_counter() - t0
+        self.comm_s += waited
+        bk = f.bucket
+        if f.push:
+            put(self.grad, bk.ps, bk.pe, f.peer, add=True)
+        else:
+            for j, off, loc, n in bk.parts:  # receive buffer -> local parameter j
+                put(f.flats[j], loc, loc + n, take(f.mine, off, off + n), add=False)
+        return waited
+
+    def _all_to_all(self, out: torch.Tensor, out_n: list[int], inp: torch.Tensor, inp_n: list[int],
+                    async_op: bool):
         self.exchanges += 1
         self.peak_bucket_elems = max(self.peak_bucket_elems, out.numel(), inp.numel())
         if self.distributed:
-            dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=out_n, input_split_sizes=inp_n,
-                                   group=self.group)
-        else:
-            out.copy_(inp)
+            t0 = time.perf_counter()
+            work = dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=out_n, input_split_sizes=inp_n,
+                                          group=self.group, async_op=async_op)
+            if not async_op:
+                self.comm_s += time.perf_counter() - t0
+            return work
+        out.copy_(inp)
+        return None
 
     # ---- step --------------------------------------------------------------
     def _chunks(self) -> Iterator[slice]:
@@ -278,7 +346,9 @@ class ShardedOptimizer:
         for c in self._chunks():
             sq += torch.sum(self.grad[c].double() ** 2)
         if self.distributed:
+            t0 = time.perf_counter()
             dist.all_reduce(sq, group=self.group)
+            self.comm_s += time.perf_counter() - t0
         return float(sq.sqrt())
 
     @torch.no_grad()
@@ -290,6 +360,29 @@ class ShardedOptimizer:
         if c.max_grad_norm > 0 and norm > c.max_grad_norm:
             self.grad.mul_(c.max_grad_norm / (norm + 1e-6))  # in place: the gradient shard is zeroed below
         self.steps += 1
+        if _FUSED_ADAMW is not None:
+            self._fused_step(lr)
+        else:
+            self._chunked_step(lr)
+        self.grad.zero_()
+        return norm
+
+    def _fused_step(self, lr: float) -> None:
+        """torch's fused AdamW kernel over the shard: one pass, no temporaries. Runs of the shard with and
+        without weight decay (norms, biases) are separate views of the same buffers."""
+        c = self.config
+        b1, b2 = c.betas
+        step = torch.tensor(float(self.steps), dtype=torch.float32, device=self.device)
+        for wd, runs in ((c.weight_decay, self._decay_runs[True]), (0.0, self._decay_runs[False])):
+            if not runs:
+                continue
+            views = [[buf[a:b] for a, b in runs] for buf in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)]
+            _FUSED_ADAMW(*views, [], [step] * len(runs), lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=c.eps,
+                         amsgrad=False, maximize=False)
+
+    def _chunked_step(self, lr: float) -> None:
+        """AdamW by chunks of the shard with bounded temporaries (where torch has no fused kernel)."""
+        c = self.config
         b1, b2 = c.betas
         bc1 = 1 - b1**self.steps  # bias corrections: the moments start at zero
         bc2 = 1 - b2**self.steps
@@ -301,8 +394,27 @@ class ShardedOptimizer:
                 w.sub_(w * self.decay[k] * (lr * c.weight_decay))
             denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
             w.addcdiv_(m, denom, value=-lr / bc1)
-        self.grad.zero_()
-        return norm
+
+
+def _decay_runs(layout: FlatLayout, lo: int, hi: int) -> dict[bool, list[tuple[int, int]]]:
+    """The shard ``[lo, hi)`` as shard-relative runs ``[a, b)`` of parameters with (True) and without (False)
+    weight decay, adjacent runs of one kind joined. The zero padding counts as decayed (it stays zero)."""
+    segs = []
+    for i, spec in enumerate(layout.specs):
+        a, b = max(layout.offsets[i], lo), min(layout.offsets[i + 1], hi)
+        if a < b:
+            segs.append((a - lo, b - lo, spec.decay))
+    pad = max(layout.numel, lo)
+    if pad < hi:
+        segs.append((pad - lo, hi - lo, True))
+    out: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    for a, b, decay in segs:
+        runs = out[decay]
+        if runs and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((a, b))
+    return out
 
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
