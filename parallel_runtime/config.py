@@ -95,8 +95,9 @@ class WorldConfig:
     timeout_s: float = 300.0  # collective timeout: a crashed peer ends the others within it
     threads: int = 1  # torch intra-op threads per rank on CPU
     # CPU (glibc): allocations of at least this many KiB get their own mapping, returned to the OS when
-    # freed (0: glibc's default, whose threshold grows and keeps freed activations resident)
-    heap_mmap_kb: int = 1024
+    # freed, at the cost of fresh zeroed pages for every activation (0: glibc's default, whose threshold
+    # grows so that activations are reused from the heap: the fast default)
+    heap_mmap_kb: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -18,8 +18,9 @@ from outside every 20 ms (resident set of each process of the run, and its kerne
 ``VmHWM``, which the runtime leaves alone); the figure is the largest process's.
 
 A configuration is ``ddp``, ``native`` or ``hf``, optionally with recipe overrides:
-``native+world.heap_mmap_kb=1024`` (``+`` separates ``--set`` values). The 1-minute load average of
-the machine is printed before and after each run.
+``native+world.heap_mmap_kb=1024`` (``+`` separates ``--set`` values), and optionally ``@DIR``: the
+runtime from another checkout of this repository (``native@/tmp/before``: the code before a change,
+side by side with it). The 1-minute load average of the machine is printed before and after each run.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ def _load1() -> float:
 def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, tokens: int, cap: int,
             tag: str) -> dict:
     """One launch of ``config``; returns its step times, tokens, peaks and the load around it."""
-    name, *sets = config.split("+")
+    what, _, code = config.partition("@")
+    name, *sets = what.split("+")
     if name not in ("ddp", "native", "hf"):
         raise SystemExit(f"bench_runtime_vs_ddp: unknown configuration '{name}' (ddp, native, hf)")
     recipe = work / f"{name}.json"
@@ -184,7 +186,10 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
         cmd = [*launch, "-m", "parallel_runtime", "--recipe", str(recipe), "--out", str(out)]
         for s in sets:
             cmd += ["--set", s]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    root = Path(code).resolve() if code else REPO  # whose parallel_runtime runs (the loop: always this one's tool)
+    if name == "ddp" and code:
+        raise SystemExit("bench_runtime_vs_ddp: the ddp loop runs from this checkout (no @DIR)")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     load0 = _load1()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     sampler = MemorySampler(p.pid)

@@ -144,11 +144,14 @@ class PipelineStage:
     """Runs the forward and backward of microbatches on one stage of one lane."""
 
     def __init__(self, model: Transformer, link: StageLink, *, num_valid_tokens: int, dtype: torch.dtype,
-                 device: torch.device, clock: Clock, sync_point: Callable[[], None] | None = None) -> None:
+                 device: torch.device, clock: Clock, sync_point: Callable[[], None] | None = None,
+                 after_backward: Callable[[], None] | None = None) -> None:
         """``sync_point``: called after every forward and before every wait on a peer (a receive from a
-        neighbouring stage, a barrier), e.g. to finish parameter pulls in flight there."""
+        neighbouring stage, a barrier), e.g. to finish parameter pulls in flight there;
+        ``after_backward``: called after every microbatch's backward (e.g. to release freed memory)."""
         self.model = model
         self.sync_point = sync_point or _nothing
+        self.after_backward = after_backward or _nothing
         self.link = link
         self.first = model.first_stage
         self.last = model.last_stage
@@ -187,6 +190,8 @@ class PipelineStage:
             out.backward(grad)
         if not self.first:
             self.link.send_backward(x.grad)
+        del x, out, grad
+        self.after_backward()
 
     def run(self, num_microbatches: int, stage: int, pp: int, inputs: dict[int, Callable[[], StageInput]],
             barriers: Sequence[int] = (), barrier: Callable[[], None] | None = None) -> int:

@@ -55,6 +55,7 @@ from parallel_runtime.training.layout import FlatLayout, LocalParam, ParamSpec
 __all__ = ["AdamWConfig", "FlatLayout", "LocalParam", "ParamSpec", "ShardedOptimizer"]
 
 STEP_CHUNK = 1 << 20  # elements of the shard the optimizer step updates at a time (bounded temporaries)
+NORM_CHUNK = 1 << 16  # elements per piece of the gradient norm (fp64 copies of 512 kB)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -334,17 +335,18 @@ class ShardedOptimizer:
         return None
 
     # ---- step --------------------------------------------------------------
-    def _chunks(self) -> Iterator[slice]:
+    def _chunks(self, size: int = STEP_CHUNK) -> Iterator[slice]:
         # the step works on the shard in pieces so that its temporaries stay a bounded size (not the shard's)
-        for a in range(0, self.layout.shard_size, STEP_CHUNK):
-            yield slice(a, min(a + STEP_CHUNK, self.layout.shard_size))
+        for a in range(0, self.layout.shard_size, size):
+            yield slice(a, min(a + size, self.layout.shard_size))
 
     @torch.no_grad()
     def grad_norm(self) -> float:
         # shards are disjoint, so the global squared norm is the sum of the shards' (padding is zero)
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for c in self._chunks():
-            sq += torch.sum(self.grad[c].double() ** 2)
+        for c in self._chunks(NORM_CHUNK):
+            d = self.grad[c].double()  # fp64 sums; small pieces: the temporaries stay a few hundred kB
+            sq += torch.dot(d, d)
         if self.distributed:
             t0 = time.perf_counter()
             dist.all_reduce(sq, group=self.group)

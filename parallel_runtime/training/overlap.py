@@ -40,7 +40,7 @@ from parallel_runtime.training.layout import LocalParam
 from parallel_runtime.training.optimizer import InFlight, ShardedOptimizer
 
 DEPTH = 2  # buckets in flight at once (each a pair of reusable buffers)
-BUCKET_ELEMS = 1 << 20  # elements per bucket buffer when overlapping: DEPTH x 2 x 4 MB in flight
+BUCKET_ELEMS = 1 << 19  # elements per bucket buffer when overlapping: DEPTH x 2 x 2 MB in flight
 
 
 class _Hooks:

@@ -48,9 +48,9 @@ class FBResult:
 
 def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: Sequence[Microbatch],
                      num_valid_tokens: int, *, sync_point: Callable[[], None] | None = None,
-                     ) -> tuple[FBResult, StageModel]:
-    """Run this rank's microbatches of ``plan`` (gradients accumulate in the stage model); ``sync_point``:
-    see :class:`~parallel_runtime.engines.pipeline.PipelineStage`."""
+                     after_backward: Callable[[], None] | None = None) -> tuple[FBResult, StageModel]:
+    """Run this rank's microbatches of ``plan`` (gradients accumulate in the stage model); ``sync_point``,
+    ``after_backward``: see :class:`~parallel_runtime.engines.pipeline.PipelineStage`."""
     t0 = time.perf_counter()
     c = topo.coord(rt.rank)
     pool = plan.pools[c.pool]
@@ -59,7 +59,7 @@ def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: 
     link = StageLink(prev=prev, next=nxt, group=rt.groups.get(topo.pipeline_ranks(rt.rank)) if pool.pp > 1 else None)
     clock = Clock(rt.device)
     stage = PipelineStage(sm.model, link, num_valid_tokens=num_valid_tokens, dtype=rt.dtype, device=rt.device,
-                          clock=clock, sync_point=sync_point)
+                          clock=clock, sync_point=sync_point, after_backward=after_backward)
     work = topo.lane_work(rt.rank, plan)  # [num_microbatches] this lane's group, or None where it skips
     # inputs are built lazily (when the 1F1B order reaches each microbatch), so a CP engine binds
     # its buffers only for the microbatch in flight

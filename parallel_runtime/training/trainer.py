@@ -190,7 +190,7 @@ class Trainer:
         self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
                                           hf.init_params() if hf else init_params(recipe.model, recipe.seed),
                                           recipe.optimizer, rank=rank, device=self.device,
-                                          group=exchange_group(world) if distributed else None,
+                                          group=exchange_group(world) if overlap else None,
                                           **({"bucket_elems": BUCKET_ELEMS} if overlap else {}))
         self.overlap = Overlap(self.optimizer) if overlap else None  # train.overlap: buckets beside compute
         self.groups = None
