@@ -105,7 +105,6 @@ class StepExchange:
         self.opt, self.params, self.hooks, self.depth = opt, params, hooks, depth
         self.overlapped = overlapped
         self.microbatches = microbatches
-        self.wait_s = 0.0  # time blocked on these collectives (exposed communication)
         pull_rows, targets = opt.describe(params, push=False)
         self.pull = opt.plan_for(pull_rows).buckets
         self._pull_flats = [t.detach().view(-1) for t in targets]
@@ -150,7 +149,7 @@ class StepExchange:
 
     def _complete_oldest(self) -> None:
         f = self._flight.pop(0)
-        self.wait_s += self.opt.complete(f)
+        self.opt.complete(f)  # its wait counts in the optimizer's comm_s
         self._slots.append(self._slot_of.pop(id(f)))
         if not f.push:
             self._pulled += 1
