@@ -13,7 +13,10 @@ Every run is a fresh ``accelerate launch`` of 2 processes; the configurations ru
 in rounds (the order rotates each round), so load from other jobs hits them alike. A step's time is
 the time between rank 0's consecutive step lines (data, plan, forward/backward, communication and
 optimizer: the whole iteration, timed the same way for the runtime and the loop); a run's figure is
-the median over its timed steps, and the summary takes medians over rounds. Peak memory is sampled
+the median over its timed steps, and the summary takes medians over rounds. Beside it, the CPU time
+of all the run's processes per timed step (user + system of every thread: compute, communication,
+the loader's planner), which other jobs on a shared machine disturb far less than wall time. Peak
+memory is sampled
 from outside every 20 ms (resident set of each process of the run, and its kernel high-water mark
 ``VmHWM``, which the runtime leaves alone); the figure is the largest process's.
 
@@ -133,6 +136,19 @@ class MemorySampler(threading.Thread):
         self.hwm: dict[int, int] = {}  # pid -> last read VmHWM bytes
         self.done = threading.Event()
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of every descendant of the root so far (all their threads)."""
+        import psutil
+
+        total = 0.0
+        for p in self.root.children(recursive=True):
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
     def run(self) -> None:
         import psutil
 
@@ -195,6 +211,7 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
     sampler = MemorySampler(p.pid)
     sampler.start()
     stamps: dict[int, float] = {}
+    cpu: dict[int, float] = {}  # CPU seconds of the run's processes when rank 0 printed step s
     toks: dict[int, int] = {}
     tail: list[str] = []
     for line in p.stdout:
@@ -202,6 +219,7 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
         m = STEP_LINE.match(line.strip())
         if m:
             stamps[int(m.group(1))] = now
+            cpu[int(m.group(1))] = sampler.cpu_seconds()
             toks[int(m.group(1))] = int(m.group(2))
         tail = (tail + [line])[-30:]
     p.wait()
@@ -210,8 +228,10 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
     shutil.rmtree(out, ignore_errors=True)  # the end-of-run checkpoint: 3 x 4 bytes per parameter
     if p.returncode != 0 or len(stamps) < steps:
         raise SystemExit(f"bench_runtime_vs_ddp: {config} failed (exit {p.returncode}):\n{''.join(tail)}")
-    times = [stamps[s] - stamps[s - 1] for s in range(max(warmup, 1), steps)]
+    first = max(warmup, 1)
+    times = [stamps[s] - stamps[s - 1] for s in range(first, steps)]
     return {"config": config, "step_s": statistics.median(times), "steps_s": [round(t, 3) for t in times],
+            "cpu_s": (cpu[steps - 1] - cpu[first - 1]) / (steps - first),
             "tokens": statistics.mean(toks[s] for s in range(max(warmup, 1), steps)),
             "rss_mb": max(sampler.rss.values(), default=0) / 2**20,
             "hwm_mb": max(sampler.hwm.values(), default=0) / 2**20,
@@ -220,21 +240,24 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
 
 def summarize(got: dict[str, list[dict]], base: str) -> str:
     lines = [f"{'config':<34} {'step s':>8} {'tokens/s':>9} {'vs ' + base:>9} {'per-round':>22} "
-             f"{'peak RSS MB':>11} {'vs ' + base:>9} {'VmHWM MB':>9}"]
+             f"{'CPU s/step':>10} {'vs ' + base:>9} {'peak RSS MB':>11} {'vs ' + base:>9} {'VmHWM MB':>9}"]
     b = got.get(base)
     for cfg, runs in got.items():
         step = statistics.median(r["step_s"] for r in runs)
         tps = statistics.median(r["tokens"] / r["step_s"] for r in runs)
         rss = statistics.median(r["rss_mb"] for r in runs)
         hwm = statistics.median(r["hwm_mb"] for r in runs)
+        cpu = statistics.median(r["cpu_s"] for r in runs)
         if b:
             per = [x["step_s"] / r["step_s"] for x, r in zip(b, runs)]
             ratio = f"{statistics.median(per):9.3f}"
             rounds = ",".join(f"{v:.2f}" for v in per)
             mem = f"{rss / statistics.median(x['rss_mb'] for x in b):9.3f}"
+            cpu_ratio = f"{statistics.median(x['cpu_s'] for x in b) / cpu:9.3f}"  # > 1: less CPU than the base
         else:
-            ratio = rounds = mem = "-"
-        lines.append(f"{cfg:<34} {step:8.2f} {tps:9.0f} {ratio:>9} {rounds:>22} {rss:11.0f} {mem:>9} {hwm:9.0f}")
+            ratio = rounds = mem = cpu_ratio = "-"
+        lines.append(f"{cfg:<34} {step:8.2f} {tps:9.0f} {ratio:>9} {rounds:>22} {cpu:10.2f} {cpu_ratio:>9} "
+                     f"{rss:11.0f} {mem:>9} {hwm:9.0f}")
     return "\n".join(lines)
 
 
@@ -272,8 +295,8 @@ def main() -> None:
             res = run_one(c, work, steps=a.steps, warmup=a.warmup, shards=shards, tokens=a.tokens, cap=a.cap,
                           tag=f"r{r}-{i}")
             got[c].append(res)
-            print(f"round {r} {c}: step {res['step_s']:.2f} s {res['steps_s']}, peak RSS {res['rss_mb']:.0f} MB "
-                  f"(VmHWM {res['hwm_mb']:.0f}), load {res['load']}", flush=True)
+            print(f"round {r} {c}: step {res['step_s']:.2f} s {res['steps_s']}, CPU {res['cpu_s']:.2f} s/step, "
+                  f"peak RSS {res['rss_mb']:.0f} MB (VmHWM {res['hwm_mb']:.0f}), load {res['load']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(got, indent=1))
     print(summarize(got, configs[0] if "ddp" not in configs else "ddp"))
