@@ -120,8 +120,9 @@ class WorldConfig:
     timeout_s: float = 300.0  # collective timeout: a crashed peer ends the others within it
     threads: int = 1  # torch intra-op threads per rank on CPU
     # CPU (glibc): allocations of at least this many KiB get their own mapping, returned to the OS when
-    # freed (0: glibc's default, whose threshold grows and keeps freed activations resident)
-    heap_mmap_kb: int = 1024
+    # freed, at the cost of fresh zeroed pages for every activation (0: glibc's default, whose threshold
+    # grows so that activations are reused from the heap: the fast default)
+    heap_mmap_kb: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,6 +135,7 @@ class TrainConfig:
     recompute: bool = False  # activation checkpointing: keep each block's input, recompute its inside in backward
     calibrate: bool = False  # closed loop: fit the cost model and per-rank speeds online (options: calibration:)
     trace: bool = False  # write the measured run as OUT/trace.json (Chrome / Perfetto trace events)
+    overlap: bool = True  # pull/push buckets in flight beside forward/backward (parallel_runtime.training.overlap)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

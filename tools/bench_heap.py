@@ -2,14 +2,18 @@
 
 One fresh process per (setting, repeat), settings alternated so that a loaded machine affects each
 alike; each process builds the native model (default: the 27M-parameter shape of issue 12), keeps its
-gradients in one flat buffer (as the runtime does) and runs forward/backward with recompute over
-microbatches of packed docs. Prints per setting the median step time and peak resident-set growth,
-and the ratio to the default.
+gradients in one flat buffer (as the runtime does) and runs forward/backward over microbatches of
+packed docs (with recompute unless ``--recompute 0``; microbatch sizes drawn in
+``[--min-tokens, --tokens]`` when those differ). Prints per setting the median step time (wall and
+thread CPU time, which other jobs on the machine inflate less), the minor page faults per step (the
+cost of fresh pages: a load-independent count), the peak resident set and the ratio to the first
+setting.
 
-    python tools/bench_heap.py [--repeats 5] [--settings 0,1024,256,1024t] [--steps 4]
+    python tools/bench_heap.py [--repeats 5] [--settings 0,1024,256,1024t] [--steps 4] [--recompute 1]
 
-A setting is a threshold in KiB (0: glibc's default); a trailing ``t`` also sets torch's
-``THP_MEM_ALLOC_ENABLE=1`` (transparent huge pages for its large CPU tensors).
+A setting is a threshold in KiB (0: glibc's default, whose threshold grows to the largest block freed);
+a trailing ``t`` also sets torch's ``THP_MEM_ALLOC_ENABLE=1`` (transparent huge pages for its large CPU
+tensors), a trailing ``s`` returns free heap pages (``malloc_trim``) at the start of every step.
 """
 
 from __future__ import annotations
@@ -17,81 +21,105 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
 
 
-def child(threshold_kb: int, steps: int, tokens: int, doc: int) -> dict:
+def child(setting: str, steps: int, tokens: int, min_tokens: int, doc: int, recompute: bool) -> dict:
+    import numpy as np
     import torch
 
     from parallel_runtime.model import ModelConfig, Transformer, local_attention
-    from parallel_runtime.training.metrics import peak_rss_mb, set_heap_mmap_threshold
+    from parallel_runtime.training.metrics import release_free_memory, set_heap_mmap_threshold
+    from parallel_runtime.training.peaks import PeakProbe
 
-    set_heap_mmap_threshold(threshold_kb << 10)
+    set_heap_mmap_threshold(int(setting.rstrip("ts")) << 10)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     cfg = ModelConfig(vocab_size=256, hidden=512, ffn_hidden=1536, num_layers=8, num_heads=8, num_kv_heads=8)
     model = Transformer(cfg, seed=0)
-    model.recompute = True
+    model.recompute = recompute
     params = list(model.parameters())
     flat = torch.zeros(sum(p.numel() for p in params))  # [model params] the gradient buffer
     o = 0
     for p in params:
         p.grad = flat[o:o + p.numel()].view_as(p)
         o += p.numel()
-    cu = torch.arange(0, tokens + 1, doc, dtype=torch.int32)  # equal docs of `doc` tokens
-    pos = torch.arange(tokens) % doc
-    attn = local_attention(cu, "loop")
+    rng = np.random.default_rng(0)  # the same microbatch sizes in every process
 
-    times = []
-    start_mb = 0.0
-    for s in range(steps + 1):
-        ids = torch.randint(0, 256, (tokens,))
-        t0 = time.perf_counter()
+    def microbatch():
+        t = int(rng.integers(min_tokens, tokens + 1))
+        cuts = np.r_[np.arange(0, t, doc), t]  # docs of `doc` tokens, the last one shorter
+        cu = torch.from_numpy(cuts.astype(np.int32))
+        pos = torch.arange(t) - torch.from_numpy(np.repeat(cuts[:-1], np.diff(cuts)))
+        return torch.from_numpy(rng.integers(0, 256, t)), pos, local_attention(cu, "loop")
+
+    probe = PeakProbe(torch.device("cpu"), interval_s=0.002)
+    out = []
+    for _ in range(steps + 1):
+        if setting.endswith("s"):
+            release_free_memory()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        probe.reset()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(4):  # microbatches accumulate into the gradient buffer
+            ids, pos, attn = microbatch()
             model(ids, pos, ids, attn=attn, num_valid_tokens=4 * tokens).backward()
-        times.append(time.perf_counter() - t0)
-        if s == 0:  # after the first step: model, gradients and the allocator's first growth
-            start_mb = peak_rss_mb()
-    return {"step_s": statistics.median(times[1:]), "hwm_mb": peak_rss_mb(), "first_mb": start_mb}
+        out.append({"step_s": time.perf_counter() - t0, "cpu_s": time.thread_time() - c0,
+                    "peak": probe.peak(), "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0})
+    probe.close()
+    rest = out[1:]  # after the first step: the allocator's first growth and one-off costs
+    return {"step_s": statistics.median(x["step_s"] for x in rest),
+            "cpu_s": statistics.median(x["cpu_s"] for x in rest),
+            "faults": statistics.median(x["faults"] for x in rest), "hwm_mb": max(x["peak"] for x in rest) / 2**20,
+            "first_mb": out[0]["peak"] / 2**20}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--settings", default="0,1024,256,1024t",
-                    help="mmap thresholds in KiB (0: glibc default; a trailing t: with THP_MEM_ALLOC_ENABLE=1)")
+                    help="mmap thresholds, KiB (0: glibc default); suffix t: THP_MEM_ALLOC_ENABLE=1, s: trim each step")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=1024, help="tokens per microbatch")
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per microbatch (the largest)")
+    ap.add_argument("--min-tokens", type=int, default=None, help="smallest microbatch (default: --tokens)")
     ap.add_argument("--doc", type=int, default=256, help="tokens per doc")
-    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--recompute", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    lo = a.tokens if a.min_tokens is None else a.min_tokens
     if a.child is not None:
-        print(json.dumps(child(a.child, a.steps, a.tokens, a.doc)))
+        print(json.dumps(child(a.child, a.steps, a.tokens, lo, a.doc, bool(a.recompute))))
         return
     settings = a.settings.split(",")
     got: dict[str, list[dict]] = {k: [] for k in settings}
     for r in range(a.repeats):
         for k in settings:
-            env = dict(os.environ)
+            env = dict(os.environ, OMP_NUM_THREADS="1")
             env.pop("THP_MEM_ALLOC_ENABLE", None)
-            if k.endswith("t"):
+            if "t" in k:
                 env["THP_MEM_ALLOC_ENABLE"] = "1"
-            out = subprocess.run([sys.executable, __file__, "--child", k.rstrip("t"), "--steps", str(a.steps),
-                                  "--tokens", str(a.tokens), "--doc", str(a.doc)],
-                                 check=True, capture_output=True, text=True, env=env).stdout
+            out = subprocess.run([sys.executable, __file__, "--child", k, "--steps", str(a.steps), "--tokens",
+                                  str(a.tokens), "--min-tokens", str(lo), "--doc", str(a.doc), "--recompute",
+                                  str(a.recompute)], check=True, capture_output=True, text=True, env=env).stdout
             got[k].append(json.loads(out.strip().splitlines()[-1]))
-            print(f"repeat {r} threshold {k} KiB: {got[k][-1]}", file=sys.stderr)
-    base = statistics.median(x["step_s"] for x in got[settings[0]])
-    print(f"{'heap':>16} {'step s (median)':>16} {'vs first':>9} {'peak MB':>9} {'after step 1 MB':>16}")
+            print(f"repeat {r} setting {k}: {got[k][-1]}", file=sys.stderr)
+    base = statistics.median(x["cpu_s"] for x in got[settings[0]])
+    print(f"machine load {os.getloadavg()}; recompute {a.recompute}, microbatches of {lo}-{a.tokens} tokens")
+    print(f"{'heap':>18} {'step s':>8} {'CPU s':>8} {'vs first':>9} {'faults/step':>12} {'peak MB':>9} "
+          f"{'step 0 MB':>10}")
     for k in settings:
-        t = statistics.median(x["step_s"] for x in got[k])
-        name = (k.rstrip("t") + " KiB" if k.rstrip("t") != "0" else "default") + (" +THP" if k.endswith("t") else "")
-        print(f"{name:>16} {t:16.3f} {t / base:9.3f} "
+        c = statistics.median(x["cpu_s"] for x in got[k])
+        kb = k.rstrip("ts")
+        name = ((kb + " KiB" if kb != "0" else "default") + (" +THP" if "t" in k else "")
+                + (" +trim" if "s" in k else ""))
+        print(f"{name:>18} {statistics.median(x['step_s'] for x in got[k]):8.3f} {c:8.3f} {c / base:9.3f} "
+              f"{statistics.median(x['faults'] for x in got[k]):12.0f} "
               f"{statistics.median(x['hwm_mb'] for x in got[k]):9.1f} "
-              f"{statistics.median(x['first_mb'] for x in got[k]):16.1f}")
+              f"{statistics.median(x['first_mb'] for x in got[k]):10.1f}")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         from flash_attn import flash_attn_varlen_func
 
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        q, k, v = (x.contiguous() for x in (q, k, v))  # token-major rows, whatever views the caller passed
         ms = max_seqlen if max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
         return flash_attn_varlen_func(q, k, v, cu, cu, ms, ms, softmax_scale=scale, causal=True)
     if impl == "tiled":

@@ -213,6 +213,7 @@ class _Bound:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         e, lay = self.engine, self.layout
+        q, k, v = (x.contiguous() for x in (q, k, v))  # views from the HF adapter: one copy here, none when local
         t, h, d = q.shape
         hkv = k.shape[1]
         if t != lay.lane_tokens:

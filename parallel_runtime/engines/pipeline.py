@@ -173,12 +173,22 @@ class Clock:
         return self
 
 
+def _nothing() -> None:
+    pass
+
+
 class PipelineStage:
     """Runs the forward and backward of microbatches on one stage of one lane."""
 
     def __init__(self, model: Transformer, link: StageLink, *, num_valid_tokens: int, dtype: torch.dtype,
-                 device: torch.device, clock: Clock) -> None:
+                 device: torch.device, clock: Clock, sync_point: Callable[[], None] | None = None,
+                 after_backward: Callable[[], None] | None = None) -> None:
+        """``sync_point``: called after every forward and before every wait on a peer (a receive from a
+        neighbouring stage, a barrier), e.g. to finish parameter pulls in flight there;
+        ``after_backward``: called after every microbatch's backward (e.g. to release freed memory)."""
         self.model = model
+        self.sync_point = sync_point or _nothing
+        self.after_backward = after_backward or _nothing
         self.link = link
         self.first = model.first_stage
         self.last = model.last_stage
@@ -192,6 +202,7 @@ class PipelineStage:
         shape = (inp.num_tokens, self.hidden)
         x = None
         if not self.first:
+            self.sync_point()
             x = self.link.recv_forward(shape, self.dtype, self.device).requires_grad_()
         with self.clock.on(k, FORWARD):
             h = self.model.embed_tokens(inp.input_ids) if self.first else x
@@ -201,6 +212,7 @@ class PipelineStage:
                 self.loss_sum += float(out.detach())
             else:
                 out = h
+        self.sync_point()
         if not self.last:
             self.link.send_forward(out)
         self._saved[k] = (x, out)
@@ -209,11 +221,14 @@ class PipelineStage:
         x, out = self._saved.pop(k)
         grad = None
         if not self.last:
+            self.sync_point()
             grad = self.link.recv_backward(tuple(out.shape), self.dtype, self.device)
         with self.clock.on(k, BACKWARD):
             out.backward(grad)
         if not self.first:
             self.link.send_backward(x.grad)
+        del x, out, grad
+        self.after_backward()
 
     def run(self, num_microbatches: int, stage: int, pp: int, inputs: dict[int, Callable[[], StageInput]],
             barriers: Sequence[int] = (), barrier: Callable[[], None] | None = None) -> int:
@@ -228,6 +243,7 @@ class PipelineStage:
         for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
             if i:
                 assert barrier is not None, "a plan with barriers needs the pool's barrier"
+                self.sync_point()
                 barrier()
             for kind, j in schedule_1f1b(hi - lo, pp, stage):
                 k = lo + j

@@ -48,7 +48,8 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
         raise ValueError(f"attention '{NAME}' is causal only")
     if kwargs.get("softcap") is not None:
         raise ValueError(f"attention '{NAME}' does not support softcap")
-    # [1, H, T, D] -> [T, H, D]: the engines' packed layout (tokens first)
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    # [1, H, T, D] -> [T, H, D]: the engines' packed layout (tokens first), as views: local attention reads
+    # each doc's [1, H, L, D] slice of the model's own tensors (no copies); CP engines make their input contiguous
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     o = attn(q, k, v)  # [T, H, D]
     return o.unsqueeze(0), None  # [1, T, H, D], as transformers' sdpa/eager return it

@@ -56,7 +56,7 @@ BUFFERS = ("master", "exp_avg", "exp_avg_sq")  # the optimizer's flat fp32 shard
 # recipe keys (dotted, or a section prefix ending in ".") a resume may change freely: how the run is
 # executed, logged and laid out, never what it computes
 FREE = ("steps", "world.", "cost.", "train.checkpoint_every", "train.attention", "train.calibrate", "train.trace",
-        "calibration.", "policy.extra",
+        "train.overlap", "calibration.", "policy.extra",
         "policy.time_limit_s", "policy.candidates", "policy.plan_source", "policy.compare", "data.shards_dir",
         "data.prefetch_steps", "data.planner_workers", "data.read_timeout_s")
 # keys a resume may change only with --allow-changed (the schedule, not the state's meaning)

@@ -40,83 +40,22 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from parallel_runtime.training.exchange import Bucket, ExchangePlan, plan_exchange, put, take
+from parallel_runtime.training.layout import FlatLayout, LocalParam, ParamSpec
+
+__all__ = ["AdamWConfig", "FlatLayout", "LocalParam", "ParamSpec", "ShardedOptimizer"]
+
 STEP_CHUNK = 1 << 20  # elements of the shard the optimizer step updates at a time (bounded temporaries)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ParamSpec:
-    """One parameter of the full model: its name, full shape and the dim split across TP ranks."""
-
-    name: str
-    shape: tuple[int, ...]
-    tp_dim: int | None = None  # None: replicated inside a TP group
-    decay: bool = True  # weight decay applies (False for norms and biases)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LocalParam:
-    """A working parameter on this rank: which full parameter it is and which TP slice."""
-
-    spec: ParamSpec
-    tensor: torch.Tensor  # the module's parameter (slice of the full one)
-    tp_index: int = 0
-    tp_size: int = 1
-
-
-class FlatLayout:
-    """Offsets of every full parameter in the flat buffer, padded to ``world_size`` shards."""
-
-    def __init__(self, specs: Sequence[ParamSpec], world_size: int) -> None:
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError("parameter names must be unique")
-        self.specs = tuple(specs)
-        self.index = {s.name: i for i, s in enumerate(self.specs)}
-        offsets = [0]
-        for s in self.specs:
-            offsets.append(offsets[-1] + s.numel)
-        self.offsets = offsets  # [num_params + 1]
-        self.numel = offsets[-1]
-        self.world_size = world_size
-        # all-gather and reduce-scatter need equal shards: ceil(numel / world) each, the tail padded with zeros
-        self.shard_size = -(-self.numel // world_size)
-        self.padded = self.shard_size * world_size
-
-    def full_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        i = self.index[name]
-        return flat[self.offsets[i] : self.offsets[i + 1]].view(self.specs[i].shape)
-
-    def slice_view(self, flat: torch.Tensor, lp: LocalParam) -> torch.Tensor:
-        """The part of the full parameter that ``lp`` holds, as a view into ``flat``."""
-        full = self.full_view(flat, lp.spec.name)
-        if lp.spec.tp_dim is None or lp.tp_size == 1:
-            return full
-        n = full.shape[lp.spec.tp_dim]
-        if n % lp.tp_size:
-            raise ValueError(f"{lp.spec.name}: dim {lp.spec.tp_dim} of size {n} is not divisible by tp={lp.tp_size}")
-        step = n // lp.tp_size  # TP rank t holds the t-th of tp equal blocks along tp_dim (engines/tensor.shard)
-        return full.narrow(lp.spec.tp_dim, lp.tp_index * step, step)
-
-    def decay_mask(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """Whether weight decay applies, for flat positions ``[lo, hi)`` (default: all of ``[0, padded)``)."""
-        hi = self.padded if hi is None else hi
-        mask = torch.zeros(hi - lo, dtype=torch.bool)  # [hi - lo]
-        for i, s in enumerate(self.specs):
-            a, b = max(self.offsets[i], lo), min(self.offsets[i + 1], hi)
-            if s.decay and a < b:
-                mask[a - lo : b - lo] = True
-        return mask
+NORM_CHUNK = 1 << 16  # elements per piece of the gradient norm (fp64 copies of 512 kB)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,215 +76,24 @@ class AdamWConfig:
         return self.lr
 
 
-# ---- slices as runs of flat coordinates --------------------------------------------------
+
+# torch's fused AdamW kernel (CPU, CUDA); absent in old builds: the chunked step instead
+_FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One bucket's collective, started by :meth:`ShardedOptimizer.launch`."""
+
+    bucket: Bucket
+    push: bool
+    work: Any  # the collective's handle (None: done already)
+    mine: torch.Tensor  # this rank's buffer: a pull's receive buffer, a push's send buffer
+    peer: torch.Tensor  # the owner's side: a pull's send buffer (or a view of the shard), a push's receive buffer
+    flats: Sequence[torch.Tensor]  # the working slices (pull) or their gradients (push), flat
+
 
 _MAX_PLANS = 64  # exchange plans kept (distinct layout sets seen); oldest dropped first, on every rank alike
-
-
-def _param_runs(layout: FlatLayout, p: int, tp_index: int, tp_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Flat starts and lengths (``[k] int64`` each) of parameter ``p``'s TP slice, in the slice's element order."""
-    spec = layout.specs[p]
-    off = layout.offsets[p]
-    if spec.tp_dim is None or tp_size == 1:
-        return np.array([off], dtype=np.int64), np.array([spec.numel], dtype=np.int64)
-    # narrow(d, i * n / t, n / t) of a row-major tensor: one run per index of the leading dims
-    d = spec.tp_dim
-    n, inner, outer = spec.shape[d], math.prod(spec.shape[d + 1:]), math.prod(spec.shape[:d])
-    run = n // tp_size * inner
-    starts = off + np.arange(outer, dtype=np.int64) * (n * inner) + tp_index * run
-    return starts, np.full(outer, run, dtype=np.int64)
-
-
-@dataclass(frozen=True, slots=True)
-class _Runs:
-    """Runs ``[start, end)`` of flat coordinates sorted by start (stable), with the running max
-    of their ends (a sorted key even where runs overlap) and, for a rank's own runs, the index
-    of the local parameter and the run's offset in its flat view."""
-
-    start: np.ndarray  # [k] int64
-    end: np.ndarray  # [k] int64
-    reach: np.ndarray  # [k] int64
-    param: np.ndarray | None = None  # [k] int64
-    local: np.ndarray | None = None  # [k] int64
-
-    def clip(self, lows: np.ndarray, highs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The runs' parts inside each window ``[lows[w], highs[w])`` (windows ascending, disjoint), in run
-        order: starts, ends, run indices and window indices (``[m] int64`` each)."""
-        i0 = np.searchsorted(self.reach, lows, "right")  # first run that may reach into the window
-        i1 = np.maximum(np.searchsorted(self.start, highs, "left"), i0)
-        cnt = i1 - i0
-        w = np.repeat(np.arange(len(lows), dtype=np.int64), cnt)
-        idx = np.arange(int(cnt.sum()), dtype=np.int64) + np.repeat(i0 - (np.cumsum(cnt) - cnt), cnt)
-        s, e = np.maximum(self.start[idx], lows[w]), np.minimum(self.end[idx], highs[w])
-        keep = e > s
-        return s[keep], e[keep], idx[keep], w[keep]
-
-
-def _runs(layout: FlatLayout, rows: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, ...]:
-    """The runs of the slices ``rows`` (``[n, 3]``: parameter, tp index, tp size) of parameters that
-    overlap ``[lo, hi)``, sorted by start (stable): starts, ends, row indices, offsets in the slices."""
-    offs = np.asarray(layout.offsets, dtype=np.int64)
-    inside = np.flatnonzero((offs[rows[:, 0] + 1] > lo) & (offs[rows[:, 0]] < hi))
-    z = [np.zeros(0, dtype=np.int64)]
-    starts, lens, params, locs = list(z), list(z), list(z), list(z)
-    for j in inside.tolist():
-        s, n = _param_runs(layout, *rows[j].tolist())
-        starts.append(s)
-        lens.append(n)
-        params.append(np.full(len(s), j, dtype=np.int64))
-        locs.append(np.cumsum(n) - n)
-    start, n = np.concatenate(starts), np.concatenate(lens)
-    order = np.argsort(start, kind="stable")
-    return start[order], start[order] + n[order], np.concatenate(params)[order], np.concatenate(locs)[order]
-
-
-def _own_runs(layout: FlatLayout, rows: np.ndarray) -> _Runs:
-    """This rank's runs, in flat coordinates, with local parameter and offset."""
-    start, end, param, local = _runs(layout, rows, 0, layout.padded)
-    return _Runs(start, end, np.maximum.accumulate(end) if len(end) else end, param, local)
-
-
-def _their_runs(layout: FlatLayout, every: list[np.ndarray], rank: int) -> _Runs:
-    """Every rank q's runs inside shard ``rank``, at ``q * shard_size + (flat - lo)``: ascending in (q, start),
-    so one sorted search finds each rank's parts of a window. Clipped after sorting (clipping is
-    monotone), so an owner lists the parts of a window in the same order as their holder."""
-    size = layout.shard_size
-    lo = rank * size
-    starts, ends = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
-    for q, rows in enumerate(every):
-        start, end, _, _ = _runs(layout, rows, lo, lo + size)
-        s, e = np.maximum(start, lo), np.minimum(end, lo + size)
-        keep = e > s
-        starts.append(s[keep] - lo + q * size)
-        ends.append(e[keep] - lo + q * size)
-    start, end = np.concatenate(starts), np.concatenate(ends)
-    return _Runs(start, end, np.maximum.accumulate(end) if len(end) else end)
-
-
-def _cell_loads(s: np.ndarray, e: np.ndarray, cell: int, size: int) -> np.ndarray:
-    """Elements of the runs ``[s, e)`` (any order, may overlap) in each cell ``[k cell, (k+1) cell)``
-    of ``[0, size)``."""
-    x = np.minimum(np.arange(-(-size // cell) + 1, dtype=np.int64) * cell, size)  # [cells + 1] boundaries
-    ss, ee = np.sort(s), np.sort(e)
-    cs = np.concatenate([[0], np.cumsum(ss)])
-    ce = np.concatenate([[0], np.cumsum(ee)])
-    ns, ne = np.searchsorted(ss, x, "left"), np.searchsorted(ee, x, "left")
-    covered = ns * x - cs[ns] - (ne * x - ce[ne])  # sum of clamp(x - s, 0, e - s): elements below x
-    return np.diff(covered)
-
-
-def _windows(load: np.ndarray, cell: int, size: int, limit: int) -> tuple[tuple[int, int], ...]:
-    """Greedy shard-relative windows of whole cells, each of total ``load`` at most ``limit`` (at least one
-    cell), skipping cells nobody needs."""
-    cum = np.concatenate([[0], np.cumsum(load)])
-    busy = np.flatnonzero(load)
-    out, k = [], 0
-    while True:
-        at = int(np.searchsorted(busy, k))
-        if at == len(busy):
-            return tuple(out)
-        i = int(busy[at])
-        j = max(int(np.searchsorted(cum, cum[i] + limit, "right")) - 1, i + 1)
-        out.append((i * cell, min(j * cell, size)))
-        k = j
-
-
-def _merge(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Adjacent runs joined (order kept)."""
-    if len(s) <= 1:
-        return s, e
-    cut = np.flatnonzero(s[1:] != e[:-1]) + 1
-    return s[np.r_[0, cut]], e[np.r_[cut - 1, len(s) - 1]]
-
-
-def _strided(s: np.ndarray, e: np.ndarray) -> list[tuple[int, int, int, int]]:
-    """The runs as strided blocks ``(start, count, stride, length)``: consecutive runs of one length at one
-    spacing (a TP slice's rows) form one block, so copies need no index tensor. Blocks never overlap
-    themselves (spacing >= length)."""
-    n = e - s
-    if len(s) == 1:
-        return [(int(s[0]), 1, 0, int(n[0]))]
-    d = np.diff(s)  # [k - 1]
-    # cut between runs i and i+1 where the length changes, they would overlap, or the spacing changes
-    cut = (n[1:] != n[:-1]) | (d < n[:-1])
-    cut[1:] |= d[1:] != d[:-1]
-    first = np.r_[0, np.flatnonzero(cut) + 1]
-    count = np.diff(np.r_[first, len(s)])
-    stride = np.where(count > 1, d[np.minimum(first, len(d) - 1)], 0)
-    return list(zip(s[first].tolist(), count.tolist(), stride.tolist(), n[first].tolist()))
-
-
-def _view(flat: torch.Tensor, start: int, count: int, stride: int, length: int) -> torch.Tensor:
-    """``[count, length]`` view of ``flat`` (1-D, contiguous) at a strided block."""
-    return flat.as_strided((count, length), (stride, 1), flat.storage_offset() + start)
-
-
-def _take(flat: torch.Tensor, s: np.ndarray, e: np.ndarray) -> torch.Tensor:
-    """``flat``'s elements in the runs, concatenated in run order (a view when they are one run)."""
-    s, e = _merge(s, e)
-    if len(s) == 0:
-        return flat[:0]
-    if len(s) == 1:
-        return flat[int(s[0]):int(e[0])]
-    out = torch.empty(int((e - s).sum()), dtype=flat.dtype, device=flat.device)
-    o = 0
-    for block in _strided(s, e):
-        m = block[1] * block[3]
-        out[o:o + m].view(block[1], block[3]).copy_(_view(flat, *block))
-        o += m
-    return out
-
-
-def _put(flat: torch.Tensor, s: np.ndarray, e: np.ndarray, values: torch.Tensor, *, add: bool) -> None:
-    """Write (or add) ``values`` into ``flat``'s runs, in run order."""
-    s, e = _merge(s, e)
-    if len(s) == 0:
-        return
-    o = 0
-    for block in _strided(s, e):
-        m = block[1] * block[3]
-        src = values[o:o + m].view(block[1], block[3])
-        dst = _view(flat, *block)
-        dst.add_(src) if add else dst.copy_(src)  # copy_/add_ convert the dtype (bf16 slices, fp32 buffers)
-        o += m
-
-
-@dataclass(frozen=True, slots=True)
-class _Bucket:
-    """One window ``[a, b)`` of every shard, resolved once per plan (pulls and pushes reuse it)."""
-
-    mine_n: list[int]  # [world] elements of this rank's slices in each owner's window
-    peer_n: list[int]  # [world] elements of each rank's slices in this rank's window
-    ps: np.ndarray  # [m] int64 shard-relative starts of those parts, in rank order
-    pe: np.ndarray  # [m] int64 ... and ends
-    parts: tuple[tuple[int, np.ndarray, np.ndarray, np.ndarray], ...]  # per local parameter j: (j, offset in
-    # this rank's buffer, offset in the parameter's flat view, length) of its parts ([k] int64 each)
-
-
-def _bucket(mine: _Runs, theirs: _Runs, a: int, b: int, world: int, size: int) -> _Bucket:
-    shards = np.arange(world, dtype=np.int64) * size
-    # this rank's runs inside window [a, b) of every owner's shard, in owner (= flat) order
-    ms, me, mi, mw = mine.clip(shards + a, shards + b)
-    n = me - ms
-    moff = np.cumsum(n) - n  # where each part sits in this rank's buffer
-    mj = mine.param[mi]  # ... in which local parameter
-    mloc = mine.local[mi] + ms - mine.start[mi]  # ... and where in it
-    # every rank's runs inside this rank's window, in rank order, shard-relative
-    ps, pe, _, pw = theirs.clip(shards + a, shards + b)
-    parts = []
-    for j in np.unique(mj).tolist():
-        sel = mj == j
-        parts.append((j, moff[sel], mloc[sel], n[sel]))
-    return _Bucket(mine_n=np.bincount(mw, weights=n, minlength=world).astype(np.int64).tolist(),
-                   peer_n=np.bincount(pw, weights=pe - ps, minlength=world).astype(np.int64).tolist(),
-                   ps=ps - pw * size, pe=pe - pw * size, parts=tuple(parts))
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """One exchange: its buckets (derived from this rank's runs and every rank's runs inside its shard)."""
-
-    buckets: tuple[_Bucket, ...]
 
 
 class ShardedOptimizer:
@@ -398,7 +146,10 @@ class ShardedOptimizer:
         self.exchanges = 0  # pull/push collectives (buckets) run
         self.peak_bucket_elems = 0  # the largest send or receive buffer of one of them
         self.plans_built = 0  # exchange plans derived (cache misses)
-        self._plans: dict[tuple[int, ...], _Plan] = {}
+        self.comm_s = 0.0  # seconds this rank was blocked in the optimizer's collectives (exposed communication)
+        self._plans: dict[tuple[int, ...], ExchangePlan] = {}
+        self._buffers: list[torch.Tensor] = []  # reusable bucket buffers: (receive/send, send/receive) per slot
+        self._decay_runs = _decay_runs(layout, lo, hi)  # shard-relative [a, b) runs with / without weight decay
 
     def _bounds(self) -> tuple[int, int]:
         lo = self.rank * self.layout.shard_size
@@ -431,25 +182,33 @@ class ShardedOptimizer:
     def pull(self, local: Iterable[LocalParam]) -> None:
         """Copy this rank's slices of the master parameters into its working parameters (collective:
         every rank of the group calls it, with whatever local layout it has)."""
-        rows, flats = self._describe(local, push=False)
-        plan = self._plan(rows)
-        self._run(plan, [t.detach().view(-1) for t in flats], push=False)
+        rows, flats = self.describe(local, push=False)
+        plan = self.plan_for(rows)
+        flats = [t.detach().view(-1) for t in flats]
+        for bk in plan.buckets:
+            self.complete(self.launch(bk, flats, push=False))
 
     @torch.no_grad()
     def push(self, local: Iterable[LocalParam]) -> None:
         """Sum every rank's local gradients into the owners' shards (``self.grad``, overwritten; collective)."""
-        rows, grads = self._describe(local, push=True)
-        plan = self._plan(rows)
+        rows, grads = self.describe(local, push=True)
+        plan = self.plan_for(rows)
         self.grad.zero_()
-        self._run(plan, [g.reshape(-1) for g in grads], push=True)
+        flats = [g.reshape(-1) for g in grads]
+        for bk in plan.buckets:
+            self.complete(self.launch(bk, flats, push=True))
 
-    def _describe(self, local: Iterable[LocalParam], *, push: bool) -> tuple[np.ndarray, list[torch.Tensor]]:
+    def describe(self, local: Iterable[LocalParam], *, push: bool,
+                 contributes: bool | None = None) -> tuple[np.ndarray, list[torch.Tensor]]:
         """``[n, 3]`` int64 rows (parameter index, tp index, tp size) and the tensors they fill or read;
-        for a push only the contributing parameters and their gradients."""
+        for a push only the contributing parameters and their gradients. ``contributes`` (push only):
+        whether this rank's parameters have gradients this step, where they are not attached yet
+        (default: those whose ``.grad`` is set); the tensors are then the parameters themselves."""
         rows, tensors = [], []
         for lp in local:
             spec = lp.spec
-            if push and (lp.tensor.grad is None or (spec.tp_dim is None and lp.tp_index != 0)):
+            has_grad = lp.tensor.grad is not None if contributes is None else contributes
+            if push and (not has_grad or (spec.tp_dim is None and lp.tp_index != 0)):
                 continue  # no gradient here, or replicated inside the TP group: tp index 0 contributes it once
             p = self.layout.index.get(spec.name)
             if p is None:
@@ -466,10 +225,10 @@ class ShardedOptimizer:
                 raise ValueError(f"{spec.name}: the working tensor has shape {tuple(lp.tensor.shape)}, its slice "
                                  f"(tp {lp.tp_index}/{lp.tp_size}) has {tuple(shape)}")
             rows.append((p, lp.tp_index, lp.tp_size))
-            tensors.append(lp.tensor.grad if push else lp.tensor)
+            tensors.append(lp.tensor.grad if push and contributes is None else lp.tensor)
         return np.array(rows, dtype=np.int64).reshape(-1, 3), tensors
 
-    def _plan(self, rows: np.ndarray) -> _Plan:
+    def plan_for(self, rows: np.ndarray) -> ExchangePlan:
         """The cached exchange for every rank's current description: one all-gather of 16 bytes per rank
         per call; on a miss also one of the descriptions and a MAX all-reduce of the cell loads. The key
         is every rank's (fingerprint, length), so all ranks hit or miss together."""
@@ -478,7 +237,9 @@ class ShardedOptimizer:
         world = self.layout.world_size
         if self.distributed:
             metas = [torch.empty_like(meta) for _ in range(world)]
+            t0 = time.perf_counter()
             dist.all_gather(metas, meta, group=self.group)
+            self.comm_s += time.perf_counter() - t0
             key = tuple(int(v) for m in metas for v in m.tolist())
         else:
             key = (fp, len(rows))
@@ -493,70 +254,103 @@ class ShardedOptimizer:
             got = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(got, mine, group=self.group)
             every = [g[:n].cpu().numpy() for g, n in zip(got, key[1::2])]
-        size = self.layout.shard_size
-        own, theirs = _own_runs(self.layout, rows), _their_runs(self.layout, every, self.rank)
-        # per cell of the shard-relative space: the most any rank receives (from all owners) or sends (to all)
-        cell = max(1, self.bucket_elems // (4 * world))
-        shards = np.arange(world, dtype=np.int64) * size
-        rs, re, _, rw = own.clip(shards, shards + size)
-        ts, te, _, tw = theirs.clip(shards, shards + size)
-        load = np.maximum(_cell_loads(rs - rw * size, re - rw * size, cell, size),
-                          _cell_loads(ts - tw * size, te - tw * size, cell, size))
-        if self.distributed:
-            t = torch.from_numpy(load).to(self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            load = t.cpu().numpy()
-        plan = _Plan(buckets=tuple(_bucket(own, theirs, a, b, world, size)
-                                   for a, b in _windows(load, cell, size, self.bucket_elems)))
+        plan = plan_exchange(self.layout, rows, every, self.rank, self.bucket_elems, self._reduce_max)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
         self.plans_built += 1
         return plan
 
-    def _run(self, plan: _Plan, flats: list[torch.Tensor], *, push: bool) -> None:
-        """Every bucket of ``plan``: a pull (owners -> slices) or a push (slices -> owners, summed)."""
-        for bk in plan.buckets:
-            mine = torch.empty(sum(bk.mine_n), dtype=torch.float32, device=self.device)
-            if push:
-                for j, off, loc, n in bk.parts:  # gradients of local parameter j -> send buffer
-                    _put(mine, off, off + n, _take(flats[j], loc, loc + n), add=False)
-                recv = torch.empty(sum(bk.peer_n), dtype=torch.float32, device=self.device)
-                self._all_to_all(recv, bk.peer_n, mine, bk.mine_n)
-                _put(self.grad, bk.ps, bk.pe, recv, add=True)
-                self.bytes_pushed += mine.numel() * 4
-                self.bytes_push_received += recv.numel() * 4
-            else:
-                send = _take(self.master, bk.ps, bk.pe)
-                self._all_to_all(mine, bk.mine_n, send, bk.peer_n)
-                for j, off, loc, n in bk.parts:  # receive buffer -> local parameter j
-                    _put(flats[j], loc, loc + n, _take(mine, off, off + n), add=False)
-                self.bytes_pulled += mine.numel() * 4
-                self.bytes_pull_sent += send.numel() * 4
+    def _reduce_max(self, load: np.ndarray) -> np.ndarray:
+        if not self.distributed:
+            return load
+        t = torch.from_numpy(load).to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.cpu().numpy()
 
-    def _all_to_all(self, out: torch.Tensor, out_n: list[int], inp: torch.Tensor, inp_n: list[int]) -> None:
+    # ---- one bucket: launch (optionally asynchronous) and complete ---------------------------
+    def _buffer(self, slot: int, n: int) -> torch.Tensor:
+        """``[n]`` fp32 view of reusable buffer ``slot`` (grown to the largest bucket, then steady)."""
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.float32, device=self.device))
+        if self._buffers[slot].numel() < n:
+            self._buffers[slot] = torch.empty(0, dtype=torch.float32, device=self.device)  # free before growing
+            self._buffers[slot] = torch.empty(n, dtype=torch.float32, device=self.device)
+        return self._buffers[slot][:n]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the reusable bucket buffers (send and receive buffers of the exchanges in flight)."""
+        return sum(b.numel() for b in self._buffers) * 4
+
+    @torch.no_grad()
+    def launch(self, bk: Bucket, flats: Sequence[torch.Tensor], *, push: bool, slot: int = 0,
+               async_op: bool = False) -> InFlight:
+        """Start bucket ``bk``'s collective: a pull (owners -> slices ``flats``) or a push (the gradients
+        ``flats`` -> owners). ``slot``: which pair of reusable buffers it uses (one per bucket in flight)."""
+        mine = self._buffer(2 * slot, sum(bk.mine_n))
+        if push:
+            for j, off, loc, n in bk.parts:  # gradients of local parameter j -> send buffer
+                put(mine, off, off + n, take(flats[j], loc, loc + n), add=False)
+            peer = self._buffer(2 * slot + 1, sum(bk.peer_n))
+            work = self._all_to_all(peer, bk.peer_n, mine, bk.mine_n, async_op)
+            self.bytes_pushed += mine.numel() * 4
+            self.bytes_push_received += peer.numel() * 4
+        else:
+            peer = take(self.master, bk.ps, bk.pe, out=self._buffer(2 * slot + 1, sum(bk.peer_n)))
+            work = self._all_to_all(mine, bk.mine_n, peer, bk.peer_n, async_op)
+            self.bytes_pulled += mine.numel() * 4
+            self.bytes_pull_sent += peer.numel() * 4
+        return InFlight(bucket=bk, push=push, work=work, mine=mine, peer=peer, flats=flats)
+
+    @torch.no_grad()
+    def complete(self, f: InFlight) -> float:
+        """Wait for ``f``'s collective and take its result (pull: into the slices; push: summed into
+        ``self.grad``); returns the seconds waited."""
+        t0 = time.perf_counter()
+        if f.work is not None:
+            f.work.wait()
+        waited = time.perf_counter() - t0
+        self.comm_s += waited
+        bk = f.bucket
+        if f.push:
+            put(self.grad, bk.ps, bk.pe, f.peer, add=True)
+        else:
+            for j, off, loc, n in bk.parts:  # receive buffer -> local parameter j
+                put(f.flats[j], loc, loc + n, take(f.mine, off, off + n), add=False)
+        return waited
+
+    def _all_to_all(self, out: torch.Tensor, out_n: list[int], inp: torch.Tensor, inp_n: list[int],
+                    async_op: bool):
         self.exchanges += 1
         self.peak_bucket_elems = max(self.peak_bucket_elems, out.numel(), inp.numel())
         if self.distributed:
-            dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=out_n, input_split_sizes=inp_n,
-                                   group=self.group)
-        else:
-            out.copy_(inp)
+            t0 = time.perf_counter()
+            work = dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=out_n, input_split_sizes=inp_n,
+                                          group=self.group, async_op=async_op)
+            if not async_op:
+                self.comm_s += time.perf_counter() - t0
+            return work
+        out.copy_(inp)
+        return None
 
     # ---- step --------------------------------------------------------------
-    def _chunks(self) -> Iterator[slice]:
+    def _chunks(self, size: int = STEP_CHUNK) -> Iterator[slice]:
         # the step works on the shard in pieces so that its temporaries stay a bounded size (not the shard's)
-        for a in range(0, self.layout.shard_size, STEP_CHUNK):
-            yield slice(a, min(a + STEP_CHUNK, self.layout.shard_size))
+        for a in range(0, self.layout.shard_size, size):
+            yield slice(a, min(a + size, self.layout.shard_size))
 
     @torch.no_grad()
     def grad_norm(self) -> float:
         # shards are disjoint, so the global squared norm is the sum of the shards' (padding is zero)
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for c in self._chunks():
-            sq += torch.sum(self.grad[c].double() ** 2)
+        for c in self._chunks(NORM_CHUNK):
+            d = self.grad[c].double()  # fp64 sums; small pieces: the temporaries stay a few hundred kB
+            sq += torch.dot(d, d)
         if self.distributed:
+            t0 = time.perf_counter()
             dist.all_reduce(sq, group=self.group)
+            self.comm_s += time.perf_counter() - t0
         return float(sq.sqrt())
 
     @torch.no_grad()
@@ -568,6 +362,29 @@ class ShardedOptimizer:
         if c.max_grad_norm > 0 and norm > c.max_grad_norm:
             self.grad.mul_(c.max_grad_norm / (norm + 1e-6))  # in place: the gradient shard is zeroed below
         self.steps += 1
+        if _FUSED_ADAMW is not None:
+            self._fused_step(lr)
+        else:
+            self._chunked_step(lr)
+        self.grad.zero_()
+        return norm
+
+    def _fused_step(self, lr: float) -> None:
+        """torch's fused AdamW kernel over the shard: one pass, no temporaries. Runs of the shard with and
+        without weight decay (norms, biases) are separate views of the same buffers."""
+        c = self.config
+        b1, b2 = c.betas
+        step = torch.tensor(float(self.steps), dtype=torch.float32, device=self.device)
+        for wd, runs in ((c.weight_decay, self._decay_runs[True]), (0.0, self._decay_runs[False])):
+            if not runs:
+                continue
+            views = [[buf[a:b] for a, b in runs] for buf in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)]
+            _FUSED_ADAMW(*views, [], [step] * len(runs), lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=c.eps,
+                         amsgrad=False, maximize=False)
+
+    def _chunked_step(self, lr: float) -> None:
+        """AdamW by chunks of the shard with bounded temporaries (where torch has no fused kernel)."""
+        c = self.config
         b1, b2 = c.betas
         bc1 = 1 - b1**self.steps  # bias corrections: the moments start at zero
         bc2 = 1 - b2**self.steps
@@ -579,8 +396,27 @@ class ShardedOptimizer:
                 w.sub_(w * self.decay[k] * (lr * c.weight_decay))
             denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
             w.addcdiv_(m, denom, value=-lr / bc1)
-        self.grad.zero_()
-        return norm
+
+
+def _decay_runs(layout: FlatLayout, lo: int, hi: int) -> dict[bool, list[tuple[int, int]]]:
+    """The shard ``[lo, hi)`` as shard-relative runs ``[a, b)`` of parameters with (True) and without (False)
+    weight decay, adjacent runs of one kind joined. The zero padding counts as decayed (it stays zero)."""
+    segs = []
+    for i, spec in enumerate(layout.specs):
+        a, b = max(layout.offsets[i], lo), min(layout.offsets[i + 1], hi)
+        if a < b:
+            segs.append((a - lo, b - lo, spec.decay))
+    pad = max(layout.numel, lo)
+    if pad < hi:
+        segs.append((pad - lo, hi - lo, True))
+    out: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    for a, b, decay in segs:
+        runs = out[decay]
+        if runs and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((a, b))
+    return out
 
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:

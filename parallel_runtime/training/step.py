@@ -52,9 +52,12 @@ class FBResult:
 
 
 def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: Sequence[Microbatch],
-                     num_valid_tokens: int, *, step: int = 0, spans: bool = False) -> tuple[FBResult, StageModel]:
+                     num_valid_tokens: int, *, step: int = 0, spans: bool = False,
+                     sync_point: Callable[[], None] | None = None,
+                     after_backward: Callable[[], None] | None = None) -> tuple[FBResult, StageModel]:
     """Run this rank's microbatches of ``plan`` (gradients accumulate in the stage model); ``spans``: keep
-    every compute block's wall start and end (the measured trace)."""
+    every compute block's wall start and end (the measured trace); ``sync_point``, ``after_backward``: see
+    :class:`~parallel_runtime.engines.pipeline.PipelineStage`."""
     t0 = time.perf_counter()
     c = topo.coord(rt.rank)
     pool = plan.pools[c.pool]
@@ -63,7 +66,7 @@ def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: 
     link = StageLink(prev=prev, next=nxt, group=rt.groups.get(topo.pipeline_ranks(rt.rank)) if pool.pp > 1 else None)
     clock = Clock(rt.device, spans=spans)
     stage = PipelineStage(sm.model, link, num_valid_tokens=num_valid_tokens, dtype=rt.dtype, device=rt.device,
-                          clock=clock)
+                          clock=clock, sync_point=sync_point, after_backward=after_backward)
     work = topo.lane_work(rt.rank, plan)  # [num_microbatches] this lane's group, or None where it skips
     # inputs are built lazily (when the 1F1B order reaches each microbatch), so a CP engine binds
     # its buffers only for the microbatch in flight

@@ -48,9 +48,12 @@ from parallel_runtime.topology import PoolShape, Topology
 from parallel_runtime.training import checkpoint as CK
 from parallel_runtime.training import guards as G
 from parallel_runtime.training import metrics as M
+from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
+from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, exchange_group
 from parallel_runtime.training.params import init_params, local_params, param_specs
+from parallel_runtime.training.peaks import PeakProbe
 from parallel_runtime.training.plan_check import check_plan_runs_here
 from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime
 from parallel_runtime.training.step import FBResult, forward_backward, reference_forward_backward
@@ -200,9 +203,13 @@ class Trainer:
         self._fb: FBResult | None = None  # this rank's forward/backward of the step being run
         hf = HFModel(recipe.model.hf, seed=recipe.seed) if recipe.model.hf is not None else None  # model.hf
         specs = hf.specs if hf else param_specs(recipe.model)
+        overlap = distributed and recipe.train.overlap
         self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
                                           hf.init_params() if hf else init_params(recipe.model, recipe.seed),
-                                          recipe.optimizer, rank=rank, device=self.device)
+                                          recipe.optimizer, rank=rank, device=self.device,
+                                          group=exchange_group(world) if overlap else None,
+                                          **({"bucket_elems": BUCKET_ELEMS} if overlap else {}))
+        self.overlap = Overlap(self.optimizer) if overlap else None  # train.overlap: buckets beside compute
         self.groups = None
         # small collectives (fingerprints, per-rank stats) on the backend's device: NCCL moves CUDA tensors only
         self.comm_device = self.device if distributed and dist.get_backend() == "nccl" else torch.device("cpu")
@@ -220,7 +227,8 @@ class Trainer:
             self.model = Transformer(recipe.model, device=self.device, dtype=self.dtype, seed=None)
             self.ref_params = local_params(self.model, {s.name: s for s in specs})
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
-        self.probe = M.MemoryProbe(self.device)
+        self.probe = PeakProbe(self.device)
+        self.times = StepTimes()  # this rank's phase times in the step being run (metrics "time_ms")
         self._memory: dict[str, int] = {}  # this rank's memory parts in the step being run
         self.step = 0
         self.resumed_from: int | None = None
@@ -245,7 +253,8 @@ class Trainer:
         saved = self.step if self._has_checkpoint() else None
         try:
             while self.step < until:
-                batch = self.next_batch(self.loader)
+                with self.times.phase("data_wait"):
+                    batch = self.next_batch(self.loader)
                 G.check_step_ids(batch, *self.vocab)
                 m = self.train_step(batch)
                 out.append(m)
@@ -288,6 +297,7 @@ class Trainer:
         self._trim()
         self.probe.reset()
         self.optimizer.peak_bucket_elems = 0
+        comm0 = self.optimizer.comm_s
         if self.info.reference:
             self._fb = self._reference_fb(batch)
             stats = RankStats.of(self._fb, batch.planner_wait_s)
@@ -296,9 +306,11 @@ class Trainer:
             stats, new_groups = self._execute(batch, push=True)
         fb = self._fb
         compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
-        with phase(f"the optimizer step of step {batch.step}", self._all):
+        with phase(f"the optimizer step of step {batch.step}", self._all), self.times.phase("optimizer"):
             norm = self.optimizer.step()
         memory = self._memory_record()
+        self.times.add("exposed_comm", self.optimizer.comm_s - comm0)
+        times = self.times.record((time.perf_counter() - t0) * 1e3, None if self.info.reference else self.comm_device)
         self.step = batch.step + 1
         bal = M.balance(plan, self.loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms, stats.busy_wall_ms)
         if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
@@ -315,7 +327,7 @@ class Trainer:
                "grad_norm": norm, "lr": self.optimizer.config.lr_at(self.optimizer.steps - 1),
                "pull_bytes": self.optimizer.bytes_pulled, "push_bytes": self.optimizer.bytes_pushed,
                "pipeline_bytes": int(stats.pipeline_bytes.sum()), "new_groups": new_groups,
-               "step_ms": round((time.perf_counter() - t0) * 1e3, 3), "memory": memory}
+               "step_ms": round((time.perf_counter() - t0) * 1e3, 3), "memory": memory, "time_ms": times}
         if batch.mixture_tokens is not None:
             rec["mixture_tokens"] = batch.mixture_tokens
         if compare:
@@ -329,28 +341,37 @@ class Trainer:
     def _execute(self, batch: StepBatch, *, push: bool) -> tuple[RankStats, int]:
         """Check ``batch``'s plan (creating the groups it lacks), pull, forward/backward (and push the
         gradients); returns every rank's stats and the number of groups created."""
-        plan, s, world = batch.plan, batch.step, self._all
-        with phase(f"the plan check of step {s}", world):
+        plan, s, world, times = batch.plan, batch.step, self._all, self.times
+        with phase(f"the plan check of step {s}", world), times.phase("plan_check"):
             topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, lengths=self.loader.validation_lengths(s),
                                                     groups=self.groups, comm_device=self.comm_device)
         sm = self.runtime.stage_model(topo)
         sm.model.recompute = self.recipe.train.recompute
-        with phase(f"the parameter pull of step {s}", world):
-            self.optimizer.pull(sm.params)
+        ex = None  # with train.overlap: the step's pull and push in flight beside forward/backward
+        with phase(f"the parameter pull of step {s}", world), times.phase("pull"):
+            if self.overlap is not None:
+                ex = self.overlap.begin(sm.model, sm.params, microbatches=len(batch.microbatches), push=push)
+            else:
+                self.optimizer.pull(sm.params)
         self._trim()
         saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
         self.runtime.grads.attach(sm.params)
-        with phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)), saved.hooks():
+        with (phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)), saved.hooks(),
+              times.phase("forward_backward")):
             res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens,
-                                      step=s, spans=self.recipe.train.trace and push)
+                                      step=s, spans=self.recipe.train.trace and push,
+                                      sync_point=ex.settle if ex is not None else None)
         if push:
             self._fb = res
         if not res.microbatches:  # an idle rank contributes no gradient (and moves no bytes in the push)
             GradBuffer.detach(sm.params)
         self._trim()
-        with phase(f"the gradient push of step {s}", world):
+        with phase(f"the gradient push of step {s}", world), times.phase("push"):
             if push:
                 self._note_memory(sm.params, saved)
+            if ex is not None:
+                ex.finish()
+            elif push:
                 self.optimizer.push(sm.params)
             GradBuffer.detach(sm.params)
             self._trim()
@@ -402,12 +423,14 @@ class Trainer:
     def _memory_record(self) -> dict[str, Any]:
         """Every rank's peak and parts (collective unless a reference run); keys in docs/runtime.md."""
         o = self.optimizer
-        mine = {"peak_bytes": self.probe.peak(), "base_bytes": self.probe.base, **self._memory,
+        peak = self.probe.peak()
+        mine = {"peak_bytes": peak, "base_bytes": self.probe.base, **self._memory,
                 "optimizer_bytes": M.tensor_bytes([o.master, o.exp_avg, o.exp_avg_sq, o.grad, o.decay]),
-                "comm_bytes": 2 * 4 * o.peak_bucket_elems}  # one bucket's fp32 send and receive buffers
+                "comm_bytes": o.buffer_bytes,  # the reusable fp32 send and receive buffers of the buckets
+                "peak_exact": int(self.probe.exact)}
         self._memory = {}
         rows = M.gather_values(mine, None if self.info.reference else self.comm_device)
-        return {**rows, "peak_reset": self.probe.hwm_reset or self.device.type == "cuda"}
+        return {**rows, "peak_exact": [bool(x) for x in rows["peak_exact"]]}
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property
@@ -462,6 +485,7 @@ class Trainer:
 
     def close(self) -> None:
         self.loop.close()
+        self.probe.close()
         self.loader.close()
         for ld in self.compare.values():
             ld.close()

@@ -146,7 +146,7 @@ def test_heap_threshold_is_a_checked_recipe_key() -> None:
     from parallel_runtime.training.metrics import set_heap_mmap_threshold
 
     hetero = str(Path(__file__).resolve().parents[2] / "recipes" / "cpu-hetero.yaml")
-    assert load_recipe(hetero).world.heap_mmap_kb == 1024
+    assert load_recipe(hetero).world.heap_mmap_kb == 0  # glibc's own: activations reused from the heap
     with pytest.raises(ValueError, match="world.heap_mmap_kb must be in 0"):
         load_recipe(hetero, ["world.heap_mmap_kb=-1"])
     assert set_heap_mmap_threshold(0) is False  # 0 keeps the C library's default
