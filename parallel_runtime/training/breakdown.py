@@ -10,6 +10,7 @@ Wall milliseconds per rank (lists by rank, like the other per-rank keys):
   included;
 * ``push``: after forward/backward, the gradient buckets not yet sent and the wait for all of them;
 * ``optimizer``: global-norm clipping (an all-reduce) and AdamW on the rank's shard;
+* ``closed_loop``: ``train.calibrate`` / ``train.trace``: gathering the samples, the fits, the trace;
 * ``exposed_comm``: time blocked on the optimizer's collectives anywhere in the step (pull and push
   buckets, exchange plans, the norm's all-reduce): the part of the communication not hidden;
 * ``other``: the rest of the step (stats, the memory report, freeing memory, a compared policy's run).
@@ -25,7 +26,7 @@ import torch
 
 from parallel_runtime.training.metrics import gather_rows
 
-PHASES = ("data_wait", "plan_check", "pull", "forward_backward", "push", "optimizer")
+PHASES = ("data_wait", "plan_check", "pull", "forward_backward", "push", "optimizer", "closed_loop")
 KEYS = (*PHASES, "exposed_comm", "other")
 
 

@@ -310,14 +310,14 @@ class Trainer:
             norm = self.optimizer.step()
         memory = self._memory_record()
         self.times.add("exposed_comm", self.optimizer.comm_s - comm0)
-        times = self.times.record((time.perf_counter() - t0) * 1e3, None if self.info.reference else self.comm_device)
-        self.step = batch.step + 1
         bal = M.balance(plan, self.loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms, stats.busy_wall_ms)
         if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
             bal.update(skew=1.0, wall_skew=1.0, measured_bubble=0.0)
         if self.loop.active:
-            with phase(f"the calibration after step {batch.step}", self._all):
+            with phase(f"the calibration after step {batch.step}", self._all), self.times.phase("closed_loop"):
                 bal.update(self.loop.after_step(batch, fb, (time.perf_counter() - t0) * 1e3))
+        times = self.times.record((time.perf_counter() - t0) * 1e3, None if self.info.reference else self.comm_device)
+        self.step = batch.step + 1
         rec = {"step": batch.step, "loss": float(stats.loss_sum.sum()), "tokens": plan.tokens,
                "valid_tokens": batch.num_valid_tokens, "docs": int(len(plan.doc_ids())),
                "policy": self.recipe.policy.name, "fingerprint": plan.fingerprint(), **M.plan_shape(plan), **bal,

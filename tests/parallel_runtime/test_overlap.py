@@ -53,7 +53,8 @@ def test_overlapped_pull_and_push_equal_the_sequential_ones_bit_for_bit(tmp_path
     times = last["time_ms"]
     assert set(times) == set(KEYS) and all(len(v) == 4 and min(v) >= 0 for v in times.values())
     assert max(times["forward_backward"]) > 0 and max(times["optimizer"]) > 0
-    phases = sum(times[k][0] for k in ("plan_check", "pull", "forward_backward", "push", "optimizer", "other"))
+    phases = sum(times[k][0] for k in ("plan_check", "pull", "forward_backward", "push", "optimizer", "closed_loop",
+                                       "other"))
     assert phases == pytest.approx(last["step_ms"], rel=0.05)
     assert len(last["memory"]["peak_exact"]) == 4
 
