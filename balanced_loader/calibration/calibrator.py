@@ -41,7 +41,7 @@ class CalibrationOptions:
     coefficients: bool = True  # fit the time keys (else only speeds)
     speeds: bool = True  # measure a speed per rank
     speed_smoothing: float = 0.5  # weight of the newest raw speed
-    speed_hysteresis: float = 0.1  # the speed in use moves only beyond this relative change
+    speed_hysteresis: float = 0.05  # the speed in use moves only beyond this relative change
     speed_quantum: float = 0.05  # speeds in use are multiples of this
 
     def __post_init__(self) -> None:
@@ -161,7 +161,10 @@ class Calibrator:
             shapes.update({f"{name or 'all'}:{k}": v for k, v in rep.items()})
         changed = False
         if self.options.speeds:
-            changed = self.speeds.update(raw_speeds(s, after, self.world_size))
+            # raw speeds from the steps since the previous fit (the window still feeds the coefficients)
+            last = int(self.history[-1]["step"]) if self.history else -(1 << 62)
+            recent = s.step > last
+            changed = self.speeds.update(raw_speeds(s.select(recent), after[recent], self.world_size))
         cost = self.cost.replace(device_classes=tuple(models)) if self.cost.device_classes else \
             models[0][1].replace(device_classes=(), rank_classes=(), lane_speed=())
         cost = cost.replace(rank_classes=self.cost.rank_classes).with_speeds(self.speeds.in_use)

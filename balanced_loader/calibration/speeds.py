@@ -5,11 +5,15 @@ speed 0.5: a throttled GPU, a noisy neighbour, a CPU core shared with another pr
 a rank's raw speed is ``sum predicted / sum wall`` over its samples in the window (its one-lane
 groups when it has a few: a CP group's wall time includes waiting for its slowest member).
 
+Speeds are relative: the fastest rank is 1 (the fitted coefficients carry the common level, and
+only the ratios between ranks change a plan). Raw speeds come from the samples since the previous
+fit, so a rank that recovers from a slow spell is seen as recovered within a few fits.
+
 Why smoothing, hysteresis and a grid: plans change when speeds change, and noise must not make
-them oscillate. The raw value is smoothed (``smoothed = a raw + (1 - a) smoothed``); the speed in
-use moves only when the smoothed value is more than ``hysteresis`` away from it, and then to the
-nearest multiple of ``quantum`` (so ranks that are alike share one value, and the planners' speed
-groups stay few).
+them oscillate. The raw value is smoothed (``smoothed = a raw + (1 - a) smoothed``) and divided by
+the fastest rank's; the speed in use moves only when that is more than ``hysteresis`` away from
+it, and then to 1 when it is within ``hysteresis`` of the fastest (ranks that are alike plan as
+exactly alike), else to the nearest multiple of ``quantum`` (the planners' speed groups stay few).
 """
 
 from __future__ import annotations
@@ -53,10 +57,15 @@ class SpeedTracker:
         self.smoothed[first] = raw[first]
         again = seen & ~first
         self.smoothed[again] = self.smoothing * raw[again] + (1 - self.smoothing) * self.smoothed[again]
-        moved = seen & (np.abs(self.smoothed / self.in_use - 1.0) > self.hysteresis)
+        known = np.isfinite(self.smoothed)
+        if not known.any():
+            return False
+        rel = np.where(known, self.smoothed / np.max(self.smoothed[known]), 1.0)  # [world_size] fastest = 1
+        moved = seen & (np.abs(rel / self.in_use - 1.0) > self.hysteresis)
         if not moved.any():
             return False
-        grid = np.round(np.maximum(np.round(self.smoothed[moved] / self.quantum) * self.quantum, self.quantum), 6)
+        grid = np.round(np.maximum(np.round(rel[moved] / self.quantum) * self.quantum, self.quantum), 6)
+        grid = np.where(rel[moved] >= 1.0 - self.hysteresis, 1.0, grid)  # alike the fastest: exactly alike
         changed = bool(np.any(grid != self.in_use[moved]))
         self.in_use[moved] = grid
         return changed

@@ -127,19 +127,26 @@ def test_speeds_move_beyond_hysteresis_only_and_on_the_grid():
         noisy = np.array([1.0, 0.5, 1.0]) * (1 + rng.uniform(-0.08, 0.08, 3))
         assert not t.update(noisy)
         assert t.in_use.tolist() == [1.0, 0.5, 1.0]
-    # a real change moves it, smoothed, to the nearest multiple of the quantum
-    t2 = SpeedTracker(1, smoothing=1.0, hysteresis=0.1, quantum=0.05)
-    assert t2.update(np.array([0.537])) and t2.in_use.tolist() == [0.55]
-    assert t2.update(np.array([0.001])) and t2.in_use.tolist() == [0.05]  # never below one quantum
-    t3 = SpeedTracker(1, smoothing=0.5, hysteresis=0.1, quantum=0.05)
-    t3.update(np.array([1.0]))
-    assert not t3.update(np.array([0.85]))  # smoothed 0.925: within 10% of 1
-    assert t3.update(np.array([0.6]))  # smoothed 0.7625 -> 0.75
-    assert t3.in_use.tolist() == [0.75]
-    with pytest.raises(ValueError, match="speeds for 1 ranks"):
-        t3.load_state_dict({"smoothed": [1.0, 1.0], "in_use": [1.0, 1.0]})
+    # a real change moves it, smoothed, to the nearest multiple of the quantum (relative to the fastest)
+    t2 = SpeedTracker(2, smoothing=1.0, hysteresis=0.1, quantum=0.05)
+    assert t2.update(np.array([1.0, 0.537])) and t2.in_use.tolist() == [1.0, 0.55]
+    assert t2.update(np.array([1.0, 0.001])) and t2.in_use.tolist() == [1.0, 0.05]  # never below one quantum
+    assert t2.update(np.array([2.0, 1.0])) and t2.in_use.tolist() == [1.0, 0.5]  # speeds are relative
+    t3 = SpeedTracker(2, smoothing=0.5, hysteresis=0.1, quantum=0.05)
+    t3.update(np.array([1.0, 1.0]))
+    assert not t3.update(np.array([1.0, 0.85]))  # smoothed 0.925: within 10% of 1
+    assert t3.update(np.array([1.0, 0.6]))  # smoothed 0.7625 -> 0.75
+    assert t3.in_use.tolist() == [1.0, 0.75]
+    # a rank that recovers returns to exactly the speed of the fastest (not stuck one quantum below)
+    for _ in range(8):
+        t3.update(np.array([1.0, 1.0]))
+    assert t3.in_use.tolist() == [1.0, 1.0]
+    t4 = SpeedTracker(1, smoothing=1.0, hysteresis=0.1, quantum=0.05)
+    assert not t4.update(np.array([0.5])) and t4.in_use.tolist() == [1.0]  # one rank: nothing to balance
+    with pytest.raises(ValueError, match="speeds for 2 ranks"):
+        t3.load_state_dict({"smoothed": [1.0], "in_use": [1.0]})
     with pytest.raises(ValueError, match="positive"):
-        t3.load_state_dict({"smoothed": [None], "in_use": [0.0]})
+        t3.load_state_dict({"smoothed": [None, None], "in_use": [0.0, 1.0]})
 
 
 # ---- options -----------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def _train(rank: int, world: int, sets: list[str], out: str, steps: int, injecte
 
 def _runs(rank: int, world: int, sets: list[str], tmp: str) -> dict:
     cal = [*sets, "train.calibrate=true", "calibration={every: 2, first: 2}", "train.trace=true"]
-    out = {"cp1": _train(rank, world, sets, f"{tmp}/cp1", 4, False)}
+    out = {"cp1": _train(rank, world, [*sets, "train.trace=true"], f"{tmp}/cp1", 4, False)}
     out["calibrated"] = _train(rank, world, cal, f"{tmp}/cal", 8, True)
     _train(rank, world, cal, f"{tmp}/resumed", 4, True)  # stopped after step 4 (checkpoint at the end) ...
     out["resumed"] = _train(rank, world, cal, f"{tmp}/resumed", 8, True)  # ... and resumed to step 8
@@ -121,3 +121,26 @@ def test_calibration_finds_the_slow_rank_and_plans_around_it(tmp_path) -> None:
         mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in work if e["tid"] == r)
         assert all(b <= c + 1e-3 for (_, b), (c, _) in zip(mine, mine[1:]))
     assert all(("fwd" in e["name"]) != ("bwd" in e["name"]) for e in work)
+    # measured (not injected) times: a rank's compute slices of a step add up to its measured busy wall time
+    trace = json.loads((tmp_path / "cp1" / "trace.json").read_text())
+    work = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
+    for m in read_metrics(str(tmp_path / "cp1" / "metrics.jsonl")):
+        for r in (0, 1):
+            ms = sum(e["dur"] for e in work if e["tid"] == r and e["args"]["step"] == m["step"]) / 1e3
+            assert ms == pytest.approx(m["busy_wall_ms"][r], rel=1e-3, abs=0.05), (m["step"], r)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("calibration.window=0", "'window' must be an integer in 1.."),
+    ("calibration.speed_smoothing=0", "'speed_smoothing'"),
+    ("calibration.every=nan", "calibration.every must be an integer"),
+])
+def test_runtime_bad_calibration_option_exits_2_with_one_line(bad, needle, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "parallel_runtime", "--recipe", DCP, "--reference", "--steps", "1",
+                        "--out", str(tmp_path / "run"), "--set", "train.calibrate=true", "--set", bad],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
