@@ -10,7 +10,7 @@
   model (busy = predicted ms, step = the plan's contract-2 step time, fill and drain included),
   ``measured_bubble`` the measurements (busy = compute ms, step = the slowest rank's
   forward/backward wall time).
-* **memory**: each rank's peak (:class:`MemoryProbe`) and its parts, saved activations counted by
+* **memory**: each rank's peak (`training/peaks.py`) and its parts, saved activations counted by
   :class:`SavedActivations` (keys in docs/runtime.md, "Memory report").
 """
 
@@ -276,38 +276,6 @@ def _libc():
 
 
 _LIBC = _libc()
-
-
-class MemoryProbe:
-    """This process's peak memory in a step: CUDA ``max_memory_allocated`` (reset per step), on CPU the
-    resident-set high-water mark ``VmHWM`` (reset per step by writing 5 to /proc/self/clear_refs where
-    the kernel allows, else the running peak: ``hwm_reset`` says which)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.hwm_reset = False
-        self.base = 0  # bytes in use when the step began
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.hwm_reset = True
-        except OSError:
-            self.hwm_reset = False
-        self.base = (_proc_status_kb("VmRSS") or 0) * 1024
-
-    def peak(self) -> int:
-        """Peak bytes since :meth:`reset` (the running peak where the CPU high-water mark cannot be reset)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return (_proc_status_kb("VmHWM") or 0) * 1024
 
 
 def gather_rows(values: Sequence[float], comm_device: torch.device) -> np.ndarray:
