@@ -16,8 +16,8 @@ L=("$PY" -m accelerate.commands.launch --multi_gpu --num_processes 4 -m parallel
 for rep in $(seq "${1:-2}"); do
   "${L[@]}" --out "$OUT/tiny$rep" > "$OUT/tiny$rep.log" 2>&1
   "${L[@]}" "${BIG[@]}" --out "$OUT/big$rep" > "$OUT/big$rep.log" 2>&1
-  "${L[@]}" "${BIG[@]}" --set world.heap_mmap_kb=1024 --out "$OUT/glibc$rep" > "$OUT/glibc$rep.log" 2>&1
-  "$PY" - "$OUT/tiny$rep/metrics.jsonl" "$OUT/big$rep/metrics.jsonl" "$OUT/glibc$rep/metrics.jsonl" "$rep" <<'PY'
+  "${L[@]}" "${BIG[@]}" --set world.heap_mmap_kb=1024 --out "$OUT/fixed$rep" > "$OUT/fixed$rep.log" 2>&1
+  "$PY" - "$OUT/tiny$rep/metrics.jsonl" "$OUT/big$rep/metrics.jsonl" "$OUT/fixed$rep/metrics.jsonl" "$rep" <<'PY'
 import json, statistics, sys
 def rows(p):
     return [json.loads(l) for l in open(p) if l.strip()]

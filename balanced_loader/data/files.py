@@ -181,7 +181,7 @@ def check_new_folder(path: str | os.PathLike[str], what: str) -> None:
 
 class StagedFolder:
     """A folder written whole: its files go into a hidden folder beside ``target``
-    (``.NAME.partial-XXXXXXXX``), and :meth:`publish` renames that folder to ``target`` when
+    (``.NAME.partial-`` and 8 random hex digits), and :meth:`publish` renames that folder to ``target`` when
     everything is written; :meth:`discard` (any failure) removes it. So ``target`` is either absent
     (or the empty folder it was) or complete: a full disk, an exception or Ctrl-C leaves nothing
     a reader could take for data. ``target`` must not exist or be an empty folder.

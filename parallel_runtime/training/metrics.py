@@ -177,18 +177,6 @@ def balance_report(records: Sequence[dict[str, Any]]) -> str:
 # ---- memory ----------------------------------------------------------------------------------
 
 
-def _proc_status_kb(field: str) -> int | None:
-    """A ``kB`` line of /proc/self/status (``VmHWM``, ``VmRSS``), or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 class SavedActivations:
     """Peak bytes of tensors autograd keeps for backward while active (``torch.autograd.graph.saved_tensors_hooks``).
 
