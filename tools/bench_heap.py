@@ -33,7 +33,7 @@ def child(setting: str, steps: int, tokens: int, min_tokens: int, doc: int, reco
     import torch
 
     from parallel_runtime.model import ModelConfig, Transformer, local_attention
-    from parallel_runtime.training.metrics import release_free_memory, set_heap_mmap_threshold
+    from parallel_runtime.training.heap import release_free_memory, set_heap_mmap_threshold
     from parallel_runtime.training.peaks import PeakProbe
 
     set_heap_mmap_threshold(int(setting.rstrip("ts")) << 10)

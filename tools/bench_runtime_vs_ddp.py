@@ -21,9 +21,12 @@ from outside every 20 ms (resident set of each process of the run, and its kerne
 ``VmHWM``, which the runtime leaves alone); the figure is the largest process's.
 
 A configuration is ``ddp``, ``native`` or ``hf``, optionally with recipe overrides:
-``native+world.heap_mmap_kb=1024`` (``+`` separates ``--set`` values), and optionally ``@DIR``: the
-runtime from another checkout of this repository (``native@/tmp/before``: the code before a change,
-side by side with it). The 1-minute load average of the machine is printed before and after each run.
+``native+world.heap_mmap_kb=1024`` (``+`` separates ``--set`` values; ``+env:NAME=VALUE`` sets an
+environment variable of the run instead, e.g. ``native+env:THP_MEM_ALLOC_ENABLE=0``, the runtime
+without the huge pages it asks for, or ``ddp+env:THP_MEM_ALLOC_ENABLE=1``, the loop with them), and
+optionally ``@DIR``: the runtime from another checkout of this repository (``native@/tmp/before``:
+the code before a change, side by side with it). The 1-minute load average of the machine is printed
+before and after each run.
 """
 
 from __future__ import annotations
@@ -185,6 +188,8 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
     """One launch of ``config``; returns its step times, tokens, peaks and the load around it."""
     what, _, code = config.partition("@")
     name, *sets = what.split("+")
+    envs = dict(x[4:].split("=", 1) for x in sets if x.startswith("env:"))
+    sets = [x for x in sets if not x.startswith("env:")]
     if name not in ("ddp", "native", "hf"):
         raise SystemExit(f"bench_runtime_vs_ddp: unknown configuration '{name}' (ddp, native, hf)")
     recipe = work / f"{name}.json"
@@ -196,7 +201,7 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
               "--main_process_port", str(_free_port())]
     if name == "ddp":
         if sets:
-            raise SystemExit("bench_runtime_vs_ddp: the ddp loop takes no overrides")
+            raise SystemExit("bench_runtime_vs_ddp: the ddp loop takes no recipe overrides (env:NAME=VALUE only)")
         cmd = [*launch, __file__, "--ddp-child", str(recipe), "--steps", str(steps)]
     else:
         cmd = [*launch, "-m", "parallel_runtime", "--recipe", str(recipe), "--out", str(out)]
@@ -205,7 +210,8 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
     root = Path(code).resolve() if code else REPO  # whose parallel_runtime runs (the loop: always this one's tool)
     if name == "ddp" and code:
         raise SystemExit("bench_runtime_vs_ddp: the ddp loop runs from this checkout (no @DIR)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, **envs, OMP_NUM_THREADS="1", PYTHONPATH=path)
     load0 = _load1()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     sampler = MemorySampler(p.pid)

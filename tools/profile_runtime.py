@@ -66,7 +66,8 @@ def runtime_rank(rank: int, world: int, recipe: str, sets: list[str], out: str, 
     return {"ops": ops, "time_ms": [r["time_ms"] for r in recs], "step_ms": [r["step_ms"] for r in recs]}
 
 
-def loop_rank(rank: int, world: int, recipe: str, warmup: int, steps: int) -> dict:
+def _loop(rank: int, world: int, recipe: str):
+    """The plain DDP loop of the Llama on the recipe's loader with ``cp=1``: ``(step function, loader)``."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -99,6 +100,11 @@ def loop_rank(rank: int, world: int, recipe: str, warmup: int, steps: int) -> di
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, loader
+
+
+def loop_rank(rank: int, world: int, recipe: str, warmup: int, steps: int) -> dict:
+    step, loader = _loop(rank, world, recipe)
     for _ in range(warmup):
         step()
     ops = _profile(step, steps) if rank == 0 else None
@@ -107,6 +113,46 @@ def loop_rank(rank: int, world: int, recipe: str, warmup: int, steps: int) -> di
             step()
     loader.close()
     return {"ops": ops}
+
+
+def interleaved_rank(rank: int, world: int, recipe: str, sets: list[str], out: str, warmup: int, pairs: int) -> dict:
+    """The runtime's step and the loop's step alternately in the same processes (the order flips every pair),
+    each timed from a barrier to a barrier: both see the same machine, step by step."""
+    import time
+
+    import torch.distributed as dist
+
+    from parallel_runtime.config import load_recipe
+    from parallel_runtime.training.trainer import Trainer
+
+    t = Trainer(load_recipe(recipe, sets), out)
+    loop_step, loader = _loop(rank, world, recipe)
+    runs = {"runtime": lambda: t.train_step(t.next_batch(t.loader)), "loop": loop_step}
+    for _ in range(warmup):
+        for fn in runs.values():
+            fn()
+    times: dict[str, list[float]] = {"runtime": [], "loop": []}
+    for i in range(pairs):
+        for name in (("runtime", "loop") if i % 2 == 0 else ("loop", "runtime")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            runs[name]()
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    t.close()
+    loader.close()
+    return times
+
+
+def print_pairs(times: dict[str, list[float]], what: str) -> None:
+    """Per pair the loop's step over the runtime's (the runtime's tokens/s over the loop's: same tokens), medians."""
+    import statistics
+
+    ratios = [lo / rt for rt, lo in zip(times["runtime"], times["loop"], strict=True)]
+    print(f"interleaved, {what}: runtime steps {[round(x, 2) for x in times['runtime']]}")
+    print(f"{' ' * (len(what) + 14)}loop steps    {[round(x, 2) for x in times['loop']]}")
+    print(f"tokens/s runtime / loop per pair {[round(x, 3) for x in ratios]}; median {statistics.median(ratios):.3f} "
+          f"(step medians {statistics.median(times['runtime']):.2f} s / {statistics.median(times['loop']):.2f} s)")
 
 
 def main() -> None:
@@ -118,6 +164,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--work", default="/tmp/profile_runtime")
     ap.add_argument("--json", help="write both profiles here")
+    ap.add_argument("--interleave", type=int, default=0, metavar="PAIRS",
+                    help="instead of profiling: time PAIRS runtime and loop steps alternately in the same processes")
     a = ap.parse_args()
     from balanced_loader.data.corpus import stdlib_shards
     from parallel_runtime.launch import spawn_world
@@ -129,6 +177,14 @@ def main() -> None:
     recipe = work / f"{a.model}.json"
     recipe.write_text(recipe_text(steps=10**6, shards=shards, hf=a.model == "hf", tokens=8192, cap=1024))
     limit = 3600.0
+    if a.interleave:
+        with tempfile.TemporaryDirectory(dir=work) as out:
+            times = spawn_world(interleaved_rank, 2, str(recipe), a.sets, out, a.warmup, a.interleave,
+                                timeout_s=limit)[0]
+        print_pairs(times, f"{a.model} {' '.join(a.sets)}".strip())
+        if a.json:
+            Path(a.json).write_text(json.dumps(times, indent=1))
+        return
     with tempfile.TemporaryDirectory(dir=work) as out:
         rt = spawn_world(runtime_rank, 2, str(recipe), a.sets, out, a.warmup, a.steps, timeout_s=limit)[0]
     loop = spawn_world(loop_rank, 2, str(recipe), a.warmup, a.steps, timeout_s=limit)[0]

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -230,40 +229,6 @@ class _Held:
 
 def _unpack(x: Any) -> torch.Tensor:
     return x.t if isinstance(x, _Held) else x
-
-
-def release_free_memory() -> None:
-    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere). glibc
-    raises its mmap threshold after large frees, so later tensors of a few MB come from the heap,
-    whose freed pages stay resident: without this the resident set keeps every step's transients."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
-
-
-def set_heap_mmap_threshold(nbytes: int) -> bool:
-    """Give every C allocation of at least ``nbytes`` its own mapping, returned to the OS when freed
-    (glibc ``mallopt(M_MMAP_THRESHOLD)``; ``0`` or a non-glibc C library: no change). Returns whether
-    it was set. Why: glibc's default threshold rises to the size of the largest freed block (up to
-    32 MiB), after which a step's activations and gradient temporaries of a few MB come from the heap
-    and their pages stay resident when freed, fragmented between live tensors (docs/results/memory.md)."""
-    if nbytes <= 0 or _LIBC is None:
-        return False
-    return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, int(nbytes)))
-
-
-def _libc():
-    try:
-        lib = ctypes.CDLL("libc.so.6")
-        lib.malloc_trim  # noqa: B018 - glibc only
-        return lib
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
 
 
 def gather_rows(values: Sequence[float], comm_device: torch.device) -> np.ndarray:

@@ -50,6 +50,7 @@ from parallel_runtime.training import guards as G
 from parallel_runtime.training import metrics as M
 from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
+from parallel_runtime.training.heap import release_free_memory, set_heap_mmap_threshold
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
 from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, exchange_group
 from parallel_runtime.training.params import init_params, local_params, param_specs
@@ -184,7 +185,7 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(w.threads)
-            M.set_heap_mmap_threshold(w.heap_mmap_kb << 10)  # before the model and shards are allocated
+            set_heap_mmap_threshold(w.heap_mmap_kb << 10)  # before the model and shards are allocated
         self.dtype = DTYPES[recipe.train.dtype]
         self.cost = recipe.cost_model()
         if rank == 0:
@@ -416,9 +417,9 @@ class Trainer:
                         "activations_bytes": saved.peak}
 
     def _trim(self) -> None:
-        """On CPU, return freed heap pages to the OS between the step's phases (see M.release_free_memory)."""
+        """On CPU, return freed heap pages to the OS between the step's phases (see heap.release_free_memory)."""
         if self.device.type == "cpu":
-            M.release_free_memory()
+            release_free_memory()
 
     def _memory_record(self) -> dict[str, Any]:
         """Every rank's peak and parts (collective unless a reference run); keys in docs/runtime.md."""

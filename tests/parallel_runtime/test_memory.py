@@ -143,7 +143,7 @@ def test_heap_threshold_is_a_checked_recipe_key() -> None:
     import ctypes.util
 
     from parallel_runtime.config import load_recipe
-    from parallel_runtime.training.metrics import set_heap_mmap_threshold
+    from parallel_runtime.training.heap import set_heap_mmap_threshold
 
     hetero = str(Path(__file__).resolve().parents[2] / "recipes" / "cpu-hetero.yaml")
     assert load_recipe(hetero).world.heap_mmap_kb == 0  # glibc's own: activations reused from the heap
@@ -152,3 +152,4 @@ def test_heap_threshold_is_a_checked_recipe_key() -> None:
     assert set_heap_mmap_threshold(0) is False  # 0 keeps the C library's default
     if ctypes.util.find_library("c") and "libc.so.6" in (ctypes.util.find_library("c") or ""):
         assert set_heap_mmap_threshold(1 << 20) is True  # glibc accepts it
+
