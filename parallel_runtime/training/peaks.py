@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-SAMPLE_INTERVAL_S = 0.02  # 50 samples a second; at 200 a second the sampler cost 3% of a core (its GIL wake-ups)
+SAMPLE_INTERVAL_S = 0.02  # 50 wake-ups a second (was 200: each one may take a busy rank's core)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
