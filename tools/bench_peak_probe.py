@@ -43,11 +43,12 @@ def main() -> None:
     got: dict[float | None, list[tuple[float, float]]] = {s: [] for s in settings}
     for _ in range(a.repeats):
         for s in settings:
-            probe = PeakProbe(torch.device("cpu"), interval_s=s or 1.0)
-            if s is not None:
+            probe = None if s is None else PeakProbe(torch.device("cpu"), interval_s=s)
+            if probe is not None:
                 probe.reset()  # starts the sampling thread
             got[s].append(work())
-            probe.close()
+            if probe is not None:
+                probe.close()
     base = statistics.median(c for _, c in got[None])
     for s, runs in got.items():
         wall, cpu = statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)

@@ -22,8 +22,8 @@ from outside every 20 ms (resident set of each process of the run, and its kerne
 
 A configuration is ``ddp``, ``native`` or ``hf``, optionally with recipe overrides:
 ``native+world.heap_mmap_kb=1024`` (``+`` separates ``--set`` values; ``+env:NAME=VALUE`` sets an
-environment variable of the run instead, e.g. ``native+env:THP_MEM_ALLOC_ENABLE=0``, the runtime
-without the huge pages it asks for, or ``ddp+env:THP_MEM_ALLOC_ENABLE=1``, the loop with them), and
+environment variable of the run instead, e.g. ``native+env:THP_MEM_ALLOC_ENABLE=1``, the runtime
+with torch's transparent huge pages, or ``ddp+env:THP_MEM_ALLOC_ENABLE=1``, the loop with them), and
 optionally ``@DIR``: the runtime from another checkout of this repository (``native@/tmp/before``:
 the code before a change, side by side with it). The 1-minute load average of the machine is printed
 before and after each run.

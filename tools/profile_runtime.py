@@ -50,18 +50,24 @@ def _profile(fn, steps: int):
     return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
 
 
-def runtime_rank(rank: int, world: int, recipe: str, sets: list[str], out: str, warmup: int, steps: int) -> dict:
+def _runtime(recipe: str, sets: list[str], out: str):
+    """The runtime's trainer on the recipe: ``(trainer, step function returning the step's metrics)``."""
     from parallel_runtime.config import load_recipe
     from parallel_runtime.training.trainer import Trainer
 
     t = Trainer(load_recipe(recipe, sets), out)
+    return t, lambda: t.train_step(t.next_batch(t.loader))
+
+
+def runtime_rank(rank: int, world: int, recipe: str, sets: list[str], out: str, warmup: int, steps: int) -> dict:
+    t, step = _runtime(recipe, sets, out)
     for _ in range(warmup):
-        t.train_step(t.next_batch(t.loader))
+        step()
     recs: list[dict] = []
-    ops = _profile(lambda: recs.append(t.train_step(t.next_batch(t.loader))), steps) if rank == 0 else None
+    ops = _profile(lambda: recs.append(step()), steps) if rank == 0 else None
     if rank != 0:
         for _ in range(steps):
-            t.train_step(t.next_batch(t.loader))
+            step()
     t.close()
     return {"ops": ops, "time_ms": [r["time_ms"] for r in recs], "step_ms": [r["step_ms"] for r in recs]}
 
@@ -122,12 +128,9 @@ def interleaved_rank(rank: int, world: int, recipe: str, sets: list[str], out: s
 
     import torch.distributed as dist
 
-    from parallel_runtime.config import load_recipe
-    from parallel_runtime.training.trainer import Trainer
-
-    t = Trainer(load_recipe(recipe, sets), out)
+    t, runtime_step = _runtime(recipe, sets, out)
     loop_step, loader = _loop(rank, world, recipe)
-    runs = {"runtime": lambda: t.train_step(t.next_batch(t.loader)), "loop": loop_step}
+    runs = {"runtime": runtime_step, "loop": loop_step}
     for _ in range(warmup):
         for fn in runs.values():
             fn()

@@ -152,4 +152,3 @@ def test_heap_threshold_is_a_checked_recipe_key() -> None:
     assert set_heap_mmap_threshold(0) is False  # 0 keeps the C library's default
     if ctypes.util.find_library("c") and "libc.so.6" in (ctypes.util.find_library("c") or ""):
         assert set_heap_mmap_threshold(1 << 20) is True  # glibc accepts it
-
