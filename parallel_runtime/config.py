@@ -123,6 +123,10 @@ class WorldConfig:
     # freed, at the cost of fresh zeroed pages for every activation (0: glibc's default, whose threshold
     # grows so that activations are reused from the heap: the fast default)
     heap_mmap_kb: int = 0
+    # CPU (glibc): during a step, when the resident set and its part the heap does not have in use have
+    # grown this many MiB since the step began or the last trim, free C-heap pages are handed back to the
+    # OS (the peak sampler thread; 0: never)
+    heap_trim_mb: int = 64
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -338,6 +342,9 @@ def validate(r: Recipe) -> None:
     if w.heap_mmap_kb < 0 or w.heap_mmap_kb > 1 << 20:
         raise ValueError(f"world.heap_mmap_kb must be in 0..{1 << 20} (KiB; 0 keeps glibc's default), "
                          f"got {w.heap_mmap_kb}")
+    if w.heap_trim_mb < 0 or w.heap_trim_mb > 1 << 20:
+        raise ValueError(f"world.heap_trim_mb must be in 0..{1 << 20} (MiB of resident growth between heap trims; "
+                         f"0 never trims), got {w.heap_trim_mb}")
     if w.device not in DEVICES:
         raise ValueError(f"world.device must be one of {', '.join(DEVICES)}, got '{w.device}'")
     if w.backend not in BACKENDS:

@@ -13,7 +13,9 @@ setting.
 
 A setting is a threshold in KiB (0: glibc's default, whose threshold grows to the largest block freed);
 a trailing ``t`` also sets torch's ``THP_MEM_ALLOC_ENABLE=1`` (transparent huge pages for its large CPU
-tensors), a trailing ``s`` returns free heap pages (``malloc_trim``) at the start of every step.
+tensors), a trailing ``s`` returns free heap pages (``malloc_trim``) at the start of every step, and
+``r<MB>`` has the peak sampler return them whenever the resident set grew by that many MiB (the
+runtime's ``world.heap_trim_mb``), e.g. ``0r64``.
 """
 
 from __future__ import annotations
@@ -21,11 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
 import sys
 import time
+
+
+def parse_setting(setting: str) -> tuple[int, str, int]:
+    """``(threshold KiB, flags, trim MiB)`` of a setting such as ``1024t``, ``0s`` or ``0r64``."""
+    m = re.fullmatch(r"(\d+)([ts]*)(?:r(\d+))?", setting)
+    if m is None:
+        raise ValueError(f"setting '{setting}': give KiB digits, then optional t / s flags, then optional r<MB>")
+    return int(m.group(1)), m.group(2), int(m.group(3) or 0)
 
 
 def child(setting: str, steps: int, tokens: int, min_tokens: int, doc: int, recompute: bool) -> dict:
@@ -36,7 +47,8 @@ def child(setting: str, steps: int, tokens: int, min_tokens: int, doc: int, reco
     from parallel_runtime.training.heap import release_free_memory, set_heap_mmap_threshold
     from parallel_runtime.training.peaks import PeakProbe
 
-    set_heap_mmap_threshold(int(setting.rstrip("ts")) << 10)
+    kb, flags, trim_mb = parse_setting(setting)
+    set_heap_mmap_threshold(kb << 10)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     cfg = ModelConfig(vocab_size=256, hidden=512, ffn_hidden=1536, num_layers=8, num_heads=8, num_kv_heads=8)
@@ -57,10 +69,10 @@ def child(setting: str, steps: int, tokens: int, min_tokens: int, doc: int, reco
         pos = torch.arange(t) - torch.from_numpy(np.repeat(cuts[:-1], np.diff(cuts)))
         return torch.from_numpy(rng.integers(0, 256, t)), pos, local_attention(cu, "loop")
 
-    probe = PeakProbe(torch.device("cpu"), interval_s=0.002)
+    probe = PeakProbe(torch.device("cpu"), trim_bytes=trim_mb << 20)  # the runtime's sampling interval
     out = []
     for _ in range(steps + 1):
-        if setting.endswith("s"):
+        if "s" in flags:
             release_free_memory()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         probe.reset()
@@ -82,7 +94,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--settings", default="0,1024,256,1024t",
-                    help="mmap thresholds, KiB (0: glibc default); suffix t: THP_MEM_ALLOC_ENABLE=1, s: trim each step")
+                    help="mmap thresholds, KiB (0: glibc default); suffix t: THP_MEM_ALLOC_ENABLE=1, s: trim each "
+                         "step, r<MB>: trim at that resident growth")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per microbatch (the largest)")
     ap.add_argument("--min-tokens", type=int, default=None, help="smallest microbatch (default: --tokens)")
@@ -95,12 +108,14 @@ def main() -> None:
         print(json.dumps(child(a.child, a.steps, a.tokens, lo, a.doc, bool(a.recompute))))
         return
     settings = a.settings.split(",")
+    for k in settings:
+        parse_setting(k)  # one clear line for a bad setting before any child runs
     got: dict[str, list[dict]] = {k: [] for k in settings}
     for r in range(a.repeats):
         for k in settings:
             env = dict(os.environ, OMP_NUM_THREADS="1")
             env.pop("THP_MEM_ALLOC_ENABLE", None)
-            if "t" in k:
+            if "t" in parse_setting(k)[1]:
                 env["THP_MEM_ALLOC_ENABLE"] = "1"
             out = subprocess.run([sys.executable, __file__, "--child", k, "--steps", str(a.steps), "--tokens",
                                   str(a.tokens), "--min-tokens", str(lo), "--doc", str(a.doc), "--recompute",
@@ -113,9 +128,9 @@ def main() -> None:
           f"{'step 0 MB':>10}")
     for k in settings:
         c = statistics.median(x["cpu_s"] for x in got[k])
-        kb = k.rstrip("ts")
-        name = ((kb + " KiB" if kb != "0" else "default") + (" +THP" if "t" in k else "")
-                + (" +trim" if "s" in k else ""))
+        kb, flags, trim_mb = parse_setting(k)
+        name = ((f"{kb} KiB" if kb else "default") + (" +THP" if "t" in flags else "")
+                + (" +trim" if "s" in flags else "") + (f" +trim@{trim_mb}MB" if trim_mb else ""))
         print(f"{name:>18} {statistics.median(x['step_s'] for x in got[k]):8.3f} {c:8.3f} {c / base:9.3f} "
               f"{statistics.median(x['faults'] for x in got[k]):12.0f} "
               f"{statistics.median(x['hwm_mb'] for x in got[k]):9.1f} "

@@ -21,6 +21,22 @@ def release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
+class _MallInfo2(ctypes.Structure):
+    # glibc >= 2.33 (malloc.h): the heap's figures as size_t (mallinfo's ints wrap above 2 GiB)
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_in_use() -> int | None:
+    """Bytes the C heap has handed out and not had back (every arena's chunks in use plus its own
+    mappings: ``mallinfo2`` ``uordblks + hblkhd``); ``None`` off glibc or before 2.33."""
+    if _MALLINFO2 is None:
+        return None
+    m = _MALLINFO2()
+    return int(m.uordblks + m.hblkhd)
+
+
 def set_heap_mmap_threshold(nbytes: int) -> bool:
     """Give every C allocation of at least ``nbytes`` its own mapping, returned to the OS when freed
     (glibc ``mallopt(M_MMAP_THRESHOLD)``; ``0`` or a non-glibc C library: no change). Returns whether
@@ -42,3 +58,6 @@ def _libc():
 
 
 _LIBC = _libc()
+_MALLINFO2 = getattr(_LIBC, "mallinfo2", None)
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _MallInfo2

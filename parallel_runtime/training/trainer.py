@@ -228,7 +228,7 @@ class Trainer:
             self.model = Transformer(recipe.model, device=self.device, dtype=self.dtype, seed=None)
             self.ref_params = local_params(self.model, {s.name: s for s in specs})
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
-        self.probe = PeakProbe(self.device)
+        self.probe = PeakProbe(self.device, trim_bytes=self.recipe.world.heap_trim_mb << 20)
         self.times = StepTimes()  # this rank's phase times in the step being run (metrics "time_ms")
         self._memory: dict[str, int] = {}  # this rank's memory parts in the step being run
         self.step = 0
@@ -428,7 +428,7 @@ class Trainer:
         mine = {"peak_bytes": peak, "base_bytes": self.probe.base, **self._memory,
                 "optimizer_bytes": M.tensor_bytes([o.master, o.exp_avg, o.exp_avg_sq, o.grad, o.decay]),
                 "comm_bytes": o.buffer_bytes,  # the reusable fp32 send and receive buffers of the buckets
-                "peak_exact": int(self.probe.exact)}
+                "peak_exact": int(self.probe.exact), "heap_trims": self.probe.trims}
         self._memory = {}
         rows = M.gather_values(mine, None if self.info.reference else self.comm_device)
         return {**rows, "peak_exact": [bool(x) for x in rows["peak_exact"]]}

@@ -4,6 +4,8 @@ saved activations measured with saved-tensor hooks, parameter and optimizer tens
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,11 @@ import torch
 
 from balanced_loader.presets import OPTIMIZER_BYTES_PER_PARAM, ModelShape, activation_bytes_per_token, state_bytes
 from parallel_runtime.model import ModelConfig, Transformer, local_attention
+from parallel_runtime.training.heap import heap_in_use, release_free_memory
 from parallel_runtime.training.metrics import SavedActivations, tensor_bytes
 from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, ShardedOptimizer
 from parallel_runtime.training.params import init_params, param_specs
+from parallel_runtime.training.peaks import PeakProbe
 
 SIZES = [ModelConfig(hidden=64, num_layers=4, num_heads=4, num_kv_heads=4, ffn_hidden=128),
          ModelConfig(hidden=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden=384),
@@ -152,3 +156,70 @@ def test_heap_threshold_is_a_checked_recipe_key() -> None:
     assert set_heap_mmap_threshold(0) is False  # 0 keeps the C library's default
     if ctypes.util.find_library("c") and "libc.so.6" in (ctypes.util.find_library("c") or ""):
         assert set_heap_mmap_threshold(1 << 20) is True  # glibc accepts it
+
+
+def _holes_then_growth(trim_mb: int, *, refill: bool) -> tuple[int, int]:
+    """A heap of 64 KB chunks with every other one freed and trimmed (holes between live chunks, not
+    resident); with ``refill`` a step touches every hole and frees it again (glibc's pattern under
+    activations: free pages left resident between live tensors); then 96 MiB of live tensor, which
+    wakes the sampler's check. Returns the resident growth over the step and the probe's trims."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+    def touched(n: int) -> list[int]:
+        out = [libc.malloc(64 << 10) for _ in range(n)]
+        for q in out:
+            libc.memset(q, 1, 64 << 10)
+        return out
+
+    chunks = touched(2000)
+    for q in chunks[1::2]:
+        libc.free(q)
+    release_free_memory()
+    probe = PeakProbe(torch.device("cpu"), interval_s=0.002, trim_bytes=trim_mb << 20)
+    big = None
+    try:
+        probe.reset()
+        if refill:
+            for q in touched(1000):  # lands in the holes (best fit before the heap's top)
+                libc.free(q)
+        big = torch.ones(96 << 18)  # its own mapping: live growth
+        time.sleep(0.2)  # the sampler's turn
+        with open("/proc/self/statm") as f:
+            growth = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") - probe.base
+        probe.peak()
+        return growth, probe.trims
+    finally:
+        probe.close()
+        del big
+        for q in chunks[0::2]:
+            libc.free(q)
+        release_free_memory()
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="glibc >= 2.33 (mallinfo2) and /proc")
+def test_the_peak_sampler_trims_free_heap_pages_not_live_growth() -> None:
+    live = 96 << 20
+    grown, trims = _holes_then_growth(0, refill=True)
+    assert trims == 0 and grown > live + (48 << 20)  # ~64 MB of free pages left resident
+    grown, trims = _holes_then_growth(16, refill=True)
+    assert trims >= 1 and grown < live + (24 << 20)  # handed back once the resident set grew
+    grown, trims = _holes_then_growth(16, refill=False)
+    assert trims == 0  # growth that is all live tensors triggers nothing
+    with pytest.raises(ValueError, match="trim_bytes must be >= 0"):
+        PeakProbe(torch.device("cpu"), trim_bytes=-1)
+
+
+def test_heap_trim_is_a_checked_recipe_key() -> None:
+    from parallel_runtime.config import load_recipe
+
+    hetero = str(Path(__file__).resolve().parents[2] / "recipes" / "cpu-hetero.yaml")
+    assert load_recipe(hetero).world.heap_trim_mb == 64
+    assert load_recipe(hetero, ["world.heap_trim_mb=0"]).world.heap_trim_mb == 0
+    with pytest.raises(ValueError, match="world.heap_trim_mb must be in 0"):
+        load_recipe(hetero, ["world.heap_trim_mb=-1"])

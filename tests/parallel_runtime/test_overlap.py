@@ -9,6 +9,7 @@ elements so that many are in flight while the backward runs.
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
@@ -106,7 +107,10 @@ def test_the_peak_probe_sees_a_step_peak_and_leaves_the_kernel_counters() -> Non
         assert not probe.exact  # below the process's earlier high: a sampled figure
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >= before  # never reset
         probe.reset()  # a step that sets a new high for the process: the kernel's own mark, exactly
-        y = torch.ones(160 << 18)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        above = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss + (32 << 20)  # whatever ran before
+        y = torch.ones(above // 4)
         del y
         probe.peak()
         assert probe.exact
