@@ -14,8 +14,8 @@ setting.
 A setting is a threshold in KiB (0: glibc's default, whose threshold grows to the largest block freed);
 a trailing ``t`` also sets torch's ``THP_MEM_ALLOC_ENABLE=1`` (transparent huge pages for its large CPU
 tensors), a trailing ``s`` returns free heap pages (``malloc_trim``) at the start of every step, and
-``r<MB>`` has the peak sampler return them whenever the resident set grew by that many MiB (the
-runtime's ``world.heap_trim_mb``), e.g. ``0r64``.
+``r<MB>`` has the peak sampler return them whenever the resident set and its free heap pages grew by
+that many MiB (the runtime's ``world.heap_trim_mb``), e.g. ``0r64``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--settings", default="0,1024,256,1024t",
                     help="mmap thresholds, KiB (0: glibc default); suffix t: THP_MEM_ALLOC_ENABLE=1, s: trim each "
-                         "step, r<MB>: trim at that resident growth")
+                         "step, r<MB>: trim at that growth of free heap pages")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per microbatch (the largest)")
     ap.add_argument("--min-tokens", type=int, default=None, help="smallest microbatch (default: --tokens)")
@@ -109,7 +109,10 @@ def main() -> None:
         return
     settings = a.settings.split(",")
     for k in settings:
-        parse_setting(k)  # one clear line for a bad setting before any child runs
+        try:
+            parse_setting(k)  # one clear line for a bad setting before any child runs
+        except ValueError as e:
+            ap.error(str(e))
     got: dict[str, list[dict]] = {k: [] for k in settings}
     for r in range(a.repeats):
         for k in settings:

@@ -36,3 +36,17 @@ def test_pair_summary_is_the_loop_over_the_runtime(capsys: pytest.CaptureFixture
     mod.print_pairs({"runtime": [2.0, 1.0, 4.0], "loop": [1.0, 1.0, 5.0]}, "native")
     last = capsys.readouterr().out.splitlines()[-1]
     assert "[0.5, 1.0, 1.25]" in last and "median 1.000" in last  # tokens/s ratio = loop time / runtime time
+
+
+def test_bench_heap_settings_parse_and_refuse_in_one_line() -> None:
+    spec = importlib.util.spec_from_file_location("bench_heap", TOOLS / "bench_heap.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_setting("0") == (0, "", 0)
+    assert mod.parse_setting("1024t") == (1024, "t", 0)
+    assert mod.parse_setting("0sr64") == (0, "s", 64)
+    with pytest.raises(ValueError, match="setting 'x1'"):
+        mod.parse_setting("x1")
+    r = subprocess.run([sys.executable, str(TOOLS / "bench_heap.py"), "--settings", "0,64q"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "setting '64q'" in r.stderr and "Traceback" not in r.stderr
