@@ -108,17 +108,16 @@ def main() -> None:
         print(json.dumps(child(a.child, a.steps, a.tokens, lo, a.doc, bool(a.recompute))))
         return
     settings = a.settings.split(",")
-    for k in settings:
-        try:
-            parse_setting(k)  # one clear line for a bad setting before any child runs
-        except ValueError as e:
-            ap.error(str(e))
+    try:
+        parsed = {k: parse_setting(k) for k in settings}  # one clear line for a bad setting before any child runs
+    except ValueError as e:
+        ap.error(str(e))
     got: dict[str, list[dict]] = {k: [] for k in settings}
     for r in range(a.repeats):
         for k in settings:
             env = dict(os.environ, OMP_NUM_THREADS="1")
             env.pop("THP_MEM_ALLOC_ENABLE", None)
-            if "t" in parse_setting(k)[1]:
+            if "t" in parsed[k][1]:
                 env["THP_MEM_ALLOC_ENABLE"] = "1"
             out = subprocess.run([sys.executable, __file__, "--child", k, "--steps", str(a.steps), "--tokens",
                                   str(a.tokens), "--min-tokens", str(lo), "--doc", str(a.doc), "--recompute",
@@ -131,7 +130,7 @@ def main() -> None:
           f"{'step 0 MB':>10}")
     for k in settings:
         c = statistics.median(x["cpu_s"] for x in got[k])
-        kb, flags, trim_mb = parse_setting(k)
+        kb, flags, trim_mb = parsed[k]
         name = ((f"{kb} KiB" if kb else "default") + (" +THP" if "t" in flags else "")
                 + (" +trim" if "s" in flags else "") + (f" +trim@{trim_mb}MB" if trim_mb else ""))
         print(f"{name:>18} {statistics.median(x['step_s'] for x in got[k]):8.3f} {c:8.3f} {c / base:9.3f} "

@@ -49,6 +49,15 @@ def _hwm_bytes() -> int:
     return 0
 
 
+def resident_bytes() -> int:
+    """This process's resident set now, in bytes (``/proc/self/statm``; 0 off Linux)."""
+    r = _RssReader()
+    try:
+        return r()
+    finally:
+        r.close()
+
+
 class _RssReader:
     """The current resident set in bytes from ``/proc/self/statm`` (kept open; 0 off Linux)."""
 
@@ -100,7 +109,7 @@ class PeakProbe:
             return
         self.base = self._top = self._rss()
         self._floor = self.base
-        self._floor_unused = self.base - (heap_in_use() or 0) if self.trim_bytes else 0
+        self._floor_unused = self._unused(self.base) if self.trim_bytes else 0
         self.trims = 0
         self._hwm0 = _hwm_bytes()
         if self._thread is None:
@@ -119,17 +128,19 @@ class PeakProbe:
         self.exact = hwm > self._hwm0  # the step set a new high for the process: the kernel's mark is its peak
         return hwm if self.exact else self._top
 
+    def _unused(self, rss: int) -> int:
+        """Resident bytes the heap does not have in use (only called with trims on: ``mallinfo2`` exists)."""
+        return rss - heap_in_use()
+
     def _check_heap(self, rss: int) -> None:
-        """The resident set grew by ``trim_bytes``: trim if its free heap pages grew by as much since the last
-        trim, else (live
-        tensors) wait for the next ``trim_bytes``. ``mallinfo2`` walks every free chunk (ms on a
-        fragmented heap), so it runs once per ``trim_bytes`` of growth, not per sample."""
-        unused = rss - (heap_in_use() or 0)
-        if unused > self._floor_unused + self.trim_bytes:
+        """The resident set grew by ``trim_bytes``: trim if its free heap pages grew by as much since the
+        last trim, else (live tensors) wait for the next ``trim_bytes``. ``mallinfo2`` walks every free
+        chunk (ms on a fragmented heap), so it runs once per ``trim_bytes`` of growth, not per sample."""
+        if self._unused(rss) > self._floor_unused + self.trim_bytes:
             release_free_memory()
             self.trims += 1
             rss = self._rss()
-            self._floor_unused = rss - (heap_in_use() or 0)
+            self._floor_unused = self._unused(rss)
         self._floor = rss
 
     def _sample(self) -> None:

@@ -4,7 +4,6 @@ saved activations measured with saved-tensor hooks, parameter and optimizer tens
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from parallel_runtime.training.heap import heap_in_use, release_free_memory
 from parallel_runtime.training.metrics import SavedActivations, tensor_bytes
 from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, ShardedOptimizer
 from parallel_runtime.training.params import init_params, param_specs
-from parallel_runtime.training.peaks import PeakProbe
+from parallel_runtime.training.peaks import PeakProbe, resident_bytes
 
 SIZES = [ModelConfig(hidden=64, num_layers=4, num_heads=4, num_kv_heads=4, ffn_hidden=128),
          ModelConfig(hidden=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden=384),
@@ -190,8 +189,7 @@ def _holes_then_growth(trim_mb: int, *, refill: bool) -> tuple[int, int]:
                 libc.free(q)
         big = torch.ones(96 << 18)  # its own mapping: live growth
         time.sleep(0.2)  # the sampler's turn
-        with open("/proc/self/statm") as f:
-            growth = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") - probe.base
+        growth = resident_bytes() - probe.base
         probe.peak()
         return growth, probe.trims
     finally:

@@ -9,7 +9,6 @@ elements so that many are in flight while the backward runs.
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 
@@ -21,7 +20,7 @@ from test_trainer import HETERO, small_run
 from parallel_runtime.training import optimizer as O
 from parallel_runtime.training.breakdown import KEYS, StepTimes
 from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, ParamSpec, ShardedOptimizer
-from parallel_runtime.training.peaks import PeakProbe
+from parallel_runtime.training.peaks import PeakProbe, resident_bytes
 
 
 def _runs(rank: int, world: int, sets: list[str], tmp: str) -> dict:
@@ -107,9 +106,8 @@ def test_the_peak_probe_sees_a_step_peak_and_leaves_the_kernel_counters() -> Non
         assert not probe.exact  # below the process's earlier high: a sampled figure
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >= before  # never reset
         probe.reset()  # a step that sets a new high for the process: the kernel's own mark, exactly
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        above = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss + (32 << 20)  # whatever ran before
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # whatever ran before set it
+        above = hwm - resident_bytes() + (32 << 20)
         y = torch.ones(above // 4)
         del y
         probe.peak()
