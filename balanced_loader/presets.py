@@ -137,7 +137,8 @@ class Hardware:
 # ---- memory: the formulas behind the analytic lane caps and the runtime's per-rank report ----------
 # (parallel_runtime reports measured figures beside these in metrics.jsonl; tests hold them within 20%)
 
-OPTIMIZER_BYTES_PER_PARAM = 17  # fp32 master, two AdamW moments, fp32 gradient shard (4 B each), decay mask (1 B)
+OPTIMIZER_BYTES_PER_PARAM = 16  # fp32 master, two AdamW moments, fp32 gradient shard (4 B each; the shard lives inside
+# the working gradients on a whole-model fp32 rank, so there it is 12)
 
 
 def state_bytes(model: ModelShape, *, world_size: int, tp: int = 1, pp: int = 1, itemsize: int = 2) -> dict[str, float]:

@@ -33,7 +33,7 @@ from parallel_runtime.hf.attention import BOUND_KWARG, NAME, register
 from parallel_runtime.hf.config import PRETRAINED, check_hf_recompute, hf_config
 from parallel_runtime.topology import Topology
 from parallel_runtime.training.optimizer import LocalParam, ParamSpec
-from parallel_runtime.training.runtime import Runtime, StageModel
+from parallel_runtime.training.runtime import Runtime, StageModel, flatten_params
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,5 +154,6 @@ class HFRuntime(Runtime):
         if sm is None:
             model = self.hf_model.build(self.device, self.dtype)
             sm = StageModel(model=model, params=model.local_params(self.specs))
+            flatten_params(sm.params)
             self._models[()] = sm
         return sm

@@ -202,6 +202,8 @@ class Bucket:
     pe: np.ndarray  # [m] int64 ... and ends
     parts: tuple[tuple[int, np.ndarray, np.ndarray, np.ndarray], ...]  # per local parameter j: (j, offset in
     # this rank's buffer, offset in the parameter's flat view, length) of its parts ([k] int64 each)
+    a: int = 0  # the window [a, b), shard-relative
+    b: int = 0
 
 
 def _bucket(mine: Runs, theirs: Runs, a: int, b: int, world: int, size: int) -> Bucket:
@@ -220,7 +222,7 @@ def _bucket(mine: Runs, theirs: Runs, a: int, b: int, world: int, size: int) -> 
         parts.append((j, moff[sel], mloc[sel], n[sel]))
     return Bucket(mine_n=np.bincount(mw, weights=n, minlength=world).astype(np.int64).tolist(),
                    peer_n=np.bincount(pw, weights=pe - ps, minlength=world).astype(np.int64).tolist(),
-                   ps=ps - pw * size, pe=pe - pw * size, parts=tuple(parts))
+                   ps=ps - pw * size, pe=pe - pw * size, parts=tuple(parts), a=a, b=b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +230,18 @@ class ExchangePlan:
     """One exchange: its buckets (derived from this rank's runs and every rank's runs inside its shard)."""
 
     buckets: tuple[Bucket, ...]
+
+
+def uncovered(buckets: tuple[Bucket, ...], size: int) -> list[tuple[int, int]]:
+    """The shard-relative ranges ``[a, b)`` of ``[0, size)`` that no bucket's window covers (nobody sends there)."""
+    out, at = [], 0
+    for bk in sorted(buckets, key=lambda b: b.a):
+        if bk.a > at:
+            out.append((at, bk.a))
+        at = max(at, bk.b)
+    if at < size:
+        out.append((at, size))
+    return out
 
 
 def plan_exchange(layout: FlatLayout, rows: np.ndarray, every: list[np.ndarray], rank: int, bucket_elems: int,

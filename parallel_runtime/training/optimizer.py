@@ -29,6 +29,11 @@ on the training path.
   contribute nothing.
 * **step**: global gradient-norm clipping (one all-reduce of the shards' squared norms), then
   AdamW on the owned shard.
+* **the gradient shard's home** (:meth:`ShardedOptimizer.share_grad`): a buffer of its own, or, where
+  this rank's working gradients are one flat buffer laid out as the layout (a whole fp32 model), this
+  rank's own window of that buffer. The push then writes each bucket's sum over the window after the
+  bucket's send buffer took the local gradients there, so nothing else reads them: one shard of fp32
+  bytes less per rank (why: the peak of a whole-model rank is the largest of the run).
 
 ``bytes_pulled`` / ``bytes_pushed`` count the bytes this rank received in pulls / sent in
 pushes (its own shard's part included: exactly 4 bytes per element of its slices), and
@@ -49,7 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel_runtime.training.exchange import Bucket, ExchangePlan, plan_exchange, put, take
+from parallel_runtime.training.exchange import Bucket, ExchangePlan, plan_exchange, put, take, uncovered
 from parallel_runtime.training.layout import FlatLayout, LocalParam, ParamSpec
 
 __all__ = ["AdamWConfig", "FlatLayout", "LocalParam", "ParamSpec", "ShardedOptimizer"]
@@ -136,8 +141,8 @@ class ShardedOptimizer:
             raise ValueError(f"initial value of parameter '{missing[0]}' is missing")
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.decay = layout.decay_mask(lo, hi).to(self.device)
-        self.grad = torch.zeros_like(self.master)
+        self._own_grad: torch.Tensor | None = None  # [shard_size] the gradient shard's own buffer, made on first use
+        self._grad: torch.Tensor | None = None  # where the gradient shard lives now (own buffer or a shared window)
         self.steps = 0
         self.bytes_pulled = 0  # received in pulls (4 bytes per element of this rank's slices)
         self.bytes_pushed = 0  # sent in pushes (4 bytes per element of its contributed slices)
@@ -150,6 +155,42 @@ class ShardedOptimizer:
         self._plans: dict[tuple[int, ...], ExchangePlan] = {}
         self._buffers: list[torch.Tensor] = []  # reusable bucket buffers: (receive/send, send/receive) per slot
         self._decay_runs = _decay_runs(layout, lo, hi)  # shard-relative [a, b) runs with / without weight decay
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """``[shard_size]`` fp32: the sum of every rank's gradients in this rank's shard after a push."""
+        if self._grad is None:
+            if self._own_grad is None:
+                self._own_grad = torch.zeros_like(self.master)
+            self._grad = self._own_grad
+        return self._grad
+
+    @property
+    def grad_shared(self) -> bool:
+        """Whether the gradient shard is a window of the working gradients' buffer (:meth:`share_grad`)."""
+        return self._grad is not None and self._grad is not self._own_grad
+
+    def share_grad(self, full: torch.Tensor | None) -> None:
+        """Where the next push writes the gradient shard: ``full`` (``[padded]`` fp32, the rank's working
+        gradients as one flat buffer in layout order, padding zero) holds it in this rank's window;
+        ``None``: a buffer of its own. Sharing needs every gradient final before its bucket's push and
+        nothing but the push reading them afterwards (the trainer's step; not the compare policies'
+        extra passes, which zero the working gradients before the optimizer step)."""
+        if full is None:
+            self._grad = None
+            return
+        if full.dtype != torch.float32 or full.numel() != self.layout.padded or full.device != self.device:
+            raise ValueError(f"a shared gradient buffer must be [{self.layout.padded}] float32 on {self.device}, "
+                             f"got [{full.numel()}] {full.dtype} on {full.device}")
+        lo, hi = self._bounds()
+        self._grad = full[lo:hi]
+        self._own_grad = None  # the own buffer's bytes go back
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes the optimizer holds of its own: master, moments, and the gradient shard unless shared."""
+        own = [self.master, self.exp_avg, self.exp_avg_sq] + ([self._own_grad] if self._own_grad is not None else [])
+        return sum(t.numel() * t.element_size() for t in own)
 
     def _bounds(self) -> tuple[int, int]:
         lo = self.rank * self.layout.shard_size
@@ -193,10 +234,21 @@ class ShardedOptimizer:
         """Sum every rank's local gradients into the owners' shards (``self.grad``, overwritten; collective)."""
         rows, grads = self.describe(local, push=True)
         plan = self.plan_for(rows)
-        self.grad.zero_()
+        self.begin_push(plan.buckets)
         flats = [g.reshape(-1) for g in grads]
         for bk in plan.buckets:
             self.complete(self.launch(bk, flats, push=True))
+
+    @torch.no_grad()
+    def begin_push(self, buckets: Sequence[Bucket]) -> None:
+        """Before a push's first bucket: the gradient shard zeroed where no bucket will write it (all of it
+        when it has its own buffer; a shared one keeps the local gradients its buckets still send and is
+        zeroed window by window in :meth:`complete`)."""
+        if not self.grad_shared:
+            self.grad.zero_()
+            return
+        for a, b in uncovered(tuple(buckets), self.layout.shard_size):
+            self.grad[a:b].zero_()
 
     def describe(self, local: Iterable[LocalParam], *, push: bool,
                  contributes: bool | None = None) -> tuple[np.ndarray, list[torch.Tensor]]:
@@ -314,6 +366,8 @@ class ShardedOptimizer:
         self.comm_s += waited
         bk = f.bucket
         if f.push:
+            if self.grad_shared:  # the window's local gradients are in the send buffer by now: the sum goes there
+                self.grad[bk.a:bk.b].zero_()
             put(self.grad, bk.ps, bk.pe, f.peer, add=True)
         else:
             for j, off, loc, n in bk.parts:  # receive buffer -> local parameter j
@@ -366,7 +420,8 @@ class ShardedOptimizer:
             self._fused_step(lr)
         else:
             self._chunked_step(lr)
-        self.grad.zero_()
+        if not self.grad_shared:  # a shared shard is zeroed with the working gradients when they are attached
+            self.grad.zero_()
         return norm
 
     def _fused_step(self, lr: float) -> None:
@@ -388,12 +443,14 @@ class ShardedOptimizer:
         b1, b2 = c.betas
         bc1 = 1 - b1**self.steps  # bias corrections: the moments start at zero
         bc2 = 1 - b2**self.steps
+        lo = self._bounds()[0]
         for k in self._chunks():
             g, m, v, w = self.grad[k], self.exp_avg[k], self.exp_avg_sq[k], self.master[k]
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             if c.weight_decay:  # decoupled (AdamW): shrink the weights, not the gradient; norms are masked out
-                w.sub_(w * self.decay[k] * (lr * c.weight_decay))
+                decay = self.layout.decay_mask(lo + k.start, lo + k.stop).to(self.device)  # [chunk], made per chunk
+                w.sub_(w * decay * (lr * c.weight_decay))
             denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
             w.addcdiv_(m, denom, value=-lr / bc1)
 

@@ -116,7 +116,7 @@ class StepExchange:
             # the parameters describe() kept, in its order (tp index 0 contributes replicated ones)
             self._push_local = [j for j, lp in enumerate(params) if microbatches > 0
                                 and (lp.spec.tp_dim is not None or lp.tp_index == 0)]
-            opt.grad.zero_()
+            opt.begin_push(self.push)
         # pull: the last bucket each local parameter needs
         self._need = [-1] * len(params)
         for k, bk in enumerate(self.pull):

@@ -25,7 +25,7 @@ from parallel_runtime.engines.tensor import TensorParallel
 from parallel_runtime.groups import GroupCache
 from parallel_runtime.model import ModelConfig, Transformer
 from parallel_runtime.topology import Topology
-from parallel_runtime.training.optimizer import LocalParam, ParamSpec
+from parallel_runtime.training.optimizer import FlatLayout, LocalParam, ParamSpec
 from parallel_runtime.training.params import local_params
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,11 +46,15 @@ class GradBuffer:
         self.device = device
         self._flat: dict[torch.dtype, torch.Tensor] = {}  # [capacity] per parameter dtype
 
-    def attach(self, params: Sequence[LocalParam]) -> None:
-        """Point every parameter's ``.grad`` at a zeroed view of the buffer."""
-        need: dict[torch.dtype, int] = {}
-        for lp in params:
-            need[lp.tensor.dtype] = need.get(lp.tensor.dtype, 0) + lp.tensor.numel()
+    def attach(self, params: Sequence[LocalParam], layout: FlatLayout | None = None) -> torch.Tensor | None:
+        """Point every parameter's ``.grad`` at a zeroed view of the buffer. With ``layout``, where ``params``
+        are the layout's own (:func:`in_layout_order`), the buffer is laid out as the layout, padding
+        included, and returned (``[padded]``): its windows can hold the optimizer's gradient shards
+        (:meth:`~parallel_runtime.training.optimizer.ShardedOptimizer.share_grad`); else ``None``."""
+        need = _numel_by_dtype(params)
+        shared = layout is not None and in_layout_order(params, layout)
+        if shared:
+            need[torch.float32] = layout.padded  # the padding stays zero: backward never writes it
         offsets = dict.fromkeys(need, 0)
         for dtype, n in need.items():
             flat = self._flat.get(dtype)
@@ -64,12 +68,46 @@ class GradBuffer:
             o = offsets[t.dtype]
             t.grad = self._flat[t.dtype][o:o + t.numel()].view_as(t)
             offsets[t.dtype] = o + t.numel()
+        return self._flat[torch.float32][:layout.padded] if shared else None
 
     @staticmethod
     def detach(params: Sequence[LocalParam]) -> None:
         """Drop the views (the buffer stays for the next step)."""
         for lp in params:
             lp.tensor.grad = None
+
+
+def in_layout_order(params: Sequence[LocalParam], layout: FlatLayout) -> bool:
+    """Whether ``params`` are every full parameter of ``layout``, in its order, whole and fp32: then one
+    flat buffer of them in this order has each parameter at its layout offset."""
+    return len(params) == len(layout.specs) and all(
+        lp.spec.name == s.name and lp.tp_size == 1 and lp.tensor.dtype == torch.float32
+        and lp.tensor.numel() == s.numel for lp, s in zip(params, layout.specs))
+
+
+def flatten_params(params: Sequence[LocalParam]) -> None:
+    """Move the parameters' values into one flat buffer per dtype, the parameters becoming views of it.
+    Why: built one tensor at a time, parameters of a few MB land in the C heap between other
+    allocations, where the holes they leave and keep apart make a step touch more pages."""
+    if not params:
+        return
+    device = params[0].tensor.device
+    flats = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in _numel_by_dtype(params).items()}
+    offsets = dict.fromkeys(flats, 0)
+    for lp in params:
+        t = lp.tensor
+        o = offsets[t.dtype]
+        view = flats[t.dtype][o:o + t.numel()].view_as(t)
+        view.copy_(t.detach())
+        t.data = view  # the module keeps its Parameter object (hooks, optimizer rows); its storage moves
+        offsets[t.dtype] = o + t.numel()
+
+
+def _numel_by_dtype(params: Sequence[LocalParam]) -> dict[torch.dtype, int]:
+    need: dict[torch.dtype, int] = {}
+    for lp in params:
+        need[lp.tensor.dtype] = need.get(lp.tensor.dtype, 0) + lp.tensor.numel()
+    return need
 
 
 class Runtime:
@@ -99,5 +137,6 @@ class Runtime:
                                 dtype=self.dtype, seed=None)
             sm = StageModel(model=model, params=local_params(model, self.specs, tp_index=c.tp_index,
                                                              tp_size=pool.tp))
+            flatten_params(sm.params)
             self._models[key] = sm
         return sm

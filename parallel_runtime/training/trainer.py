@@ -348,6 +348,11 @@ class Trainer:
                                                     groups=self.groups, comm_device=self.comm_device)
         sm = self.runtime.stage_model(topo)
         sm.model.recompute = self.recipe.train.recompute
+        # the step's gradients, zeroed; the optimizer's gradient shard inside them where they are laid out as
+        # its layout (a whole fp32 model), unless another policy's pass runs between push and optimizer step
+        full = self.runtime.grads.attach(sm.params, self.optimizer.layout if push and not self.compare else None)
+        if push:
+            self.optimizer.share_grad(full)
         ex = None  # with train.overlap: the step's pull and push in flight beside forward/backward
         with phase(f"the parameter pull of step {s}", world), times.phase("pull"):
             if self.overlap is not None:
@@ -356,7 +361,6 @@ class Trainer:
                 self.optimizer.pull(sm.params)
         self._trim()
         saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
-        self.runtime.grads.attach(sm.params)
         with (phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)), saved.hooks(),
               times.phase("forward_backward")):
             res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens,
@@ -426,7 +430,7 @@ class Trainer:
         o = self.optimizer
         peak = self.probe.peak()
         mine = {"peak_bytes": peak, "base_bytes": self.probe.base, **self._memory,
-                "optimizer_bytes": M.tensor_bytes([o.master, o.exp_avg, o.exp_avg_sq, o.grad, o.decay]),
+                "optimizer_bytes": o.state_bytes,  # a gradient shard inside the working gradients is in grads_bytes
                 "comm_bytes": o.buffer_bytes,  # the reusable fp32 send and receive buffers of the buckets
                 "peak_exact": int(self.probe.exact), "heap_trims": self.probe.trims}
         self._memory = {}

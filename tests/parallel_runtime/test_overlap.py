@@ -59,6 +59,41 @@ def test_overlapped_pull_and_push_equal_the_sequential_ones_bit_for_bit(tmp_path
     assert len(last["memory"]["peak_exact"]) == 4
 
 
+def _shared_runs(rank: int, world: int, sets: list[str], tmp: str) -> dict:
+    from parallel_runtime.config import load_recipe
+    from parallel_runtime.training import trainer as T
+
+    attach = T.GradBuffer.attach
+    out = {}
+    for shared, overlap in ((True, True), (False, True), (True, False)):
+        # unshared: the buffer is never offered as the optimizer's shard (the optimizer keeps one of its own)
+        T.GradBuffer.attach = attach if shared else (lambda self, params, layout=None: attach(self, params))
+        t = T.Trainer(load_recipe(HETERO, [*sets, f"train.overlap={str(overlap).lower()}"]), f"{tmp}/{shared}{overlap}")
+        ms = t.train(3)
+        out[shared, overlap] = {"loss": [m["loss"] for m in ms], "norm": [m["grad_norm"] for m in ms],
+                                "master": t.optimizer.master.clone(), "shared": t.optimizer.grad_shared,
+                                "optimizer_bytes": ms[-1]["memory"]["optimizer_bytes"]}
+    T.GradBuffer.attach = attach
+    return out
+
+
+@pytest.mark.multirank
+def test_the_gradient_shard_inside_the_working_gradients_changes_nothing(tmp_path) -> None:
+    res = run_distributed(_shared_runs, 4, small_run(tmp_path), str(tmp_path), timeout=300)
+    for rank, r in enumerate(res):
+        ref = r[False, True]
+        assert not ref["shared"]
+        # ranks 2-3 hold the whole model (pool 1): their shard lives in the working gradients; the
+        # pipeline stages (ranks 0-1) hold half of it each and keep a buffer of their own
+        for key in ((True, True), (True, False)):
+            assert r[key]["shared"] == (rank >= 2), (rank, key)
+            assert r[key]["loss"] == ref["loss"] and r[key]["norm"] == ref["norm"], (rank, key)
+            assert torch.equal(r[key]["master"], ref["master"]), (rank, key)
+    shard = res[0][False, True]["master"].numel() * 4
+    mine, theirs = res[0][True, True]["optimizer_bytes"], res[0][False, True]["optimizer_bytes"]
+    assert mine[:2] == theirs[:2] and [b + shard for b in mine[2:]] == theirs[2:]
+
+
 def test_the_fused_step_equals_the_chunked_one() -> None:
     assert O._FUSED_ADAMW is not None  # torch 2.13 has the CPU kernel
     specs = [ParamSpec(name="w", shape=(37, 5)), ParamSpec(name="n", shape=(5,), decay=False),
@@ -114,3 +149,37 @@ def test_the_peak_probe_sees_a_step_peak_and_leaves_the_kernel_counters() -> Non
         assert probe.exact
     finally:
         probe.close()
+
+
+def test_uncovered_ranges_are_the_complement_of_the_windows() -> None:
+    from parallel_runtime.training.exchange import Bucket, uncovered
+
+    def bk(a: int, b: int) -> Bucket:
+        return Bucket(mine_n=[], peer_n=[], ps=None, pe=None, parts=(), a=a, b=b)
+
+    assert uncovered((bk(4, 8), bk(0, 2)), 10) == [(2, 4), (8, 10)]
+    assert uncovered((bk(0, 10),), 10) == []
+    assert uncovered((), 5) == [(0, 5)]
+
+
+def test_flattened_parameters_are_views_of_one_buffer_with_their_values() -> None:
+    from parallel_runtime.model import ModelConfig, Transformer
+    from parallel_runtime.training.params import local_params, param_specs
+    from parallel_runtime.training.runtime import GradBuffer, flatten_params, in_layout_order
+
+    cfg = ModelConfig(vocab_size=32, hidden=16, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden=24)
+    model = Transformer(cfg, seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = [id(p) for p in model.parameters()]
+    specs = param_specs(cfg)
+    params = local_params(model, {s.name: s for s in specs})
+    flatten_params(params)
+    base = params[0].tensor.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in model.parameters())
+    assert [id(p) for p in model.parameters()] == ids  # the same Parameter objects
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    layout = FlatLayout(specs, 3)
+    assert in_layout_order(params, layout) and not in_layout_order(params[1:], layout)
+    full = GradBuffer(torch.device("cpu")).attach(params, layout)
+    assert full is not None and full.numel() == layout.padded and not full.any()
+    assert params[1].tensor.grad.data_ptr() == full[layout.offsets[1]:].data_ptr()
