@@ -33,7 +33,7 @@ from parallel_runtime.hf.attention import BOUND_KWARG, NAME, register
 from parallel_runtime.hf.config import PRETRAINED, check_hf_recompute, hf_config
 from parallel_runtime.topology import Topology
 from parallel_runtime.training.optimizer import LocalParam, ParamSpec
-from parallel_runtime.training.runtime import Runtime, StageModel, flatten_params
+from parallel_runtime.training.runtime import Runtime, StageModel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,9 +141,9 @@ class HFRuntime(Runtime):
     """The runtime of an HF model: one whole model per rank, reused for every step (pools of tp=1, pp=1)."""
 
     def __init__(self, model: HFModel, *, rank: int, device: torch.device, dtype: torch.dtype, attention: str,
-                 groups, specs) -> None:
+                 groups, specs, layout=None) -> None:
         super().__init__(None, rank=rank, device=device, dtype=dtype, attention=attention, groups=groups,
-                         specs=specs)
+                         specs=specs, layout=layout)
         self.hf_model = model
 
     def stage_model(self, topo: Topology) -> StageModel:
@@ -153,7 +153,6 @@ class HFRuntime(Runtime):
         sm = self._models.get(())
         if sm is None:
             model = self.hf_model.build(self.device, self.dtype)
-            sm = StageModel(model=model, params=model.local_params(self.specs))
-            flatten_params(sm.params)
+            sm = self._stage(model, model.local_params(self.specs))
             self._models[()] = sm
         return sm

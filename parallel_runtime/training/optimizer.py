@@ -34,6 +34,11 @@ on the training path.
   rank's own window of that buffer. The push then writes each bucket's sum over the window after the
   bucket's send buffer took the local gradients there, so nothing else reads them: one shard of fp32
   bytes less per rank (why: the peak of a whole-model rank is the largest of the run).
+* **the master shard's home** (:meth:`ShardedOptimizer.share_master`): likewise, this rank's window of
+  a whole fp32 working model's flat parameter buffer, once such a model exists: every pull writes the
+  master values there anyway, so the working copy of the own shard *is* the master (one more shard of
+  fp32 bytes). It stays there for the run, whatever model a later step uses: only pulls write those
+  parameters, and what a pull writes into the own window is the master itself.
 
 ``bytes_pulled`` / ``bytes_pushed`` count the bytes this rank received in pulls / sent in
 pushes (its own shard's part included: exactly 4 bytes per element of its slices), and
@@ -141,6 +146,7 @@ class ShardedOptimizer:
             raise ValueError(f"initial value of parameter '{missing[0]}' is missing")
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
+        self.master_shared = False  # the master shard is a window of a working model's parameters (share_master)
         self._own_grad: torch.Tensor | None = None  # [shard_size] the gradient shard's own buffer, made on first use
         self._grad: torch.Tensor | None = None  # where the gradient shard lives now (own buffer or a shared window)
         self.steps = 0
@@ -179,17 +185,34 @@ class ShardedOptimizer:
         if full is None:
             self._grad = None
             return
-        if full.dtype != torch.float32 or full.numel() != self.layout.padded or full.device != self.device:
-            raise ValueError(f"a shared gradient buffer must be [{self.layout.padded}] float32 on {self.device}, "
-                             f"got [{full.numel()}] {full.dtype} on {full.device}")
+        self._check_full(full, "gradient")
         lo, hi = self._bounds()
         self._grad = full[lo:hi]
         self._own_grad = None  # the own buffer's bytes go back
 
+    def share_master(self, full: torch.Tensor) -> None:
+        """Keep the master shard in this rank's window of ``full`` (``[padded]`` fp32: a working model's flat
+        parameter buffer in layout order) from now on: its values are copied there and the own buffer
+        goes (once; later calls do nothing). The caller must never write those parameters but by pulls."""
+        if self.master_shared:
+            return
+        self._check_full(full, "parameter")
+        lo, hi = self._bounds()
+        window = full[lo:hi]
+        window.copy_(self.master)
+        self.master = window
+        self.master_shared = True
+
+    def _check_full(self, full: torch.Tensor, what: str) -> None:
+        if full.dtype != torch.float32 or full.numel() != self.layout.padded or full.device != self.device:
+            raise ValueError(f"a shared {what} buffer must be [{self.layout.padded}] float32 on {self.device}, "
+                             f"got [{full.numel()}] {full.dtype} on {full.device}")
+
     @property
     def state_bytes(self) -> int:
-        """Bytes the optimizer holds of its own: master, moments, and the gradient shard unless shared."""
-        own = [self.master, self.exp_avg, self.exp_avg_sq] + ([self._own_grad] if self._own_grad is not None else [])
+        """Bytes the optimizer holds of its own: the moments, and master and gradient shards unless shared."""
+        own = [self.exp_avg, self.exp_avg_sq] + ([] if self.master_shared else [self.master])
+        own += [self._own_grad] if self._own_grad is not None else []
         return sum(t.numel() * t.element_size() for t in own)
 
     def _bounds(self) -> tuple[int, int]:

@@ -7,13 +7,19 @@ under-reported the run's peak. :class:`PeakProbe` leaves it alone:
 
 * **CUDA**: torch's caching allocator's peak (``max_memory_allocated``, whose reset touches only
   torch's own statistics).
-* **CPU**: a background thread samples the resident set (``/proc/self/statm``, one ``pread``)
-  every ``interval_s`` while a step runs, and the kernel's high-water mark is read (never written)
-  at the step's start and end. If the step raised the high-water mark, the step's peak *is* the new
-  mark (exact, ``exact`` true); otherwise it is the largest sample (a peak shorter than the interval
-  can be missed; activations live for tens of milliseconds at least). Off Linux: 0.
+* **CPU**: the resident set (``/proc/self/statm``, one ``pread`` of a few microseconds) is sampled
+  while a step runs, and the kernel's high-water mark is read (never written) at the step's start
+  and end. If the step raised the high-water mark, the step's peak *is* the new mark (exact,
+  ``exact`` true); otherwise it is the largest sample. Off Linux: 0. Samples come either from the
+  step itself (``interval_s=None``, the trainer's choice: :meth:`PeakProbe.watch` hooks every module
+  that holds parameters before its forward, every parameter after its gradient accumulates, and the
+  trainer calls :meth:`PeakProbe.sample` between phases) or from a background thread every
+  ``interval_s``. Why the hooks: a thread that wakes 50 times a second takes a busy rank's core (on
+  a machine whose cores the ranks fill, each wake-up preempts a compute thread); a hook costs one
+  ``pread`` on the thread that computes anyway. What either can miss: memory that is mapped and
+  unmapped between two samples (an allocation above glibc's mmap threshold inside one module).
 
-On CPU the same thread can also keep the C heap lean (``trim_bytes``, recipe key
+On CPU the sampling can also keep the C heap lean (``trim_bytes``, recipe key
 ``world.heap_trim_mb``): when the resident set, less what the heap has in use (``mallinfo2``), has
 grown by ``trim_bytes`` since the step began or since the last trim, it hands glibc's free heap pages
 back (``malloc_trim``). Why: measured in a 27M-parameter step, the bytes in use grow by ~40 MB while
@@ -81,7 +87,10 @@ class _RssReader:
 class PeakProbe:
     """This process's peak memory in a step: :meth:`reset` at the step's start, :meth:`peak` at its end."""
 
-    def __init__(self, device: torch.device, *, interval_s: float = SAMPLE_INTERVAL_S, trim_bytes: int = 0) -> None:
+    def __init__(self, device: torch.device, *, interval_s: float | None = SAMPLE_INTERVAL_S,
+                 trim_bytes: int = 0) -> None:
+        """``interval_s``: seconds between a background thread's samples; ``None``: no thread, samples come
+        from :meth:`watch`'s hooks and :meth:`sample` calls."""
         if trim_bytes < 0:
             raise ValueError(f"trim_bytes must be >= 0 (0: never trim), got {trim_bytes}")
         self.device = device
@@ -100,6 +109,31 @@ class PeakProbe:
         self._active = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watched: dict[int, list] = {}  # id(model) -> its hook handles
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Sample before the forward of every module of ``model`` that holds parameters (recomputed blocks
+        included) and after each parameter's gradient accumulates (idempotent; CPU only)."""
+        if self._rss is None or id(model) in self._watched:
+            return
+        handles = []
+        for m in model.modules():
+            if next(m.parameters(recurse=False), None) is not None:
+                handles.append(m.register_forward_pre_hook(lambda *_: self.sample()))
+        for p in model.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(lambda _: self.sample()))
+        self._watched[id(model)] = handles
+
+    def sample(self) -> None:
+        """One sample of the resident set while a step runs (and a heap trim when it is due)."""
+        if self._rss is None or not self._active.is_set():
+            return
+        rss = self._rss()
+        if rss > self._top:
+            self._top = rss
+        if self.trim_bytes and rss > self._floor + self.trim_bytes:
+            self._check_heap(rss)
 
     def reset(self) -> None:
         if self.device.type == "cuda":
@@ -112,7 +146,7 @@ class PeakProbe:
         self._floor_unused = self._unused(self.base) if self.trim_bytes else 0
         self.trims = 0
         self._hwm0 = _hwm_bytes()
-        if self._thread is None:
+        if self._thread is None and self.interval_s is not None:
             self._thread = threading.Thread(target=self._sample, name="peak-probe", daemon=True)
             self._thread.start()
         self._active.set()
@@ -148,16 +182,17 @@ class PeakProbe:
             if not self._active.wait(0.5):
                 continue
             try:
-                rss = self._rss()
-                self._top = max(self._top, rss)
-                if self.trim_bytes and rss > self._floor + self.trim_bytes:
-                    self._check_heap(rss)
+                self.sample()
             except (OSError, ValueError, IndexError):
                 return
             self._closed.wait(self.interval_s)
 
     def close(self) -> None:
-        """Stop the sampler (idempotent)."""
+        """Stop the sampler and remove the hooks (idempotent)."""
+        for handles in self._watched.values():
+            for h in handles:
+                h.remove()
+        self._watched.clear()
         self._closed.set()
         self._active.set()
         if self._thread is not None:

@@ -37,6 +37,7 @@ class StageModel:
 
     model: Transformer
     params: tuple[LocalParam, ...]
+    flat: torch.Tensor | None = None  # [padded] fp32: the parameters' buffer where they are in layout order
 
 
 class GradBuffer:
@@ -85,14 +86,21 @@ def in_layout_order(params: Sequence[LocalParam], layout: FlatLayout) -> bool:
         and lp.tensor.numel() == s.numel for lp, s in zip(params, layout.specs))
 
 
-def flatten_params(params: Sequence[LocalParam]) -> None:
+def flatten_params(params: Sequence[LocalParam], layout: FlatLayout | None = None) -> torch.Tensor | None:
     """Move the parameters' values into one flat buffer per dtype, the parameters becoming views of it.
     Why: built one tensor at a time, parameters of a few MB land in the C heap between other
-    allocations, where the holes they leave and keep apart make a step touch more pages."""
+    allocations, where the holes they leave and keep apart make a step touch more pages. Where
+    ``params`` are ``layout``'s own (:func:`in_layout_order`) the buffer is laid out as the layout,
+    padding included, and returned (``[padded]``: its windows can hold the master shards); else ``None``."""
     if not params:
-        return
+        return None
     device = params[0].tensor.device
-    flats = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in _numel_by_dtype(params).items()}
+    need = _numel_by_dtype(params)
+    shared = layout is not None and in_layout_order(params, layout)
+    if shared:
+        need[torch.float32] = layout.padded
+    flats = {dt: torch.zeros(n, dtype=dt, device=device) if shared else torch.empty(n, dtype=dt, device=device)
+             for dt, n in need.items()}
     offsets = dict.fromkeys(flats, 0)
     for lp in params:
         t = lp.tensor
@@ -101,6 +109,7 @@ def flatten_params(params: Sequence[LocalParam]) -> None:
         view.copy_(t.detach())
         t.data = view  # the module keeps its Parameter object (hooks, optimizer rows); its storage moves
         offsets[t.dtype] = o + t.numel()
+    return flats[torch.float32] if shared else None
 
 
 def _numel_by_dtype(params: Sequence[LocalParam]) -> dict[torch.dtype, int]:
@@ -114,8 +123,12 @@ class Runtime:
     """What a rank keeps across steps: groups, stage models by shape, the model config."""
 
     def __init__(self, cfg: ModelConfig, *, rank: int, device: torch.device, dtype: torch.dtype,
-                 attention: str, groups: GroupCache | None, specs: Sequence[ParamSpec]) -> None:
+                 attention: str, groups: GroupCache | None, specs: Sequence[ParamSpec],
+                 layout: FlatLayout | None = None) -> None:
+        """``layout``: the optimizer's; a stage model whose parameters are its own is laid out as it
+        (:attr:`StageModel.flat`)."""
         self.cfg, self.rank, self.device, self.dtype = cfg, rank, device, dtype
+        self.layout = layout
         self.attention = attention
         self.groups = groups
         self.specs = {s.name: s for s in specs}
@@ -135,8 +148,10 @@ class Runtime:
             model = Transformer(self.cfg, tp=tp, layers=stage_layers(self.cfg.num_layers, pool.pp, c.stage),
                                 first_stage=c.stage == 0, last_stage=c.stage == pool.pp - 1, device=self.device,
                                 dtype=self.dtype, seed=None)
-            sm = StageModel(model=model, params=local_params(model, self.specs, tp_index=c.tp_index,
-                                                             tp_size=pool.tp))
-            flatten_params(sm.params)
+            sm = self._stage(model, local_params(model, self.specs, tp_index=c.tp_index, tp_size=pool.tp))
             self._models[key] = sm
         return sm
+
+    def _stage(self, model, params: tuple[LocalParam, ...]) -> StageModel:
+        """A new stage model, its parameters moved into one buffer (:func:`flatten_params`)."""
+        return StageModel(model=model, params=params, flat=flatten_params(params, self.layout))

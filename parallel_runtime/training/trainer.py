@@ -219,7 +219,7 @@ class Trainer:
             self.groups = GroupCache(rank=rank, backend=backend)
             self.groups.ensure(declared_groups(declared_topologies(recipe), w.cp_engine, w.cp_inner))
             kw = dict(rank=rank, device=self.device, dtype=self.dtype, attention=recipe.train.attention,
-                      groups=self.groups, specs=specs)
+                      groups=self.groups, specs=specs, layout=self.optimizer.layout)
             self.runtime = HFRuntime(hf, **kw) if hf else Runtime(recipe.model, **kw)
         elif hf:
             self.model = hf.build(self.device, self.dtype)
@@ -228,7 +228,8 @@ class Trainer:
             self.model = Transformer(recipe.model, device=self.device, dtype=self.dtype, seed=None)
             self.ref_params = local_params(self.model, {s.name: s for s in specs})
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
-        self.probe = PeakProbe(self.device, trim_bytes=self.recipe.world.heap_trim_mb << 20)
+        # samples from hooks in the models and between phases: no thread waking beside the compute
+        self.probe = PeakProbe(self.device, interval_s=None, trim_bytes=self.recipe.world.heap_trim_mb << 20)
         self.times = StepTimes()  # this rank's phase times in the step being run (metrics "time_ms")
         self._memory: dict[str, int] = {}  # this rank's memory parts in the step being run
         self.step = 0
@@ -348,6 +349,9 @@ class Trainer:
                                                     groups=self.groups, comm_device=self.comm_device)
         sm = self.runtime.stage_model(topo)
         sm.model.recompute = self.recipe.train.recompute
+        self.probe.watch(sm.model)
+        if sm.flat is not None:  # a whole fp32 model: its own shard of parameters is the master from now on
+            self.optimizer.share_master(sm.flat)
         # the step's gradients, zeroed; the optimizer's gradient shard inside them where they are laid out as
         # its layout (a whole fp32 model), unless another policy's pass runs between push and optimizer step
         full = self.runtime.grads.attach(sm.params, self.optimizer.layout if push and not self.compare else None)
@@ -403,6 +407,7 @@ class Trainer:
 
     def _reference_fb(self, batch: StepBatch) -> FBResult:
         self.model.recompute = self.recipe.train.recompute
+        self.probe.watch(self.model)
         self.optimizer.pull(self.ref_params)
         saved = M.SavedActivations(exclude=[lp.tensor for lp in self.ref_params])
         with saved.hooks():
@@ -423,6 +428,7 @@ class Trainer:
     def _trim(self) -> None:
         """On CPU, return freed heap pages to the OS between the step's phases (see heap.release_free_memory)."""
         if self.device.type == "cpu":
+            self.probe.sample()  # what the phase left resident counts before it goes back
             release_free_memory()
 
     def _memory_record(self) -> dict[str, Any]:

@@ -63,35 +63,37 @@ def _shared_runs(rank: int, world: int, sets: list[str], tmp: str) -> dict:
     from parallel_runtime.config import load_recipe
     from parallel_runtime.training import trainer as T
 
-    attach = T.GradBuffer.attach
+    attach, share_master = T.GradBuffer.attach, O.ShardedOptimizer.share_master
     out = {}
     for shared, overlap in ((True, True), (False, True), (True, False)):
-        # unshared: the buffer is never offered as the optimizer's shard (the optimizer keeps one of its own)
+        # unshared: the buffers are never offered as the optimizer's shards (it keeps buffers of its own)
         T.GradBuffer.attach = attach if shared else (lambda self, params, layout=None: attach(self, params))
+        O.ShardedOptimizer.share_master = share_master if shared else (lambda self, full: None)
         t = T.Trainer(load_recipe(HETERO, [*sets, f"train.overlap={str(overlap).lower()}"]), f"{tmp}/{shared}{overlap}")
         ms = t.train(3)
         out[shared, overlap] = {"loss": [m["loss"] for m in ms], "norm": [m["grad_norm"] for m in ms],
-                                "master": t.optimizer.master.clone(), "shared": t.optimizer.grad_shared,
+                                "master": t.optimizer.master.clone(),
+                                "shared": (t.optimizer.grad_shared, t.optimizer.master_shared),
                                 "optimizer_bytes": ms[-1]["memory"]["optimizer_bytes"]}
-    T.GradBuffer.attach = attach
+    T.GradBuffer.attach, O.ShardedOptimizer.share_master = attach, share_master
     return out
 
 
 @pytest.mark.multirank
-def test_the_gradient_shard_inside_the_working_gradients_changes_nothing(tmp_path) -> None:
+def test_the_shards_inside_the_working_parameters_and_gradients_change_nothing(tmp_path) -> None:
     res = run_distributed(_shared_runs, 4, small_run(tmp_path), str(tmp_path), timeout=300)
     for rank, r in enumerate(res):
         ref = r[False, True]
-        assert not ref["shared"]
-        # ranks 2-3 hold the whole model (pool 1): their shard lives in the working gradients; the
-        # pipeline stages (ranks 0-1) hold half of it each and keep a buffer of their own
+        assert ref["shared"] == (False, False)
+        # ranks 2-3 hold the whole model (pool 1): their master and gradient shards live in the working
+        # parameters and gradients; the pipeline stages (ranks 0-1) hold half of it each and keep their own
         for key in ((True, True), (True, False)):
-            assert r[key]["shared"] == (rank >= 2), (rank, key)
+            assert r[key]["shared"] == (rank >= 2, rank >= 2), (rank, key)
             assert r[key]["loss"] == ref["loss"] and r[key]["norm"] == ref["norm"], (rank, key)
             assert torch.equal(r[key]["master"], ref["master"]), (rank, key)
     shard = res[0][False, True]["master"].numel() * 4
     mine, theirs = res[0][True, True]["optimizer_bytes"], res[0][False, True]["optimizer_bytes"]
-    assert mine[:2] == theirs[:2] and [b + shard for b in mine[2:]] == theirs[2:]
+    assert mine[:2] == theirs[:2] and [b + 2 * shard for b in mine[2:]] == theirs[2:]
 
 
 def test_the_fused_step_equals_the_chunked_one() -> None:
@@ -183,3 +185,41 @@ def test_flattened_parameters_are_views_of_one_buffer_with_their_values() -> Non
     full = GradBuffer(torch.device("cpu")).attach(params, layout)
     assert full is not None and full.numel() == layout.padded and not full.any()
     assert params[1].tensor.grad.data_ptr() == full[layout.offsets[1]:].data_ptr()
+
+
+def test_the_peak_probe_samples_from_the_models_hooks_without_a_thread() -> None:
+    import threading
+
+    from torch import nn
+
+    class Hold(nn.Module):
+        """Keeps a touched 32 MiB tensor from its forward until the test drops it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+            self.kept: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.kept.append(torch.ones(8 << 20))
+            return x * self.w
+
+    big = torch.ones(96 << 18)  # an earlier high of this process (96 MiB): the step's figure is a sample
+    del big
+    model = nn.Sequential(Hold(), Hold())
+    threads = threading.active_count()
+    probe = PeakProbe(torch.device("cpu"), interval_s=None)
+    try:
+        probe.watch(model)
+        probe.watch(model)  # idempotent: one set of hooks
+        probe.reset()
+        model(torch.ones(4)).sum().backward()
+        for m in model:
+            m.kept.clear()  # gone before the step ends: only a sample taken inside it can see them
+        peak = probe.peak()
+        assert threading.active_count() == threads
+        assert not probe.exact and peak >= probe.base + (56 << 20)
+    finally:
+        probe.close()
+    probe.reset()  # closed: hooks removed, nothing sampled
+    model(torch.ones(4)).sum().backward()
