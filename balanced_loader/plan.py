@@ -72,6 +72,92 @@ def make_groups(lanes: Iterable[tuple[int, ...]], segments: Iterable[tuple[Segme
     return out
 
 
+class SegmentColumns:
+    """The segments of many groups end to end, as arrays (what a planner computes): ``doc_ids``,
+    ``starts``, ``lengths`` ``[S]`` int64. :func:`column_groups` makes groups that read ranges of it."""
+
+    __slots__ = ("doc_ids", "starts", "lengths", "_tuples")
+
+    def __init__(self, doc_ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        self.doc_ids, self.starts, self.lengths = doc_ids, starts, lengths  # [S] int64 each
+        self._tuples: list[Segment] | None = None
+
+    def tuples(self) -> list[Segment]:
+        """Every segment as a ``(doc_id, start, length)`` tuple, made once (one C-level pass)."""
+        if self._tuples is None:
+            self._tuples = list(zip(self.doc_ids.tolist(), self.starts.tolist(), self.lengths.tolist()))
+        return self._tuples
+
+
+_GROUP_SEGMENTS = Group.segments  # the slot of Group's field (a subclass property shadows it)
+
+
+def _plain_group(lanes: tuple[int, ...], segments: tuple[Segment, ...]) -> Group:
+    return Group(lanes=lanes, segments=segments)
+
+
+class ColumnGroup(Group):
+    """A :class:`Group` whose segments are the range ``[lo, hi)`` of shared :class:`SegmentColumns`,
+    made into tuples when first read. Why: a planner at 16K lanes builds ~100K groups of ~1M
+    segments per step, and most readers (contract-2 timing, a rank's own microbatches) need either
+    the arrays or a few groups, not a million tuples. Equal to, hashed and pickled as the plain
+    ``Group`` of the same lanes and segments."""
+
+    __slots__ = ("_cols", "_lo", "_hi")
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:  # type: ignore[override]
+        try:
+            return _GROUP_SEGMENTS.__get__(self, Group)
+        except AttributeError:
+            segs = tuple(self._cols.tuples()[self._lo:self._hi])
+            _GROUP_SEGMENTS.__set__(self, segs)
+            return segs
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Group):
+            return self.lanes == other.lanes and self.segments == other.segments
+        return NotImplemented
+
+    __hash__ = Group.__hash__
+
+    def __reduce__(self):
+        return _plain_group, (self.lanes, self.segments)
+
+
+def column_groups(lanes: Sequence[tuple[int, ...]], bounds: Sequence[int], columns: SegmentColumns) -> list[Group]:
+    """Groups ``g`` of ``lanes[g]`` and segments ``columns[bounds[g]:bounds[g + 1]]`` (``bounds``: ``[G + 1]``
+    ascending from 0 to ``S``), built without ``__init__`` as :func:`make_groups` does."""
+    new = object.__new__
+    set_lanes = Group.lanes.__set__
+    set_cols, set_lo, set_hi = ColumnGroup._cols.__set__, ColumnGroup._lo.__set__, ColumnGroup._hi.__set__
+    out = []
+    for ln, lo, hi in zip(lanes, bounds[:-1], bounds[1:]):
+        g = new(ColumnGroup)
+        set_lanes(g, ln)
+        set_cols(g, columns)
+        set_lo(g, lo)
+        set_hi(g, hi)
+        out.append(g)
+    return out
+
+
+def segment_lengths(groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(lengths [S], segments per group [G])`` straight from the columns when ``groups`` are
+    :class:`ColumnGroup`\\ s reading one columns object end to end in order; else ``None``."""
+    if not groups or type(groups[0]) is not ColumnGroup:
+        return None
+    cols, at = groups[0]._cols, groups[0]._lo
+    los = []
+    for g in groups:
+        if type(g) is not ColumnGroup or g._cols is not cols or g._lo != at:
+            return None
+        los.append(at)
+        at = g._hi
+    nseg = np.diff(np.append(np.asarray(los, dtype=np.int64), at))  # [G]
+    return cols.lengths[groups[0]._lo:at], nseg
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Pool:
     """Ranks sharing one ``(tp, pp)`` shape for this step, as a grid ``[pp][lanes][tp]``.

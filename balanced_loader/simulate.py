@@ -48,7 +48,7 @@ import numpy as np
 from numba import njit
 
 from balanced_loader.cost import CostModel, LaneProfile, ShapeCost
-from balanced_loader.plan import Plan, Pool, StepPlan
+from balanced_loader.plan import Plan, Pool, StepPlan, segment_lengths
 
 if TYPE_CHECKING:
     from balanced_loader.presets import Hardware, ModelShape
@@ -260,7 +260,8 @@ class PoolArrays:
     @staticmethod
     def from_pool(pool: Pool) -> PoolArrays:
         groups = [g for mb in pool.microbatches for g in mb]
-        return PoolArrays._build([g.lanes for g in groups], [g.segments for g in groups],
+        cols = segment_lengths(groups)  # a planner's arrays as they are, when the groups read them in order
+        return PoolArrays._build([g.lanes for g in groups], [g.segments for g in groups] if cols is None else cols,
                                  barrier_groups(pool.microbatches, pool.barriers))
 
     @staticmethod
@@ -272,16 +273,21 @@ class PoolArrays:
                                  barrier_groups(mbs, pool.get("barriers", ())))
 
     @staticmethod
-    def _build(lanes_of: list[Sequence[int]], segments_of: list[Sequence[Sequence[int]]],
+    def _build(lanes_of: list[Sequence[int]],
+               segments_of: list[Sequence[Sequence[int]]] | tuple[np.ndarray, np.ndarray],
                barrier_g: np.ndarray = NO_BARRIERS) -> PoolArrays:
         # CSR layout: group g's lanes are lanes[lane_ptr[g]:lane_ptr[g+1]], its segment lengths
-        # seg_len[seg_ptr[g]:seg_ptr[g+1]]; fromiter with a count fills each array in one pass
+        # seg_len[seg_ptr[g]:seg_ptr[g+1]]; fromiter with a count fills each array in one pass.
+        # segments_of: per group its segments, or already (lengths [S], segments per group [G])
         n = len(lanes_of)
         degree = np.fromiter(map(len, lanes_of), dtype=np.int64, count=n)
-        nseg = np.fromiter(map(len, segments_of), dtype=np.int64, count=n)
         lanes = np.fromiter(itertools.chain.from_iterable(lanes_of), dtype=np.int64, count=int(degree.sum()))
-        seg_len = np.fromiter((s[2] for segs in segments_of for s in segs), dtype=np.float64,
-                              count=int(nseg.sum()))
+        if isinstance(segments_of, tuple):
+            seg_len, nseg = segments_of[0].astype(np.float64), segments_of[1]
+        else:
+            nseg = np.fromiter(map(len, segments_of), dtype=np.int64, count=n)
+            seg_len = np.fromiter((s[2] for segs in segments_of for s in segs), dtype=np.float64,
+                                  count=int(nseg.sum()))
         lane_ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(degree, out=lane_ptr[1:])
         seg_ptr = np.zeros(n + 1, dtype=np.int64)

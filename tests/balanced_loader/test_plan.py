@@ -159,3 +159,38 @@ def test_unsorted_barriers_are_rejected():
     with_barriers(three, (1, 3)).validate(LENGTHS, COST)
     with pytest.raises(ValueError, match=r"sorted and unique, got \[3, 1\]"):
         with_barriers(three, (3, 1)).validate(LENGTHS, COST)
+
+
+def test_column_groups_read_as_plain_groups() -> None:
+    import copy
+    import pickle
+
+    from balanced_loader.plan import SegmentColumns, column_groups, segment_lengths
+
+    cols = SegmentColumns(np.array([5, 6, 7]), np.array([0, 0, 3]), np.array([10, 20, 30]))
+    lazy = column_groups([(0,), (1, 2)], [0, 1, 3], cols)
+    plain = [Group(lanes=(0,), segments=((5, 0, 10),)), Group(lanes=(1, 2), segments=((6, 0, 20), (7, 3, 30)))]
+    assert lazy == plain and plain == lazy and [hash(g) for g in lazy] == [hash(g) for g in plain]
+    assert lazy[1] != plain[0] and plain[0] != lazy[1]
+    assert [g.to_json() for g in lazy] == [g.to_json() for g in plain] and lazy[1].tokens == 50
+    for back in (pickle.loads(pickle.dumps(lazy[1])), copy.deepcopy(lazy[1])):
+        assert type(back) is Group and back == plain[1]
+    lengths, nseg = segment_lengths(lazy)
+    assert lengths.tolist() == [10, 20, 30] and nseg.tolist() == [1, 2]
+    assert segment_lengths(lazy[::-1]) is None and segment_lengths(plain) is None  # not read in order
+
+
+def test_a_policys_column_groups_time_and_hash_as_their_json() -> None:
+    from balanced_loader.plan import BatchItems, ColumnGroup
+    from balanced_loader.planning import make_plan
+    from balanced_loader.planning.config import PlanConfig
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 400, size=300)
+    plan = make_plan(BatchItems.from_lengths(lengths), COST, PlanConfig(policy="hydra", world_size=8))
+    assert all(type(g) is ColumnGroup for mb in plan.pools[0].microbatches for g in mb)
+    again = StepPlan.from_json(json.loads(json.dumps(plan.to_json())), 8)  # plain groups
+    assert all(type(g) is Group for mb in again.pools[0].microbatches for g in mb)
+    assert again.pools == plan.pools and again.fingerprint() == plan.fingerprint()
+    assert step_ms(again, COST) == step_ms(plan, COST)  # the arrays' fast path times what the tuples do
+    plan.validate(lengths, caps=COST)

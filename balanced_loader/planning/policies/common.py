@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import gc
 import heapq
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees, fit_levels, pow2_divisor
-from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, make_groups, single_pool_ranks
+from balanced_loader.plan import (
+    BatchItems,
+    Group,
+    Pool,
+    SegmentColumns,
+    StepPlan,
+    column_groups,
+    single_pool_ranks,
+)
 from balanced_loader.planning.config import PlanConfig
 
 
@@ -127,20 +134,19 @@ def assemble(items: BatchItems, mb: np.ndarray, lane0: np.ndarray, degree: np.nd
     g_mb = m_s[first]  # [G] microbatch of each group (non-decreasing)
     m_bounds = [0, *(np.flatnonzero(g_mb[1:] != g_mb[:-1]) + 1).tolist(), len(first)]  # [M + 1] into groups
     g_lane = l_s[first].tolist()  # [G]
-    g_deg = np.asarray(degree, dtype=np.int64)[order][first]  # [G]
+    g_deg = np.asarray(degree, dtype=np.int64)[order[first]]  # [G]
+    # the segments stay arrays in group order: a group makes its tuples when first read (ColumnGroup)
+    starts = items.starts[order] if items.starts.any() else items.starts  # all zero: any order is the same
+    cols = SegmentColumns(items.doc_ids[order], starts, items.lengths[order])
     paused = gc.isenabled()
-    gc.disable()  # only acyclic tuples are built here; collections would scan them for nothing
+    gc.disable()  # only acyclic objects are built here; collections would scan them for nothing
     try:
-        starts = items.starts[order].tolist() if items.starts.any() else itertools.repeat(0)
-        segs = list(zip(items.doc_ids[order].tolist(), starts, items.lengths[order].tolist()))
-        # why map/slice: one C-level pass per group instead of a Python loop body
-        seg_groups = list(map(tuple, map(segs.__getitem__, map(slice, bounds[:-1], bounds[1:]))))
         one = [(x,) for x in range(max(g_lane) + 1)]  # one shared tuple per lane for one-lane groups
         lanes = list(map(one.__getitem__, g_lane))
         wide = np.flatnonzero(g_deg > 1)  # [w] groups of several lanes
         for j, d in zip(wide.tolist(), g_deg[wide].tolist()):
             lanes[j] = tuple(range(g_lane[j], g_lane[j] + d))
-        groups = make_groups(lanes, seg_groups)
+        groups = column_groups(lanes, bounds, cols)
         return tuple(tuple(groups[a:b]) for a, b in zip(m_bounds[:-1], m_bounds[1:]))
     finally:
         if paused:
