@@ -213,7 +213,7 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
     path = str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env = dict(os.environ, **envs, OMP_NUM_THREADS="1", PYTHONPATH=path)
     load0 = _load1()
-    # the working directory is the first entry of sys.path under ``python -m``: the checkout that runs
+    # under ``python -m`` the working directory comes first on the import path: it picks the checkout that runs
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root)
     sampler = MemorySampler(p.pid)
     sampler.start()
