@@ -124,8 +124,10 @@ class WorldConfig:
     # grows so that activations are reused from the heap: the fast default)
     heap_mmap_kb: int = 0
     # CPU (glibc): during a step, when the resident set and its part the heap does not have in use have
-    # grown this many MiB since the step began or the last trim, free C-heap pages are handed back to the
-    # OS (the peak sampler thread; 0: never)
+    # grown this many MiB since the last check or trim, free C-heap pages are handed back to the OS, but
+    # only where that can lower the run's peak: above the process's highest resident mark, or within this
+    # many MiB below it with train.recompute (training/peaks.py; 0: no trims during a step, one between
+    # each of its phases)
     heap_trim_mb: int = 64
 
 

@@ -50,7 +50,7 @@ from parallel_runtime.training import guards as G
 from parallel_runtime.training import metrics as M
 from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
-from parallel_runtime.training.heap import release_free_memory, set_heap_mmap_threshold
+from parallel_runtime.training.heap import set_heap_mmap_threshold
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
 from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, exchange_group
 from parallel_runtime.training.params import init_params, local_params, param_specs
@@ -229,7 +229,10 @@ class Trainer:
             self.ref_params = local_params(self.model, {s.name: s for s in specs})
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
         # samples from hooks in the models and between phases: no thread waking beside the compute
-        self.probe = PeakProbe(self.device, interval_s=None, trim_bytes=self.recipe.world.heap_trim_mb << 20)
+        # (heap trims below the process's high mark only with recompute: see peaks.py)
+        trim = self.recipe.world.heap_trim_mb << 20
+        self.probe = PeakProbe(self.device, interval_s=None, trim_bytes=trim,
+                               margin_bytes=trim if self.recipe.train.recompute else 0)
         self.times = StepTimes()  # this rank's phase times in the step being run (metrics "time_ms")
         self._memory: dict[str, int] = {}  # this rank's memory parts in the step being run
         self.step = 0
@@ -426,10 +429,10 @@ class Trainer:
                         "activations_bytes": saved.peak}
 
     def _trim(self) -> None:
-        """On CPU, return freed heap pages to the OS between the step's phases (see heap.release_free_memory)."""
+        """On CPU, between the step's phases: a memory sample, and freed heap pages back to the OS where
+        that can lower the peak (see PeakProbe.between_phases)."""
         if self.device.type == "cpu":
-            self.probe.sample()  # what the phase left resident counts before it goes back
-            release_free_memory()
+            self.probe.between_phases()
 
     def _memory_record(self) -> dict[str, Any]:
         """Every rank's peak and parts (collective unless a reference run); keys in docs/runtime.md."""

@@ -157,11 +157,13 @@ def test_heap_threshold_is_a_checked_recipe_key() -> None:
         assert set_heap_mmap_threshold(1 << 20) is True  # glibc accepts it
 
 
-def _holes_then_growth(trim_mb: int, *, refill: bool) -> tuple[int, int]:
+def _holes_then_growth(trim_mb: int, *, refill: bool, earlier_mb: int = 0, margin_mb: int = 0) -> tuple[int, int]:
     """A heap of 64 KB chunks with every other one freed and trimmed (holes between live chunks, not
     resident); with ``refill`` a step touches every hole and frees it again (glibc's pattern under
     activations: free pages left resident between live tensors); then 96 MiB of live tensor, which
-    wakes the sampler's check. Returns the resident growth over the step and the probe's trims."""
+    wakes the sampler's check. With ``earlier_mb``, a step before it held that many MiB more (the
+    process's high mark) and ``margin_mb`` lets trims run that far below it. Returns the resident
+    growth over the step and the probe's trims."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")
@@ -180,9 +182,15 @@ def _holes_then_growth(trim_mb: int, *, refill: bool) -> tuple[int, int]:
     for q in chunks[1::2]:
         libc.free(q)
     release_free_memory()
-    probe = PeakProbe(torch.device("cpu"), interval_s=0.002, trim_bytes=trim_mb << 20)
+    probe = PeakProbe(torch.device("cpu"), interval_s=0.002, trim_bytes=trim_mb << 20, margin_bytes=margin_mb << 20)
     big = None
     try:
+        if earlier_mb:
+            probe.reset()
+            big = torch.ones(earlier_mb << 18)
+            time.sleep(0.2)
+            big = None
+            probe.peak()
         probe.reset()
         if refill:
             for q in touched(1000):  # lands in the holes (best fit before the heap's top)
@@ -209,7 +217,11 @@ def test_the_peak_sampler_trims_free_heap_pages_not_live_growth() -> None:
     assert trims >= 1 and grown < live + (24 << 20)  # handed back once the resident set grew
     grown, trims = _holes_then_growth(16, refill=False)
     assert trims == 0  # growth that is all live tensors triggers nothing
-    with pytest.raises(ValueError, match="trim_bytes must be >= 0"):
+    grown, trims = _holes_then_growth(16, refill=True, earlier_mb=400)
+    assert trims == 0 and grown > live + (48 << 20)  # far below an earlier step's mark: no new peak to lower
+    grown, trims = _holes_then_growth(16, refill=True, earlier_mb=400, margin_mb=512)
+    assert trims >= 1 and grown < live + (24 << 20)  # within the margin: trimmed as without the mark
+    with pytest.raises(ValueError, match="trim_bytes and margin_bytes must be >= 0"):
         PeakProbe(torch.device("cpu"), trim_bytes=-1)
 
 
