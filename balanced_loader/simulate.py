@@ -246,6 +246,13 @@ def barrier_groups(microbatches: Sequence[Sequence[Any]], barriers: Sequence[int
     return first[k]
 
 
+def _segment_arrays(segments_of: Sequence[Sequence[Sequence[int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(lengths [S] float64, segments per group [G])`` of per-group ``(doc, start, length)`` segments."""
+    nseg = np.fromiter(map(len, segments_of), dtype=np.int64, count=len(segments_of))
+    seg_len = np.fromiter((s[2] for segs in segments_of for s in segs), dtype=np.float64, count=int(nseg.sum()))
+    return seg_len, nseg
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PoolArrays:
     """A pool's groups in execution order, flattened."""
@@ -260,8 +267,9 @@ class PoolArrays:
     @staticmethod
     def from_pool(pool: Pool) -> PoolArrays:
         groups = [g for mb in pool.microbatches for g in mb]
-        cols = segment_lengths(groups)  # a planner's arrays as they are, when the groups read them in order
-        return PoolArrays._build([g.lanes for g in groups], [g.segments for g in groups] if cols is None else cols,
+        # a planner's arrays as they are, when the groups read them in order
+        seg_len, nseg = segment_lengths(groups) or _segment_arrays([g.segments for g in groups])
+        return PoolArrays._build([g.lanes for g in groups], seg_len, nseg,
                                  barrier_groups(pool.microbatches, pool.barriers))
 
     @staticmethod
@@ -269,31 +277,25 @@ class PoolArrays:
         """From a pool's plan-JSON mapping, without building dataclasses (the fast path)."""
         mbs = pool["microbatches"]
         groups = [g for mb in mbs for g in mb]
-        return PoolArrays._build([g["lanes"] for g in groups], [g["segments"] for g in groups],
+        seg_len, nseg = _segment_arrays([g["segments"] for g in groups])
+        return PoolArrays._build([g["lanes"] for g in groups], seg_len, nseg,
                                  barrier_groups(mbs, pool.get("barriers", ())))
 
     @staticmethod
-    def _build(lanes_of: list[Sequence[int]],
-               segments_of: list[Sequence[Sequence[int]]] | tuple[np.ndarray, np.ndarray],
+    def _build(lanes_of: list[Sequence[int]], seg_len: np.ndarray, nseg: np.ndarray,
                barrier_g: np.ndarray = NO_BARRIERS) -> PoolArrays:
+        """``seg_len [S]`` segment lengths of the groups end to end, ``nseg [G]`` segments per group."""
         # CSR layout: group g's lanes are lanes[lane_ptr[g]:lane_ptr[g+1]], its segment lengths
-        # seg_len[seg_ptr[g]:seg_ptr[g+1]]; fromiter with a count fills each array in one pass.
-        # segments_of: per group its segments, or already (lengths [S], segments per group [G])
+        # seg_len[seg_ptr[g]:seg_ptr[g+1]]; fromiter with a count fills each array in one pass
         n = len(lanes_of)
         degree = np.fromiter(map(len, lanes_of), dtype=np.int64, count=n)
         lanes = np.fromiter(itertools.chain.from_iterable(lanes_of), dtype=np.int64, count=int(degree.sum()))
-        if isinstance(segments_of, tuple):
-            seg_len, nseg = segments_of[0].astype(np.float64), segments_of[1]
-        else:
-            nseg = np.fromiter(map(len, segments_of), dtype=np.int64, count=n)
-            seg_len = np.fromiter((s[2] for segs in segments_of for s in segs), dtype=np.float64,
-                                  count=int(nseg.sum()))
         lane_ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(degree, out=lane_ptr[1:])
         seg_ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(nseg, out=seg_ptr[1:])
-        return PoolArrays(degree=degree, lane_ptr=lane_ptr, lanes=lanes, seg_ptr=seg_ptr, seg_len=seg_len,
-                          barrier_g=barrier_g)
+        return PoolArrays(degree=degree, lane_ptr=lane_ptr, lanes=lanes, seg_ptr=seg_ptr,
+                          seg_len=seg_len.astype(np.float64, copy=False), barrier_g=barrier_g)
 
     def group_ms(self, sc: ShapeCost) -> np.ndarray:
         """Contract-2 time of every group, ``[G]`` ms (``ShapeCost.segment_ms`` per segment, summed per group)."""

@@ -141,8 +141,7 @@ class PeakProbe:
         if self._rss is None or not self._active.is_set():
             return
         rss = self._rss()
-        if rss > self._top:
-            self._top = rss
+        self._top = max(self._top, rss)
         if self.trim_bytes and rss > self._floor + self.trim_bytes:
             self._check_heap(rss)
         self._high = max(self._high, rss)
@@ -152,12 +151,13 @@ class PeakProbe:
         ``trim_bytes`` 0, an unconditional trim: the free pages a phase left go back before the next)."""
         if self._rss is None:
             return
-        self.sample()
-        if not self.trim_bytes:
-            release_free_memory()
-            return
         rss = self._rss()
-        self._check_heap(rss)
+        if self._active.is_set():  # what the phase left resident counts before it goes back
+            self._top = max(self._top, rss)
+        if self.trim_bytes:
+            self._check_heap(rss)  # whatever the growth since the last check
+        else:
+            release_free_memory()
         self._high = max(self._high, rss)
 
     def reset(self) -> None:
@@ -202,9 +202,10 @@ class PeakProbe:
         self._floor = rss
         if rss + self.margin_bytes < self._high:
             return
-        if self._floor_unused is None:
-            self._floor_unused = self._unused(rss)
-        if self._unused(rss) > self._floor_unused + self.trim_bytes:
+        unused = self._unused(rss)
+        if self._floor_unused is None:  # a check before the first reset (the step-start trim)
+            self._floor_unused = unused
+        if unused > self._floor_unused + self.trim_bytes:
             release_free_memory()
             self.trims += 1
             self._floor = self._rss()
