@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from balanced_loader.batches.items import LONG_DOC_MODES
 from balanced_loader.calibration.calibrator import CalibrationOptions
 from balanced_loader.cost import CostModel, allowed_degrees
-from balanced_loader.data.batching import LONG_DOC_MODES
 from balanced_loader.data.loader_args import MAX_PREFETCH_STEPS, max_planner_workers
 from balanced_loader.data.mixture import MIX_BY
 from balanced_loader.data.schedule import setting, weight_schedule

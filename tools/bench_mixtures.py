@@ -190,7 +190,7 @@ def adversarial(trials: int) -> dict:
     """Seeded synthetic mixtures of 2-4 sources (uniform, lognormal, only 1- or max-length docs, only
     max-length docs), budgets of 2-16 ``max_seq_len``, random weights, 150 steps each: how far a
     step's worst source strays from its share, in units of ``max_seq_len``."""
-    from balanced_loader.data.mixing import stream_for
+    from balanced_loader.batches.stream import stream_for
 
     worst, runs = [], []
     for seed in range(trials):

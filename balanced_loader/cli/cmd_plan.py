@@ -72,7 +72,6 @@ def run(args: argparse.Namespace) -> int:
 
     from balanced_loader.cli.streams import shares, stream_batches, wants_stream
     from balanced_loader.data.files import write_text
-    from balanced_loader.data.lengths import release_pages
     from balanced_loader.plan import BatchItems, Plan
     from balanced_loader.planning import make_plan, warm_up
     from balanced_loader.planning.config import PlanConfig
@@ -88,10 +87,10 @@ def run(args: argparse.Namespace) -> int:
     mixture: list = []  # per step: tokens per source (a --mix)
     if wants_stream(args):  # a mixture or a schedule: the loader's MixtureStream cuts the steps
         sb = stream_batches(args, max_seq_len=args.max_seq_len, steps=args.steps)
-        batches, stats, what, num_docs, check_at = sb.batches, sb.stats, sb.label, sb.source.num_docs, sb.validation
+        batches, stats, what, num_docs = sb.batches, sb.stats, sb.label, sb.source.num_docs
         mixture = [c.mixture_tokens for c in sb.cuts]
     else:
-        batches, stats, what, num_docs, check_at = _batches(args)
+        batches, stats, what, num_docs = _batches(args)
     if not batches:  # nothing to plan: one empty step
         z = np.zeros(0, dtype=np.int64)
         batches = [BatchItems(doc_ids=z, starts=z, lengths=z)]
@@ -102,9 +101,7 @@ def run(args: argparse.Namespace) -> int:
         warm_up(batches, cost, [config])  # kernels and policy loaded first: plan_seconds is the step's own work
         for k, items in enumerate(batches):
             plan = make_plan(items, cost, config, step=k)
-            check = check_at(k)
-            plan.validate(check, cost, doc_ids=np.unique(items.doc_ids))
-            release_pages(check)  # a memory-mapped file's touched pages count as resident memory
+            plan.validate(items, cost)
             steps.append(plan)
     out = Plan(policy=args.policy, world_size=args.world_size, steps=tuple(steps))
     report = sys.stdout if args.out else sys.stderr
@@ -130,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _batches(args: argparse.Namespace):
-    """``(batches, stats, label, num_docs, step -> validation lengths)`` of ``--lengths``/``--source``."""
-    from balanced_loader.data.batching import EmptyDocError, global_batches, validation_lengths
+    """``(batches, stats, label, num_docs)`` of ``--lengths``/``--source``."""
+    from balanced_loader.batches.items import EmptyDocError
+    from balanced_loader.batches.stream import global_batches
     from balanced_loader.data.lengths import doc_line
 
     lengths, shard_bounds, what = _lengths(args)
@@ -147,5 +145,4 @@ def _batches(args: argparse.Namespace):
         raise ValueError(f"--lengths {what}: lengths must be positive; {where} has length 0") from None
     except ValueError as e:  # name the input: a bad length is found only when its batch is cut
         raise ValueError(f"{'--lengths ' if args.lengths else ''}{what}: {e}") from None
-    check = validation_lengths(lengths, args.max_seq_len, args.long_docs)
-    return batches, stats, what, len(lengths), lambda _step: check
+    return batches, stats, what, len(lengths)

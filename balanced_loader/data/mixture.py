@@ -4,7 +4,7 @@ The mixture's doc ids are its sources' doc ids laid end to end in name order: so
 sorted name order) holds ids ``offsets[j] .. offsets[j + 1] - 1``, and ``split_id(doc_id)`` gives
 ``(name, local_id)``. Nothing is built over all docs: ``lengths`` is a :class:`ConcatLengths` view
 that reads through to the sources' own (memory-mapped) length arrays, and each source keeps its own
-epoch order (see :mod:`balanced_loader.data.mixing`, which cuts the global batches).
+epoch order (see :mod:`balanced_loader.batches.stream`, which cuts the global batches).
 """
 
 from __future__ import annotations

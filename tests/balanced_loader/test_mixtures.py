@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import balanced_loader as bl
+from balanced_loader.batches.stream import stream_for
 from balanced_loader.cost import CostModel
-from balanced_loader.data.mixing import stream_for
 from balanced_loader.data.mixture import ConcatLengths, MixtureSource, mix
 from balanced_loader.data.schedule import parse_text, schedule, weight_schedule
 from balanced_loader.data.shards import write_shards

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from balanced_loader.batches.items import to_items
 from balanced_loader.cost import CostModel
-from balanced_loader.data.batching import to_items
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import fixed_pools, longest_segment, make_plan, pool_shapes
 from balanced_loader.planning.config import PlanConfig

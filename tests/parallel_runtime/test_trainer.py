@@ -155,7 +155,7 @@ def _check_plans(rank: int, world: int) -> list:
     import numpy as np
     import torch
 
-    from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
+    from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
     from parallel_runtime.config import load_recipe
     from parallel_runtime.groups import GroupCache
     from parallel_runtime.training.plan_check import check_plan_runs_here
@@ -166,7 +166,8 @@ def _check_plans(rank: int, world: int) -> list:
     def check(segments):
         plan = StepPlan(step=0, world_size=2, pools=(Pool(tp=1, pp=1, ranks=single_pool_ranks(2), microbatches=(
             (Group(lanes=(1, 0), segments=segments),),)),))
-        return check_plan_runs_here(plan, recipe=recipe, lengths=np.array([10, 20]), groups=groups,
+        seqs = BatchItems(doc_ids=np.array([0, 1]), starts=np.array([0, 0]), lengths=np.array([10, 20]))
+        return check_plan_runs_here(plan, recipe=recipe, sequences=seqs, groups=groups,
                                     comm_device=torch.device("cpu"))
 
     topo, created = check(((0, 0, 10), (1, 0, 20)))
