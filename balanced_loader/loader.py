@@ -47,13 +47,15 @@ from balanced_loader.batches.stream import BatchStream, Cut, stream_for
 from balanced_loader.calibration.schedule import CostSchedule
 from balanced_loader.cost import CostModel
 from balanced_loader.data.loader_args import (  # resolve_world: the loader's rank and world size, public here too
+    check_budget_holds_a_sequence,
     check_loader_args,
     check_pad_id,
     resolve_world,
+    smallest,
 )
 from balanced_loader.data.mixture import MixtureSource
 from balanced_loader.data.open import open_source
-from balanced_loader.data.schedule import Schedule, setting
+from balanced_loader.data.schedule import setting
 from balanced_loader.data.sources import Source
 from balanced_loader.materialize import (
     Microbatch,
@@ -125,24 +127,6 @@ def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:
     return best
 
 
-def _smallest(s: Schedule) -> int:
-    return int(min(v for _, v in s.points))
-
-
-def check_budget_holds_a_sequence(budget: Schedule, limit: Schedule) -> None:
-    """Every step's ``global_batch_tokens`` must hold one sequence of that step's ``max_seq_len``: then every
-    step holds between ``B - max_seq_len`` and ``B`` tokens. Both are piecewise linear, so their points
-    decide (rounding to integers keeps the order)."""
-    for step in sorted({s for s, _ in budget.points} | {s for s, _ in limit.points}):
-        b, m = int(budget.at(step)), int(limit.at(step))
-        if b < m:
-            at = "" if budget.constant and limit.constant else f" at step {step}"
-            raise ValueError(f"global_batch_tokens {b} is smaller than max_seq_len {m}{at}: a step must hold one "
-                             f"sequence; raise global_batch_tokens or lower max_seq_len")
-
-
-
-
 class BalancedLoader:
     """Length-aware loader: global batches by token budget, planned by a policy, materialized per rank.
 
@@ -198,7 +182,7 @@ class BalancedLoader:
         self.rank = rank
         self.seed = int(seed)
         if limit is None:  # the longest segment the policy plans, within the smallest budget of the run
-            limit = setting(min(default_max_seq_len(self.cost, self.config), _smallest(budget)), "max_seq_len")
+            limit = setting(min(default_max_seq_len(self.cost, self.config), smallest(budget)), "max_seq_len")
         check_budget_holds_a_sequence(budget, limit)
         # each an int, or a schedule [[step, value], ...]
         self.global_batch_tokens, self.max_seq_len = budget.to_json(), limit.to_json()

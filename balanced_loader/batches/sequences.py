@@ -136,6 +136,7 @@ class SourceSequences:
         self.num_windows = -(-self.n // self.window)
         self._order: tuple[int, EpochOrder] | None = None  # (epoch, its order)
         self._win: list[_Window] = []  # the last two windows read
+        self._last: tuple[tuple, Run] | None = None  # the last read: a source that took nothing reads it again
         self._since_release = 0
 
     # ---- windows -------------------------------------------------------------------------
@@ -204,7 +205,15 @@ class SourceSequences:
     def read(self, pos: SeqPos, limit: int | None, max_units: int) -> Run:
         """The sequences of up to ``max_units`` units from ``pos`` (normalized), inside its window, at context
         limit ``limit`` (None: no limit); a doc over ``limit`` with ``long_docs="error"`` is a ValueError."""
-        e, w, u0, o0 = self.normal(pos)
+        key = (self.normal(pos), limit, int(max_units))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        run = self._read(*key)
+        self._last = (key, run)
+        return run
+
+    def _read(self, pos: SeqPos, limit: int | None, max_units: int) -> Run:
+        e, w, u0, o0 = pos
         win = self._window(e, w)
         u1 = min(win.num_units, u0 + max(1, int(max_units)))
         q = np.arange(u0, u1, dtype=np.int64)  # [k] unit positions

@@ -29,6 +29,7 @@ part of it depends on the world size.
 
 from __future__ import annotations
 
+import heapq
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -333,10 +334,11 @@ class BatchStream:
 
     def _mix_step(self, takers: list[_Taker | None], cur: Cursor, budget: int, w: tuple[float, ...], *,
                   first: bool) -> None:
-        """A mixture's step: each source up to its target, then one sequence at a time (module docstring)."""
+        """A mixture's step: each source up to its target (by tokens), then one sequence at a time from the
+        source furthest behind its share of what the step holds so far (module docstring)."""
         by_docs = self.by == "docs"
+        total = 0
         if not by_docs:
-            total = 0
             for i, t in enumerate(takers):
                 if t is None:
                     continue
@@ -344,26 +346,38 @@ class BatchStream:
                 if room >= 1:
                     t.take_upto(room)
                     total += t.tokens
-        total_tokens = sum(t.tokens for t in takers if t is not None)
-        total_units = float(sum((t.units if by_docs else t.tokens) for t in takers if t is not None))
-        while True:
-            best, best_score, best_t = -1, 0.0, 0
-            for i, t in enumerate(takers):
-                if t is None:
-                    continue
-                tk = t.peek()
-                if not tk:
-                    continue
-                u = 1.0 if by_docs else float(tk)
-                mine = t.units if by_docs else t.tokens
-                score = CARRY_GAIN * cur.carry[i] + mine - w[i] * total_units + (1.0 - w[i]) * u / 2
-                if best < 0 or score < best_score:
-                    best, best_score, best_t = i, score, tk
-            if best < 0 or ((total_tokens or not first) and total_tokens + best_t > budget):
+        units = float(sum((t.units if by_docs else t.tokens) for t in takers if t is not None))
+
+        def key(i: int, t: _Taker, tk: int) -> tuple[float, int, int]:
+            # the score without its -w_i * units term, which is the same for every source of one weight
+            return (CARRY_GAIN * cur.carry[i] + (t.units if by_docs else t.tokens)
+                    + (1.0 - w[i]) * (1.0 if by_docs else tk) / 2, i, tk)
+
+        # one heap per distinct weight: the smallest score of a heap is its top, so a pick scans the weights,
+        # not the sources (exactly the scan's choice, ties to the lower source index)
+        heaps: dict[float, list[tuple[float, int, int]]] = {}
+        for i, t in enumerate(takers):
+            tk = t.peek() if t is not None else 0
+            if tk:
+                heaps.setdefault(w[i], []).append(key(i, t, tk))
+        for h in heaps.values():
+            heapq.heapify(h)
+        while heaps:
+            wi, h = min(heaps.items(), key=lambda kv: (kv[1][0][0] - kv[0] * units, kv[1][0][1]))
+            _, i, tk = h[0]
+            if (total or not first) and total + tk > budget:
                 return
-            takers[best].take_one(best_t)  # type: ignore[union-attr]
-            total_tokens += best_t
-            total_units += 1.0 if by_docs else best_t
+            t = takers[i]
+            t.take_one(tk)  # type: ignore[union-attr]
+            total += tk
+            units += 1.0 if by_docs else tk
+            nxt = t.peek()  # type: ignore[union-attr]
+            if nxt:
+                heapq.heapreplace(heaps[wi], key(i, t, nxt))  # type: ignore[arg-type]
+            else:
+                heapq.heappop(heaps[wi])
+                if not heaps[wi]:
+                    del heaps[wi]
 
     def _after(self, cur: Cursor, places: tuple[SeqPos, ...], ahead: tuple[tuple[SeqPos, ...], ...],
                units: list[float], total: float, w: tuple[float, ...]) -> Cursor:

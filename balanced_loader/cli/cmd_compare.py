@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.cli.analysis import format_steps, step_report
     from balanced_loader.cli.streams import stream_batches, wants_stream
     from balanced_loader.data.files import OutputSet, write_json
+    from balanced_loader.data.loader_args import check_cli_budget
     from balanced_loader.loader import default_max_seq_len
     from balanced_loader.planning.config import PlanConfig
     from balanced_loader.presets import load_cost
@@ -65,10 +66,14 @@ def run(args: argparse.Namespace) -> int:
     configs = [PlanConfig(policy=n, world_size=args.world_size, tp=args.tp, pp=args.pp, cp=args.cp,
                           seed=args.seed, time_limit_s=args.time_limit) for n in names]
     # every policy plans the same batches: the context limit is the one all of them can hold
+    # (the default also fits the smallest budget, as the loader's does)
+    budget = args.global_batch_tokens
     max_len = (args.max_seq_len if args.max_seq_len is not None
-               else min(default_max_seq_len(cost, c) for c in configs))
+               else min([default_max_seq_len(cost, c) for c in configs]
+                        + ([min(v for _, v in budget) if isinstance(budget, list) else budget] if budget else [])))
     if isinstance(max_len, int) and max_len < 1:
         raise ValueError(f"--max-seq-len must be >= 1, got {max_len}")
+    check_cli_budget(budget, max_len)
     mixture: list = []
     if wants_stream(args):  # a mixture or a schedule: cut as the loader cuts it
         sb = stream_batches(args, max_seq_len=max_len, steps=args.steps)

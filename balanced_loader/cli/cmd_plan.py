@@ -1,8 +1,9 @@
 """``balanced-loader plan``: plan global batches with a policy and write the plan JSON (contract 3).
 
 The whole length file is one global batch in file order, unless ``--global-batch-tokens N``
-cuts consecutive batches between docs (``--shuffle --seed S`` shuffles the docs first, as the
-loader's epoch 0 does). Batches are cut as they are planned, so ``--steps K`` reads only the
+cuts consecutive batches of sequences (a doc of at most ``--max-seq-len`` tokens, or one piece of
+a longer doc; ``--shuffle --seed S`` shuffles them first, as the loader's epoch 0 does).
+Batches are cut as they are planned, so ``--steps K`` reads only the
 docs of K steps (a ``.npy`` is memory-mapped) and the counts in the summary line are the
 docs read; a length of 0 in ``--lengths`` is an error when it is read. Every step is
 validated against its batch (contract 1) before it is written; ``plan_seconds`` and
@@ -81,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if isinstance(v, int) and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    from balanced_loader.data.loader_args import check_cli_budget
+
+    check_cli_budget(args.global_batch_tokens, args.max_seq_len)
     config = PlanConfig(policy=args.policy, world_size=args.world_size, tp=args.tp, pp=args.pp, cp=args.cp,
                         seed=args.seed, time_limit_s=args.time_limit, candidates=args.candidates)
     cost = load_cost(args.cost_file, args.cost, world_size=args.world_size)

@@ -2,7 +2,7 @@
 
 Batching follows contract 3 and the loader: docs in file order (or shuffled by seed for
 epoch 0), empty docs skipped, docs longer than ``max_seq_len`` handled by ``long_docs``,
-global batches of at most ``global_batch_tokens`` tokens cut between docs (the whole file is
+global batches of sequences, at most ``global_batch_tokens`` tokens each (the whole file is
 one batch without a budget). Every policy plans exactly the same batches; every plan is
 validated against the batch before it is simulated (:mod:`balanced_loader.simulate`).
 

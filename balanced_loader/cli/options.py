@@ -120,7 +120,7 @@ def add_batch_arguments(p: argparse.ArgumentParser, *, max_seq_len_default: str)
     p.add_argument("--cache-dir", metavar="DIR",
                    help="remote --source: keep its fetched index files here, so the next run reads them locally")
     p.add_argument("--global-batch-tokens", type=tokens_or_schedule, metavar="N",
-                   help="tokens per global batch, cut between docs (default: the whole input is one batch); a "
+                   help="tokens per global batch, cut between sequences (default: the whole input is one batch); a "
                         "schedule N@STEP,N@STEP ramps it up")
     p.add_argument("--shuffle", action="store_true", help="shuffle docs by --seed before batching")
     p.add_argument("--seed", type=SEED, default=0, help="shuffle and planner seed (default 0)")
