@@ -10,6 +10,7 @@ each step's largest |tokens - share| in units of max_seq_len, steps missing a so
 least one max_seq_len, and the run's shares against the (interpolated) weights.
 
     python tools/bench_steps.py --out docs/results/records/steps.json
+    python tools/bench_steps.py --many-sources 1000 10000     # seconds per step of a mixture of K sources
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -69,6 +71,27 @@ def mixture(srcs: dict, weights, *, steps: int, budget: int, limit: int, world: 
             "min_tokens": min(sizes), "max_tokens": max(sizes)}
 
 
+def many_sources(k: int, steps: int = 6) -> dict:
+    """A mixture of ``k`` seeded sources of 50 docs (equal weights), 1M-token steps: seconds per step."""
+    from balanced_loader.batches.stream import stream_for
+    from balanced_loader.data.schedule import schedule
+
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    m = bl.mix({f"s{i:05d}": rng.integers(1, 2000, 50) for i in range(k)}, weights=None)
+    made = time.perf_counter() - t0
+    st = stream_for(m, seed=0, shuffle=True, window=1 << 16, max_seq_len=schedule(4096, "L"),
+                    global_batch_tokens=schedule(1 << 20, "B"), long_docs="split")
+    cur, times = st.epoch_start(0), []
+    for _ in range(steps):
+        t = time.perf_counter()
+        c = st.cut(cur)
+        cur = c.end
+        times.append(time.perf_counter() - t)
+    return {"sources": k, "mix_s": round(made, 2), "first_step_s": round(times[0], 2),
+            "step_s_median_after": round(statistics.median(times[1:]), 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpora", default="gcloud,vimdoc,man,lines,headers,licenses")
@@ -79,7 +102,12 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--out", help="write the JSON record here")
+    ap.add_argument("--many-sources", type=int, nargs="*", help="only: seconds per step of mixtures of K sources")
     a = ap.parse_args()
+    if a.many_sources:
+        for k in a.many_sources:
+            print(json.dumps(many_sources(k)), flush=True)
+        return
     kw = dict(budget=a.global_batch_tokens, limit=a.max_seq_len, world=a.world_size)
     rows = []
     for name in a.corpora.split(","):
