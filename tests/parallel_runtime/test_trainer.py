@@ -184,7 +184,7 @@ def test_the_runtime_checks_a_plan_against_the_contract_and_creates_its_groups()
     got = run_distributed(_check_plans, 2, timeout=60)
     # lane r is rank r; the 2-lane CP group is created once, then only looked up
     assert [g[:3] for g in got] == [[0, 1, 0], [1, 1, 0]]
-    assert all(g[3] == "step 0: doc 1 covers 15 of its 20 tokens" for g in got)
+    assert all(g[3] == "step 0: doc 1's sequence [0, 20) is covered up to token 15, then nothing" for g in got)
 
 
 @pytest.mark.multirank
