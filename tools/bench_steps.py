@@ -25,6 +25,7 @@ import numpy as np
 
 import balanced_loader as bl
 from balanced_loader.data import zoo
+from balanced_loader.outputs.records import Figure, make_record, write_record
 
 
 def one_source(name: str, ln: np.ndarray, *, shuffle: bool, steps: int, budget: int, limit: int,
@@ -101,7 +102,7 @@ def main() -> None:
     ap.add_argument("--global-batch-tokens", type=int, default=65536)
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--out", help="write the JSON record here")
+    ap.add_argument("--out", help="write the record (docs/results/records/steps.json) here")
     ap.add_argument("--many-sources", type=int, nargs="*", help="only: seconds per step of mixtures of K sources")
     a = ap.parse_args()
     if a.many_sources:
@@ -129,15 +130,35 @@ def main() -> None:
             r = mixture(srcs, w, steps=a.mix_steps, shuffle=shuffle, **kw)
             mixes.append(r)
             print(json.dumps(r), flush=True)
-    record = {"figure": "steps of sequences on a corpus zoo (issue 33)", "command": " ".join(["python"] + sys.argv),
-              "settings": vars(a), "sources": rows, "mixtures": mixes,
-              "worst": {"outside": sum(r["outside"] for r in rows),
-                        "mix_step_deviation_in_L": max(r["worst_step_deviation_in_L"] for r in mixes),
-                        "mix_run_share_error": max(r["run_share_error_max"] for r in mixes)}}
+    B, L = a.global_batch_tokens, a.max_seq_len
+    steps = sum(r["steps"] for r in rows)
+    setting = (f"{len(rows) // 2} zoo corpora ({', '.join(sorted({r['corpus'] for r in rows}))}) x shuffled / file "
+               f"order, {a.steps} steps each, hydra on {a.world_size} ranks, B {B:,}, max_seq_len {L:,}")
+    mixing = (f"{' / '.join(names)} at 0.6 / 0.3 / 0.1 by tokens and a schedule to 0.2 / 0.2 / 0.6, shuffled and "
+              f"not, {a.mix_steps} steps each")
+    shuffled = [r["largest_doc_share"] for r in rows if r["shuffle"]]
+    figures = [
+        Figure(id="steps.outside_budget", area="data", target="0",
+               figure=f"steps outside [B - max_seq_len, B] (the last of a run excepted): {setting}",
+               value=f"**{sum(r['outside'] for r in rows)}** of {steps} (tokens per step "
+                     f"{min(r['min'] for r in rows):,}-{max(r['max'] for r in rows):,})"),
+        Figure(id="steps.largest_doc_share", area="data", target="report",
+               figure=f"largest share of one doc in a step, shuffled (file order: 100% where a doc is longer "
+                      f"than a step): {setting}",
+               value=f"{min(shuffled):.1%}-{max(shuffled):.1%} by corpus"),
+        Figure(id="steps.mixture_step_deviation", area="data", target="<= 1 max_seq_len",
+               figure=f"mixture: largest abs(tokens - share) of a source in a step, {mixing}",
+               value=f"**{max(r['worst_step_deviation_in_L'] for r in mixes):.3f}** max_seq_len; steps missing a "
+                     f"source of share >= max_seq_len: {sum(r['steps_missing_a_source'] for r in mixes)}"),
+        Figure(id="steps.mixture_run_shares", area="data", target="within 0.5%",
+               figure=f"mixture: run shares against the (interpolated) weights, {mixing}",
+               value=f"max abs error **{max(r['run_share_error_max'] for r in mixes):.5f}**"),
+    ]
+    rec = make_record("steps", figures, command="python tools/bench_steps.py --out docs/results/records/steps.json",
+                      details={"settings": vars(a), "sources": rows, "mixtures": mixes})
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(record, f, indent=1)
-    print(json.dumps(record["worst"]))
+        write_record(a.out, rec)
+    print(json.dumps(rec["figures"], indent=1))
 
 
 if __name__ == "__main__":
