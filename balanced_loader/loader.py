@@ -46,17 +46,16 @@ from balanced_loader.batches.items import LONG_DOC_MODES, DocStats
 from balanced_loader.batches.stream import BatchStream, Cut, stream_for
 from balanced_loader.calibration.schedule import CostSchedule
 from balanced_loader.cost import CostModel
-from balanced_loader.data.loader_args import (  # resolve_world: the loader's rank and world size, public here too
+from balanced_loader.data.mixture import MixtureSource
+from balanced_loader.data.open import open_source
+from balanced_loader.data.sources import Source
+from balanced_loader.loader_args import (  # resolve_world: the loader's rank and world size, public here too
     check_budget_holds_a_sequence,
     check_loader_args,
     check_pad_id,
     resolve_world,
     smallest,
 )
-from balanced_loader.data.mixture import MixtureSource
-from balanced_loader.data.open import open_source
-from balanced_loader.data.schedule import setting
-from balanced_loader.data.sources import Source
 from balanced_loader.materialize import (
     Microbatch,
     materialize_rank,
@@ -68,6 +67,7 @@ from balanced_loader.materialize import (
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning import get_policy, longest_segment, make_plan
 from balanced_loader.planning.config import PlanConfig
+from balanced_loader.schedule import setting
 
 log = logging.getLogger("balanced_loader")
 ORDERS = ("any", "strict")  # strict (with shuffle=False): steps follow the source order exactly
@@ -157,7 +157,7 @@ class BalancedLoader:
                  plan_config: dict[str, Any] | PlanConfig | None = None, cp: int | None = None, cp_inner: int = 1,
                  pad_id: int = 0, validate: bool = False, order: str = "any", calibrate: Any = False) -> None:
         # every argument is checked (type, range, bounds) before the source is opened: no pass over the data
-        # for a typo (balanced_loader.data.loader_args); the token settings may be schedules (data.schedule)
+        # for a typo (balanced_loader.loader_args); the token settings may be schedules (data.schedule)
         rank, world_size = resolve_world(rank, world_size)
         scheduled = isinstance(global_batch_tokens, (list, tuple)), isinstance(max_seq_len, (list, tuple))
         a = check_loader_args(policy=policy, global_batch_tokens=1 if scheduled[0] else global_batch_tokens,
@@ -514,7 +514,7 @@ class BalancedLoader:
         ``DataLoader`` that plans and reads the ``n`` skipped steps and drops them. To resume
         without that work, save ``loader.state_dict()`` and ``load_state_dict`` it instead.
         """
-        from balanced_loader.integrations.torch_dataset import iterable_view
+        from balanced_loader.dataset_view import iterable_view
 
         return iterable_view(self)
 

@@ -33,8 +33,8 @@ import sys
 import numpy as np
 
 from balanced_loader.data.mixture import mix
-from balanced_loader.data.schedule import schedule
 from balanced_loader.loader import BalancedLoader
+from balanced_loader.schedule import schedule
 
 WEIGHTS = {"tests": 0.6, "packages": 0.3, "modules": 0.1}
 COST = "hydra-gpt7b-a100"
@@ -43,8 +43,8 @@ BUDGET = 131072
 
 
 def build(folder: str) -> dict[str, str]:
-    from balanced_loader.data.build import build_from_files
-    from balanced_loader.data.corpus import stdlib_py_files, stdlib_root
+    from balanced_loader.build.builder import build_from_files
+    from balanced_loader.build.corpus import stdlib_py_files, stdlib_root
     from balanced_loader.data.index import INDEX_FILE
 
     groups: dict[str, list[str]] = {k: [] for k in WEIGHTS}

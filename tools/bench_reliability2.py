@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from balanced_loader.data import build
-from balanced_loader.data.corpus import stdlib_py_files
+from balanced_loader.build import builder as build
+from balanced_loader.build.corpus import stdlib_py_files
 from balanced_loader.loader import BalancedLoader
 
 

@@ -1,6 +1,6 @@
 """Step sizes and mixes on a corpus zoo of this machine's files (issue 33's acceptance figures).
 
-For each corpus (byte-level lengths of real files: ``balanced_loader.data.zoo``), shuffled and not, a
+For each corpus (byte-level lengths of real files: ``balanced_loader.build.zoo``), shuffled and not, a
 ``BalancedLoader`` (hydra, 4 ranks, ``--global-batch-tokens`` 65,536, ``--max-seq-len`` 4,096, default
 ``long_docs="split"``) runs ``--steps`` steps; reported: tokens per step (min / median / max), the steps
 outside ``[B - max_seq_len, B]`` (the last step of a finite run excepted), the largest share of one doc
@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import balanced_loader as bl
-from balanced_loader.data import zoo
+from balanced_loader.build import zoo
 from balanced_loader.outputs.records import Figure, make_record, write_record
 
 
@@ -75,7 +75,7 @@ def mixture(srcs: dict, weights, *, steps: int, budget: int, limit: int, world: 
 def many_sources(k: int, steps: int = 6) -> dict:
     """A mixture of ``k`` seeded sources of 50 docs (equal weights), 1M-token steps: seconds per step."""
     from balanced_loader.batches.stream import stream_for
-    from balanced_loader.data.schedule import schedule
+    from balanced_loader.schedule import schedule
 
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()

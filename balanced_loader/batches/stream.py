@@ -40,8 +40,8 @@ import numpy as np
 from balanced_loader.batches.items import DocStats
 from balanced_loader.batches.sequences import Run, SeqPos, SourceSequences
 from balanced_loader.data.mixture import MixtureSource
-from balanced_loader.data.schedule import Schedule, WeightSchedule, schedule, weight_schedule
 from balanced_loader.plan import BatchItems
+from balanced_loader.schedule import Schedule, WeightSchedule, schedule, weight_schedule
 
 CARRY_GAIN = 0.5  # the share of a source's carried surplus the next step corrects
 _FIELDS = ("epoch", "window", "unit", "offset")

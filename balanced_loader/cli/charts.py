@@ -26,7 +26,7 @@ def _save(fig, path: str) -> str:
     """Render into a temporary file and rename it over ``path`` (never a half-written chart)."""
     import os
 
-    from balanced_loader.data.files import atomic_write
+    from balanced_loader.outputs.files import atomic_write
 
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
     with atomic_write(path, "wb") as f:

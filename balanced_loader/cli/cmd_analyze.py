@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     from balanced_loader.cli import analysis as analyze
     from balanced_loader.cli import charts
-    from balanced_loader.data.files import OutputSet, write_json
+    from balanced_loader.outputs.files import OutputSet, write_json
     from balanced_loader.presets import load_cost
 
     if bool(args.source) == bool(args.mix):

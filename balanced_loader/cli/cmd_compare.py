@@ -53,9 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.cli import comparison as cmp
     from balanced_loader.cli.analysis import format_steps, step_report
     from balanced_loader.cli.streams import stream_batches, wants_stream
-    from balanced_loader.data.files import OutputSet, write_json
-    from balanced_loader.data.loader_args import check_cli_budget
     from balanced_loader.loader import default_max_seq_len
+    from balanced_loader.loader_args import check_cli_budget
+    from balanced_loader.outputs.files import OutputSet, write_json
     from balanced_loader.planning.config import PlanConfig
     from balanced_loader.presets import load_cost
 

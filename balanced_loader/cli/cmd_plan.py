@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from balanced_loader.cli.streams import shares, stream_batches, wants_stream
-    from balanced_loader.data.files import write_text
+    from balanced_loader.outputs.files import write_text
     from balanced_loader.plan import BatchItems, Plan
     from balanced_loader.planning import make_plan, warm_up
     from balanced_loader.planning.config import PlanConfig
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if isinstance(v, int) and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    from balanced_loader.data.loader_args import check_cli_budget
+    from balanced_loader.loader_args import check_cli_budget
 
     check_cli_budget(args.global_batch_tokens, args.max_seq_len)
     config = PlanConfig(policy=args.policy, world_size=args.world_size, tp=args.tp, pp=args.pp, cp=args.cp,

@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from balanced_loader.data.verify import verify_folder
+    from balanced_loader.build.verify import verify_folder
 
     report = verify_folder(args.folder)
     for line in report.problems:

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.cli import charts
     from balanced_loader.cli.analysis import format_steps, length_stats, step_report
     from balanced_loader.cli.streams import stream_batches
-    from balanced_loader.data.files import write_json
+    from balanced_loader.outputs.files import write_json
 
     ns = argparse.Namespace(mix=args.mix, mix_by=args.mix_by, cache_dir=args.cache_dir, lengths=None, source=None,
                             global_batch_tokens=args.global_batch_tokens, seed=args.seed, shuffle=args.shuffle,

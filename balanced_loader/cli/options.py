@@ -68,7 +68,7 @@ MEGABYTES = float_in(0.0, float(1 << 20), lo_open=True)
 
 def tokens_or_schedule(text: str) -> Any:
     """An argparse ``type``: a token count ``N`` in 1..MAX_TOKENS, or a schedule ``N@STEP,...``."""
-    from balanced_loader.data.schedule import parse_text, schedule
+    from balanced_loader.schedule import parse_text, schedule
 
     if "@" not in text:
         return TOKENS(text)
@@ -84,7 +84,7 @@ def tokens_or_schedule(text: str) -> Any:
 
 def mix_entry(text: str) -> tuple[str, str, Any]:
     """An argparse ``type`` for ``NAME=PATH:WEIGHT``: ``(name, path, weight or [(step, weight), ...])``."""
-    from balanced_loader.data.schedule import parse_text
+    from balanced_loader.schedule import parse_text
 
     name, eq, rest = text.partition("=")
     path, colon, weight = rest.rpartition(":")

@@ -81,7 +81,7 @@ class StreamBatches:
 def stream_batches(args: argparse.Namespace, *, max_seq_len: Any, steps: int | None) -> StreamBatches:
     """The first ``steps`` global batches (None: to the end of the first epoch) of ``args``'s input."""
     from balanced_loader.batches.stream import stream_for
-    from balanced_loader.data.schedule import schedule
+    from balanced_loader.schedule import schedule
 
     if args.global_batch_tokens is None:
         raise ValueError("a mixture (--mix) or a schedule is cut into steps: give --global-batch-tokens N "

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.data.open import open_source
-from balanced_loader.data.schedule import WeightSchedule, weight_schedule
 from balanced_loader.data.sources import Source
+from balanced_loader.schedule import WeightSchedule, weight_schedule
 
 MIX_BY = ("tokens", "docs")
 
@@ -93,7 +93,7 @@ class ClippedLengths:
 class MixtureSource(Source):
     """Several named sources as one: their docs end to end in name order, mixed by ``weights`` per step.
 
-    Build it with :func:`mix`. ``weights`` is a :class:`~balanced_loader.data.schedule.WeightSchedule`
+    Build it with :func:`mix`. ``weights`` is a :class:`~balanced_loader.schedule.WeightSchedule`
     (shares of each step's tokens, or docs with ``by="docs"``); the loader, ``plan``, ``compare``
     and ``analyze`` read a mixture like any source.
     """

@@ -70,7 +70,7 @@ def make_record(name: str, figures: list[Figure], *, command: str, details: Any 
 
 def write_record(path: str, record: dict[str, Any]) -> str:
     """Write ``record`` (complete or absent)."""
-    from balanced_loader.data.files import write_json
+    from balanced_loader.outputs.files import write_json
 
     write_json(path, record, indent=1)
     return path
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if new != page:
-        from balanced_loader.data.files import write_text
+        from balanced_loader.outputs.files import write_text
 
         write_text(a.page, new)
         print(f"wrote {a.page}")

@@ -71,7 +71,7 @@ def open_data(recipe: Recipe, *, build: bool):
         return mix({e.name: recipe.resolve(e.source) for e in d.mixture}, weights={e.name: e.weight for e in d.mixture},
                    by=d.mixture_by)
     if d.source == STDLIB:
-        from balanced_loader.data.corpus import stdlib_shards
+        from balanced_loader.build.corpus import stdlib_shards
         from balanced_loader.data.shards import ShardSource
 
         return stdlib_shards(d.shards_dir, limit=d.stdlib_limit) if build else ShardSource(d.shards_dir)

@@ -12,7 +12,7 @@ from balanced_loader.batches.order import EpochOrder, FeistelPermutation, epoch_
 from balanced_loader.batches.sequences import UNIT_TAG
 from balanced_loader.batches.stream import LengthArray, global_batches, stream_for
 from balanced_loader.data.lengths import read_lengths
-from balanced_loader.data.schedule import schedule
+from balanced_loader.schedule import schedule
 
 
 @given(st.lists(st.integers(0, 100), max_size=50), st.integers(1, 40))

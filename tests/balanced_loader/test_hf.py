@@ -300,7 +300,7 @@ def test_no_output_at_interpreter_exit(tmp_path):
     code = textwrap.dedent(f"""
         import numpy as np, torch
         from balanced_loader import BalancedLoader
-        from balanced_loader.data.shards import write_shards
+        from balanced_loader.build.writer import write_shards
         rng = np.random.default_rng(0)
         src = write_shards([rng.integers(1, 100, size=int(n)) for n in rng.integers(5, 300, size=300)],
                            "{tmp_path}/shards")

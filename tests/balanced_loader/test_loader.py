@@ -9,8 +9,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from balanced_loader.build.writer import write_shards
 from balanced_loader.cost import CostModel
-from balanced_loader.data.shards import write_shards
 from balanced_loader.loader import BalancedLoader, default_max_seq_len
 from balanced_loader.materialize import IGNORE_INDEX
 from balanced_loader.planning.config import PlanConfig

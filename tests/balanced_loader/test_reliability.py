@@ -18,11 +18,11 @@ import pytest
 from test_cli_errors import GOOD_COST
 
 from balanced_loader import cli
+from balanced_loader.build.writer import write_shards
 from balanced_loader.cost import CostModel
 from balanced_loader.data import lengths as lengths_mod
 from balanced_loader.data.integrity import lengths_fingerprint
 from balanced_loader.data.lengths import MAX_DOC_TOKENS, read_lengths
-from balanced_loader.data.shards import write_shards
 from balanced_loader.loader import BalancedLoader
 from balanced_loader.plan import Group, Plan, Pool, StepPlan
 

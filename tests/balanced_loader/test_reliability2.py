@@ -21,9 +21,10 @@ from test_cli_errors import GOOD_COST
 
 import balanced_loader as bl
 from balanced_loader import cli
-from balanced_loader.data.build import build_from_files
-from balanced_loader.data.reindex import reindex_folder
-from balanced_loader.data.shards import ShardSource, write_shards
+from balanced_loader.build.builder import build_from_files
+from balanced_loader.build.reindex import reindex_folder
+from balanced_loader.build.writer import write_shards
+from balanced_loader.data.shards import ShardSource
 from balanced_loader.strict import read_yaml
 
 BYTES = {"name": "bytes", "vocab_size": 256}
@@ -469,7 +470,7 @@ def test_remote_index_plans_without_range_retries_and_times_out(env, tmp_path, c
     pytest.importorskip("fsspec")
     pytest.importorskip("aiohttp")
     from balanced_loader.data import remote
-    from balanced_loader.data.httpserve import RangeServer
+    from balanced_loader.diagnostics.range_server import RangeServer
 
     monkeypatch.setattr(remote, "BACKOFF_S", 0.05)  # the same doubling backoff, shorter waits
 

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from balanced_loader.build.writer import write_shards
 from balanced_loader.cost import CostModel
-from balanced_loader.data.shards import write_shards
 from balanced_loader.loader import BalancedLoader
 
 WORLD = 4

@@ -12,8 +12,8 @@ import pytest
 
 import balanced_loader as bl
 from balanced_loader.batches.stream import global_batches
-from balanced_loader.data import zoo
-from balanced_loader.data.shards import write_shards
+from balanced_loader.build import zoo
+from balanced_loader.build.writer import write_shards
 from balanced_loader.loader import BalancedLoader
 from balanced_loader.materialize import IGNORE_INDEX
 

@@ -39,7 +39,7 @@ strategies:
 
 def small_run(tmp: Path) -> list[str]:
     """``--set`` overrides that shrink cpu-hetero.yaml to a test run (corpus and cost file built in ``tmp``)."""
-    from balanced_loader.data.corpus import stdlib_shards
+    from balanced_loader.build.corpus import stdlib_shards
 
     shards = tmp / "shards"
     stdlib_shards(str(shards), limit=300)

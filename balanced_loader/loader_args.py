@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.schedule import Schedule, schedule
+from balanced_loader.schedule import Schedule, schedule
 
 MAX_RANKS = 1 << 20  # ranks of a world (a plan file's limit too)
 MAX_TOKENS = 1 << 40  # tokens of a doc, a segment or a global batch

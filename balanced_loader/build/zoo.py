@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from balanced_loader.data.corpus import stdlib_py_files
+from balanced_loader.build.corpus import stdlib_py_files
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
