@@ -473,6 +473,9 @@ class HydraCPScheduler:
         self.cost = resolve_cost(cost, self.max_seq_len_per_rank, self.total_hdp_gpus)
         self.megatron_candidate = bool(megatron_candidate)
         self.last: dict[str, Any] = {}
+        # load the placement kernel now (numba, cached on disk), so that the first step does not pay for it
+        plan_samples(np.ones(1, dtype=np.int64), self.total_hdp_gpus, self.max_seq_len_per_rank, self.cost,
+                     megatron_candidate=False)
 
     def get_groups_and_subsamples(self, sample_id_seqlens: Any, config: Any = None
                                   ) -> tuple[list[list[list[int]]], list[list[list[Any]]]]:
