@@ -120,7 +120,7 @@ def test_valid_and_never_slower_on_random_batches(world):
     Megatron's own output is valid)."""
     rng = np.random.default_rng(world)
     cap = 64
-    for trial in range(25):
+    for _ in range(25):
         n = int(rng.integers(1, 6 * world + 2))
         top = cap * world
         lengths = np.minimum(rng.lognormal(3.0, 1.4, n).astype(np.int64) + 1, top)
