@@ -353,3 +353,33 @@ def test_no_megatron_import_needed():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert r.returncode == 0, r.stderr
+
+
+# ---- verify: two old cases of issue 38 --------------------------------------------------------------------
+
+def test_verify_counts_in_index_json_and_names_a_length_file(tmp_path, capsys):
+    """`verify` on a shard folder whose index.json num_tokens was raised by 7 reports it (it said 'no
+    problems'); `verify lengths.txt` says what the file is and what verify takes (it said 'shard folder
+    does not exist')."""
+    from balanced_loader.data.index import INDEX_FILE
+    from balanced_loader.data.shards import write_shards
+
+    folder = str(tmp_path / "shards")
+    write_shards([np.arange(n, dtype=np.uint16) for n in (5, 9, 300)], folder)
+    assert cli.main(["verify", folder]) == 0
+    path = os.path.join(folder, INDEX_FILE)
+    with open(path) as f:
+        index = json.load(f)
+    index["num_tokens"] += 7
+    with open(path, "w") as f:
+        json.dump(index, f)
+    capsys.readouterr()
+    assert cli.main(["verify", folder]) == 2
+    out = capsys.readouterr().out
+    assert "records num_tokens 321 but index.lengths.npy holds 314" in out and "1 problem(s)" in out
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("5\n9\n")
+    assert cli.main(["verify", str(lengths)]) == 2
+    err = capsys.readouterr().err
+    assert "is a length file (lengths only, no tokens)" in err and "shard folder" in err
+    assert "does not exist" not in err

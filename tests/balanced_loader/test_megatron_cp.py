@@ -216,6 +216,11 @@ assert isinstance(w.cp_balancing_scheduler, BalancedCPScheduler)
 w.cp_balancing_scheduler = HydraCPScheduler(Config.max_seqlen_per_dp_cp_rank, w.dp_cp_group)
 groups, ids = w.cp_balancing_scheduler.get_groups_and_subsamples(pairs, w.config)  # as __next__ calls it
 check_schedule(ids, pairs, 8, 64, groups=groups)
+import megatron.core.datasets.data_schedule as data_schedule  # or: replace the class before the wrapper is built
+data_schedule.BalancedCPScheduler = HydraCPScheduler
+w = HybridCPDataLoaderWrapper(iter([]), Config(), pg_collection=ProcessGroupCollection(dp_cp=g, dp=g, tp=g))
+assert isinstance(w.cp_balancing_scheduler, HydraCPScheduler) and w.cp_balancing_scheduler.total_hdp_gpus == 8
+assert iter(w) is w
 print("swap: ok")
 """
 
