@@ -301,21 +301,24 @@ class MegatronSource(Source):
         """Fetch the byte ranges of these reads concurrently (remote prefixes only)."""
         if not self.remote:
             return
-        want: dict[int, list[tuple[int, int]]] = {}
+        want: dict[int, dict[tuple[int, int], None]] = {}  # part -> unique (n, offset), in read order
         for doc_id, start, length in reads:
             try:
                 d, start, length = self._check_range(doc_id, start, length)
                 j, i = self.locate(d)
-                off, n, _ = self._span(j, i, start, length)
+                off, n, whole = self._span(j, i, start, length)
             except ValueError:
                 continue  # the read itself reports it
-            if n and self.parts[j].store.remote:
-                want.setdefault(j, []).append((n, off))
+            if whole and d in self._cache:
+                continue  # a checked doc already in memory: its pieces need no bytes
+            if n and self.parts[j].store.remote:  # the pieces of one checked doc share one whole-doc range
+                want.setdefault(j, {})[(n, off)] = None
         got: dict[tuple[int, int, int], bytes] = {}
         for j, ranges in want.items():
             part = self.parts[j]
-            bufs = part.store.pread_many([(part.bin_name, n, off) for n, off in ranges])
-            got.update({(j, n, off): b for (n, off), b in zip(ranges, bufs, strict=True) if b is not None})
+            keys = list(ranges)
+            bufs = part.store.pread_many([(part.bin_name, n, off) for n, off in keys])
+            got.update({(j, n, off): b for (n, off), b in zip(keys, bufs, strict=True) if b is not None})
         self._prefetched = got
 
     def _pread(self, j: int, n: int, off: int) -> bytes:
