@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import struct
 
 import numpy as np
@@ -70,6 +71,8 @@ def test_lengths_and_tokens_equal_the_files(folder):
     ends = np.fromfile(os.path.join(path, "train_00001_shuffled.ds.index"), dtype="<u8")
     assert np.array_equal(src.tokens(70), raw[ends[9]:ends[10]])
     assert np.array_equal(src.read(70, 2, 3), flat[70][2:5])
+    again = pickle.loads(pickle.dumps(src))  # DataLoader workers get the source pickled
+    assert again.fingerprint() == src.fingerprint() and np.array_equal(again.tokens(70), flat[70])
 
 
 def test_four_ranks_every_token_once_and_exact_resume(folder):

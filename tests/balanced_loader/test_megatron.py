@@ -7,6 +7,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import pickle
 import shutil
 import struct
 import subprocess
@@ -219,6 +220,9 @@ def test_several_prefixes_are_one_source(tmp_path):
         flat = [s for p in parts for s in p]
         assert src.num_docs == len(flat) and src.shard_bounds.tolist() == [0, 5, 5, 12]
         assert all(np.array_equal(src.tokens(i), s) for i, s in enumerate(flat))
+    again = pickle.loads(pickle.dumps(src))  # DataLoader workers get the source pickled
+    assert again.fingerprint() == src.fingerprint() and np.array_equal(again.tokens(7), flat[7])
+    assert cli.main(["verify", str(tmp_path)]) == 0  # every prefix of the folder
 
 
 def test_data_path_form_and_mix(tmp_path):
