@@ -157,7 +157,7 @@ class BalancedLoader:
                  plan_config: dict[str, Any] | PlanConfig | None = None, cp: int | None = None, cp_inner: int = 1,
                  pad_id: int = 0, validate: bool = False, order: str = "any", calibrate: Any = False) -> None:
         # every argument is checked (type, range, bounds) before the source is opened: no pass over the data
-        # for a typo (balanced_loader.loader_args); the token settings may be schedules (data.schedule)
+        # for a typo (balanced_loader.loader_args); the token settings may be schedules (balanced_loader.schedule)
         rank, world_size = resolve_world(rank, world_size)
         scheduled = isinstance(global_batch_tokens, (list, tuple)), isinstance(max_seq_len, (list, tuple))
         a = check_loader_args(policy=policy, global_batch_tokens=1 if scheduled[0] else global_batch_tokens,

@@ -1,6 +1,7 @@
 """``balanced-loader analyze SOURCE_OR_LENGTHS``: length statistics, a histogram PNG and advice.
 
-SOURCE_OR_LENGTHS is a length file (.txt, .txt.gz, .npy), a shard folder or a .jsonl file; several
+SOURCE_OR_LENGTHS is a length file (.txt, .txt.gz, .npy), a shard folder, a Megatron dataset PREFIX, a
+folder of datatrove .ds files or a .jsonl file; several
 shard folders are analyzed as one source (the parts of a ``build-shards --part`` build).
 Writes ``OUT/histogram.png``, ``OUT/steps.png`` and ``OUT/analyze.json``, published as a set (a failure
 leaves the old set). The steps section cuts the first ``--steps`` global batches as the loader would
@@ -42,12 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def is_source(path: str) -> bool:
-    """Whether ``path`` names a source (a shard folder, local or a URL, or a .jsonl file), not a length file."""
+    """Whether ``path`` names a source (a shard folder, local or a URL, a Megatron prefix, datatrove files or a
+    .jsonl file), not a length file."""
     import os
 
+    from balanced_loader.data.megatron import resolve_prefix
     from balanced_loader.data.stores import is_url
 
-    return is_url(path) or os.path.isdir(path) or path.endswith(".jsonl")
+    return (is_url(path) or os.path.isdir(path) or path.endswith((".jsonl", ".ds"))
+            or resolve_prefix(path) is not None)
 
 
 def read_source_lengths(path: str | list[str], cache_dir: str | None = None) -> tuple[Any, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from balanced_loader.cli.options import COUNT, SEED, mix_entry, tokens_or_schedule
+from balanced_loader.cli.options import COUNT, SEED, MixAction, mix_entry, tokens_or_schedule
 
 DEFAULT_BUDGET = 65536
 
@@ -18,9 +18,9 @@ DEFAULT_BUDGET = 65536
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The mixture options of ``analyze`` (``--max-seq-len`` and ``--cache-dir`` are its own)."""
     g = p.add_argument_group("mixture (instead of SOURCE_OR_LENGTHS)")
-    g.add_argument("--mix", nargs="+", type=mix_entry, metavar="NAME=PATH:WEIGHT",
+    g.add_argument("--mix", nargs="+", type=mix_entry, action=MixAction, metavar="NAME=PATH:WEIGHT",
                    help="analyze a mixture: each source's lengths and its share of every step; WEIGHT is a number "
-                        "or a schedule W@STEP,W@STEP")
+                        "or a schedule W@STEP,W@STEP; or Megatron's data path W1 PREFIX1 W2 PREFIX2 ...")
     g.add_argument("--mix-by", default="tokens", choices=("tokens", "docs"),
                    help="weights are shares of each step's tokens (default) or docs")
     g.add_argument("--global-batch-tokens", type=tokens_or_schedule, default=DEFAULT_BUDGET, metavar="N",

@@ -37,8 +37,8 @@ def open_input(args: argparse.Namespace) -> Any:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"--mix: source name '{dup[0]}' is given twice")
-        return mix({n: _open_one(p, cache_dir) for n, p, _ in args.mix}, weights={n: w for n, _, w in args.mix},
-                   by=args.mix_by)
+        weights = None if any(w is None for _, _, w in args.mix) else {n: w for n, _, w in args.mix}
+        return mix({n: _open_one(p, cache_dir) for n, p, _ in args.mix}, weights=weights, by=args.mix_by)
     if args.lengths:
         return _open_one(args.lengths, None)
     spec = args.source[0] if len(args.source) == 1 else list(args.source)

@@ -178,7 +178,18 @@ def mix(sources: Mapping[str, Any], weights: Any = None, *, by: str = "tokens", 
     step); ``None`` weighs each source by its size (its tokens, or docs with ``by="docs"``).
     ``by="tokens"``: every global batch holds each source's share of the step's tokens;
     ``by="docs"``: of its docs. ``open_kw`` go to :func:`~balanced_loader.data.open.open_source`.
+
+    ``sources`` may also be Megatron's data-path form, ``"0.3 PREFIX_A 0.7 PREFIX_B"`` (or prefixes only,
+    each weighing its size): the sources are named by their prefixes' base names
+    (:func:`balanced_loader.data.megatron.data_path_sources`).
     """
+    if isinstance(sources, str):
+        from balanced_loader.data.megatron import data_path_sources
+
+        if weights is not None:
+            raise ValueError("a data-path string carries its own weights ('0.3 PREFIX_A 0.7 PREFIX_B'); "
+                             "pass weights=None")
+        sources, weights = data_path_sources(sources)
     if by not in MIX_BY:
         raise ValueError(f"by must be one of {', '.join(MIX_BY)}, got {by!r}")
     if not isinstance(sources, Mapping) or not sources:
