@@ -61,6 +61,7 @@ from balanced_loader.cost import CostModel, ShapeCost, floor_level
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import block_place, fill_passes
+from balanced_loader.planning.policies import portfolio
 from balanced_loader.planning.policies.common import (
     assemble,
     empty_plan,
@@ -264,6 +265,24 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
             best = placed
         if best[3] <= tgt.target_ms * (1 + RETARGET_SLACK):
             break
-    mb, lane0, deg, _ = best
+    mb, lane0, deg, own_ms = best
+    notes: tuple[str, ...] = ()
+    fit_level = int(tgt.memory_levels.max())
+    ev = portfolio.Evaluator(items.lengths, setup.shape, setup.lanes, setup.pp)
+    tried = 0
+    win, win_ms = "load-target", ev.ms((mb, lane0, deg))
+    for name, build in portfolio.candidates(ev, tgt.levels, desc, top, fit_level):
+        cand = build()
+        if cand is None:
+            continue
+        tried += 1
+        t = ev.ms(cand)
+        if t < win_ms * (1 - 1e-9):
+            win, win_ms = name, t
+            mb, lane0, deg = cand
+    if tried:
+        notes = (f"hydra: portfolio of {tried + 1} plans chose {win} ({win_ms:.1f} ms; load-target placement "
+                 f"{own_ms:.1f} ms)",)
     micro = assemble(items, mb, lane0, deg)
-    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+    plan = one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+    return plan.with_timing(notes=notes) if notes else plan

@@ -1,0 +1,227 @@
+r"""hydra's portfolio: where one placement cannot cover every regime, several plans are built and the fastest
+by the contract-2 model is kept (:func:`best_plan`).
+
+Why a portfolio (the regime sweep of ``tools/sweep_planner.py``): hydra's load-target placement is within
+0.5% of the lower bound where docs are many per lane and the fixed cost per pass is small (Wikipedia on
+GPU presets), but it loses to simpler plans where
+
+* **the fixed cost per pass dominates** (``microbatch_ms`` the work of thousands of tokens): a wide doc that
+  runs alone on ``d`` lanes pays ``microbatch_ms`` on each of them for a group that is part empty, where a
+  static packer shares it among the docs of a full bin. Co-packing short docs into the room of wide groups
+  costs their CP communication (``B s / bw(d)`` lane-ms) and saves their share of a pass
+  (``microbatch_ms s / cap``), so it pays exactly where ``B / bw(d) < microbatch_ms / cap``
+  (:func:`copack_levels`); there, wide docs packed together into bins of ``D`` lanes fill their groups
+  better still (:func:`wide_bins`).
+* **docs per lane are few** (fewer than :data:`SPARSE` on average: small worlds, long contexts): the
+  granularity of groups and passes leaves the load target far off, and balancing the docs over groups of
+  one degree (verl's Karmarkar-Karp, bins by longest-processing-time) is often closer.
+
+The candidates, each a per-item ``(microbatch, first lane, degree)`` plan on aligned power-of-two blocks
+within the ``cp`` limit: hydra's own placement (always), its co-packed variant and wide bins (where
+co-packing pays), and where docs are few per lane or co-packing pays, one plan per degree by bins and by
+Karmarkar-Karp and the plans of the simpler policies (``maxlen``, ``static-sp``, ``token-kk``,
+``batch-ada``, ``greedy``). Each is timed by :func:`balanced_loader.planning.kernels.evaluate.items_step_kernel`
+(no contract-1 object is built before the winner is known); ties keep the earlier candidate. The gates are
+properties of the batch and the cost model, never of the clock, so the plan stays a pure function of its
+inputs; the extra candidates cost O(n log n) each and run only where hydra's placement misses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from balanced_loader.cost import ShapeCost
+from balanced_loader.planning.packing import BFD_MAX_CAPACITY, block_place, cost_pack, fill_passes, pack
+
+SPARSE = 16  # docs per lane below which the single-degree plans join the portfolio
+MAX_ITEMS = 1 << 15  # ... and at most this many items (the simpler policies' plans are O(n log n) in Python)
+MAX_KK_GROUPS = 1024  # Karmarkar-Karp plans only up to this many groups (O(n k) per plan)
+
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # per item: microbatch, first lane, degree ([n] each)
+
+
+class Evaluator:
+    """Contract-2 step time of per-item plans of one batch on one pool (``lanes`` lanes of shape ``sc``)."""
+
+    def __init__(self, lengths: np.ndarray, sc: ShapeCost, lanes: int, pp: int) -> None:
+        self.lengths = np.ascontiguousarray(lengths, dtype=np.int64)  # [n]
+        self.s = self.lengths.astype(np.float64)  # [n]
+        self.work = np.asarray(sc.compute_ms(self.s), dtype=np.float64)  # [n] ms on one lane
+        self.sc, self.lanes, self.pp = sc, lanes, pp
+        top = lanes.bit_length()
+        deg = np.left_shift(1, np.arange(top)).astype(np.float64)  # [levels]
+        # ms per token per lane of CP communication on 2**v lanes (0 on one lane)
+        self.comm = np.where(deg > 1, sc.comm_bytes_per_token / deg / (sc.bandwidths(deg) * 1e6), 0.0)
+
+    def seg(self, deg: np.ndarray) -> np.ndarray:
+        """``[n]`` the time each item adds to a group of its degree (``ShapeCost.segment_ms``)."""
+        lv = np.log2(deg).astype(np.int64)
+        return self.work / deg + self.comm[lv] * self.s
+
+    def ms(self, plan: Arrays) -> float:
+        from balanced_loader.planning.kernels.evaluate import items_step_kernel
+
+        mb, lane0, deg = (np.ascontiguousarray(a, dtype=np.int64) for a in plan)
+        return float(items_step_kernel(mb, lane0, deg, self.seg(deg), float(self.sc.microbatch_ms), self.pp,
+                                       self.lanes)[0])
+
+
+def copack_levels(sc: ShapeCost, top: int) -> np.ndarray:
+    """``[top + 1]`` bool: levels ``v >= 1`` where a short doc co-packed into a group of ``2**v`` lanes costs
+    less CP communication (``B / bw``, lane-ms per token) than its share of a pass (``microbatch_ms / cap``)."""
+    deg = np.left_shift(1, np.arange(top + 1)).astype(np.float64)
+    lane_ms = np.where(deg > 1, sc.comm_bytes_per_token / (sc.bandwidths(deg) * 1e6), np.inf)  # [levels]
+    return lane_ms < sc.microbatch_ms / sc.max_tokens_per_lane
+
+
+def _group_table(ev: Evaluator, lengths: np.ndarray, extra: np.ndarray, levels: np.ndarray, top: int) -> np.ndarray:
+    """``[w, top + 1]`` each wide group's time at its own level only (``inf`` elsewhere): ``microbatch_ms`` +
+    its doc's segment + ``extra`` (what co-packed docs add)."""
+    s = lengths.astype(np.float64)
+    deg = np.left_shift(1, levels).astype(np.float64)
+    own = ev.sc.microbatch_ms + np.asarray(ev.sc.compute_ms(s)) / deg + ev.comm[levels] * s + extra
+    table = np.full((len(lengths), top + 1), np.inf)
+    table[np.arange(len(lengths)), levels] = own
+    return table
+
+
+def _place_jobs(table: np.ndarray, levels: np.ndarray, lanes: int, load=None, next_k=None):
+    """Jobs (groups of their own level) widest first, then longest, onto the aligned block that starts first."""
+    own = table[np.arange(len(levels)), levels]
+    order = np.lexsort((-own, -levels))
+    pl = block_place(table[order], levels[order], lanes, load, next_k)
+    mb = np.empty(len(levels), np.int64)
+    lane0 = np.empty(len(levels), np.int64)
+    mb[order], lane0[order] = pl.microbatch, pl.lane
+    return mb, lane0, pl.load, pl.next_microbatch
+
+
+def copack_place(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int) -> Arrays:
+    """hydra's placement at ``levels`` with short docs first co-packed into the room of wide groups (longest
+    first into the group with the least added work that holds it, at the levels of :func:`copack_levels`);
+    wide groups by longest-processing-time on their blocks, the rest into passes (``fill_passes``)."""
+    sc, lanes, ln = ev.sc, ev.lanes, ev.lengths
+    n = len(ln)
+    cap = sc.max_tokens_per_lane
+    mb = np.zeros(n, np.int64)
+    lane0 = np.zeros(n, np.int64)
+    deg = np.left_shift(1, levels).astype(np.int64)
+    wide = np.flatnonzero(levels > 0)
+    short = desc[levels[desc] == 0]  # one-lane items, longest first
+    host = np.full(n, -1, np.int64)  # [n] the wide item whose group a short item joins
+    load = np.zeros(lanes)
+    next_k = np.zeros(lanes, np.int64)
+    if len(wide):
+        room = deg[wide] * cap - ln[wide]
+        room[~copack_levels(sc, top)[levels[wide]]] = 0
+        if len(short) and room.any():
+            cp = cost_pack(ln[short], ev.work[short], len(wide), cap, load=np.zeros(len(wide)), room=room)
+            ok = cp.bins >= 0
+            host[short[ok]] = wide[cp.bins[ok]]
+        joined = np.flatnonzero(host >= 0)
+        slot = np.full(n, -1, np.int64)
+        slot[wide] = np.arange(len(wide))
+        added = np.bincount(slot[host[joined]], minlength=len(wide),
+                            weights=ev.work[joined] / deg[host[joined]] + ev.comm[levels[host[joined]]] * ev.s[joined])
+        table = _group_table(ev, ln[wide], added, levels[wide], top)
+        mb[wide], lane0[wide], load, next_k = _place_jobs(table, levels[wide], lanes)
+        mb[joined], lane0[joined], deg[joined] = mb[host[joined]], lane0[host[joined]], deg[host[joined]]
+        short = short[host[short] < 0]
+    if len(short):
+        fp = fill_passes(ln[short], ev.work[short], load, cap, sc.microbatch_ms)
+        mb[short] = next_k[fp.lane] + fp.pass_
+        lane0[short] = fp.lane
+    return mb, lane0, deg
+
+
+def wide_bins(ev: Evaluator, levels: np.ndarray, level: int, desc: np.ndarray, top: int) -> Arrays | None:
+    """Wide items packed together first-fit-decreasing into bins of ``2**level`` lanes, short items co-packed
+    into their room where that pays, the rest into one-lane bins; every bin a group, longest-processing-time
+    onto blocks. ``None`` when some wide item needs more than ``2**level`` lanes."""
+    sc, lanes, ln = ev.sc, ev.lanes, ev.lengths
+    cap = sc.max_tokens_per_lane
+    d = 1 << level
+    wide = np.flatnonzero(levels > 0)
+    if not len(wide) or int(ln[wide].max()) > d * cap:
+        return None
+    n = len(ln)
+    wb = pack(ln[wide], d * cap, "ffd")  # [w] bin of each wide item
+    nw = int(wb.max()) + 1
+    bin_of = np.full(n, -1, np.int64)
+    bin_of[wide] = wb
+    seg_d = ev.work / d + ev.comm[level] * ev.s  # [n] each item's time in a group of d lanes
+    short = desc[levels[desc] == 0]
+    if len(short) and copack_levels(sc, top)[level]:
+        room = d * cap - np.bincount(wb, weights=ln[wide], minlength=nw).astype(np.int64)
+        busy = np.bincount(wb, weights=seg_d[wide], minlength=nw)
+        cp = cost_pack(ln[short], seg_d[short], nw, cap, load=busy, room=room)
+        ok = cp.bins >= 0
+        bin_of[short[ok]] = cp.bins[ok]
+        short = short[~ok]
+    in_wide = np.flatnonzero(bin_of >= 0)
+    times = sc.microbatch_ms + np.bincount(bin_of[in_wide], weights=seg_d[in_wide], minlength=nw)  # [nw]
+    lv = np.full(nw, level, np.int64)
+    if len(short):
+        sb = pack(ln[short], cap, "ffd")
+        bin_of[short] = nw + sb
+        times = np.concatenate([times, sc.microbatch_ms + np.bincount(sb, weights=ev.work[short])])
+        lv = np.concatenate([lv, np.zeros(int(sb.max()) + 1, np.int64)])
+    table = np.full((len(times), top + 1), np.inf)
+    table[np.arange(len(times)), lv] = times
+    jm, jl, _, _ = _place_jobs(table, lv, lanes)
+    return jm[bin_of], jl[bin_of], np.left_shift(1, lv[bin_of])
+
+
+def level_bins(ev: Evaluator, level: int, top: int) -> Arrays | None:
+    """Every item on ``2**level`` lanes: bins of ``2**level * cap`` tokens (best fit decreasing), each a group,
+    longest-processing-time onto the aligned blocks. ``None`` when an item does not fit."""
+    d = 1 << level
+    cap = ev.sc.max_tokens_per_lane
+    if int(ev.lengths.max()) > d * cap:
+        return None
+    bins = pack(ev.lengths, d * cap, "bfd" if d * cap <= BFD_MAX_CAPACITY else "ffd")
+    seg = ev.seg(np.full(len(bins), d, np.int64))
+    times = ev.sc.microbatch_ms + np.bincount(bins, weights=seg)
+    table = np.full((len(times), top + 1), np.inf)
+    table[:, level] = times
+    jm, jl, _, _ = _place_jobs(table, np.full(len(times), level, np.int64), ev.lanes)
+    return jm[bins], jl[bins], np.full(len(bins), d, np.int64)
+
+
+def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fit_level: int
+               ) -> Iterator[tuple[str, Callable[[], Arrays | None]]]:
+    """The portfolio's further candidates (module docstring), lazily: ``(name, build)``. ``levels`` ``[n]`` are
+    hydra's degrees (as levels) of the batch, ``fit_level`` the memory-fit level of its longest item, ``top``
+    the largest level allowed (the ``cp`` limit)."""
+    from balanced_loader.planning.policies.batch_ada import batch_ada_arrays
+    from balanced_loader.planning.policies.common import static_arrays
+    from balanced_loader.planning.policies.greedy import greedy_arrays
+    from balanced_loader.planning.policies.token_kk import kk_arrays
+
+    sc, lanes, ln = ev.sc, ev.lanes, ev.lengths
+    cap = sc.max_tokens_per_lane
+    pays = copack_levels(sc, top)
+    sparse = len(ln) < SPARSE * lanes and len(ln) <= MAX_ITEMS
+    if pays.any() and (levels > 0).any():
+        yield "co-pack", lambda: copack_place(ev, levels, desc, top)
+        for v in range(max(1, int(levels.max())), top + 1):
+            if pays[v]:
+                yield f"wide bins d={1 << v}", lambda v=v: wide_bins(ev, levels, v, desc, top)
+    if not (sparse or pays.any()) or len(ln) > MAX_ITEMS:
+        return
+    degrees = [1 << v for v in range(top + 1)]
+    fixed = 1 << fit_level  # the static trainers' degree (lanes are powers of two here: it divides them)
+    if fit_level <= top and lanes % fixed == 0:
+        yield "maxlen", lambda: static_arrays(ln, lanes, cap, fixed, "ffd")
+        yield "static-sp", lambda: static_arrays(ln, lanes, cap, fixed, "bfd")
+        if lanes // fixed <= MAX_KK_GROUPS:
+            yield "token-kk", lambda: kk_arrays(ln, sc, lanes, fixed)
+    yield "batch-ada", lambda: batch_ada_arrays(ln, sc, lanes, degrees, ev.pp)
+    yield "greedy", lambda: greedy_arrays(ln, sc, lanes, degrees)
+    if sparse:
+        for v in range(fit_level, top + 1):
+            yield f"bins d={1 << v}", lambda v=v: level_bins(ev, v, top)
+            if v != fit_level and lanes % (1 << v) == 0 and lanes >> v <= MAX_KK_GROUPS:
+                yield f"karmarkar-karp d={1 << v}", lambda v=v: kk_arrays(ln, sc, lanes, 1 << v)
