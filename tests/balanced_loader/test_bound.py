@@ -37,7 +37,7 @@ def test_bound_is_below_every_policy(seed, world, pp2, beta):
     items = BatchItems.from_lengths(lengths)
     bound = step_lower_bound(lengths, cost, world)
     assert 0 < bound.bound_ms < np.inf
-    assert bound.bound_ms == max(bound.area_ms, bound.longest_ms, bound.passes_ms)
+    assert bound.bound_ms == max(bound.area_ms, bound.longest_ms, bound.passes_ms, bound.widths_ms)
     checked = 0
     for policy in POLICIES:
         if policy == "spindle":
