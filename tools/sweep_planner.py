@@ -79,9 +79,21 @@ def run(args) -> None:
                           flush=True)
 
 
-def read(path: str) -> list[sweep.CellResult]:
+def read(path: str, others: str | None = None) -> list[sweep.CellResult]:
+    """The results of a file; with ``others``, each cell's policies missing there taken from that file's cell
+    (a run of some policies only, beside a full earlier run whose other policies did not change)."""
     with open(path) as f:
-        return [sweep.CellResult.from_json(json.loads(line)) for line in f if line.strip()]
+        out = [sweep.CellResult.from_json(json.loads(line)) for line in f if line.strip()]
+    if others:
+        by_key = {r.cell.key: r for r in read(others)}
+        for r in out:
+            old = by_key.get(r.cell.key)
+            if old is not None:
+                for k, v in old.ms.items():
+                    if k not in r.ms:
+                        r.ms[k] = v
+                        r.plan_s.setdefault(k, old.plan_s.get(k, 0.0))
+    return out
 
 
 def report(results: list[sweep.CellResult], policy: str) -> None:
@@ -162,6 +174,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "balanced_loader"))
     ap.add_argument("--out", default="sweep.jsonl", help="JSON lines, appended (cells already there are skipped)")
     ap.add_argument("--report", metavar="JSONL", help="only summarize a results file")
+    ap.add_argument("--others", metavar="JSONL", help="report: take policies a cell lacks from this earlier run")
     ap.add_argument("--heatmap", metavar="PNG")
     ap.add_argument("--policy", default=sweep.DEFAULT_POLICY, help="the policy the report is about")
     args = ap.parse_args()
@@ -171,7 +184,7 @@ def main() -> None:
     try:
         if not args.report:
             run(args)
-        results = read(args.report or args.out)
+        results = read(args.report or args.out, args.others)
     except ValueError as e:
         print(f"sweep_planner: {e}", file=sys.stderr)
         sys.exit(2)

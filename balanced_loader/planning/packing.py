@@ -475,6 +475,30 @@ def karmarkar_karp_reference(work, k: int) -> np.ndarray:
     return part
 
 
+# ------------------------------------------------------------------------------------------
+# contract-2 time of a per-item plan
+# ------------------------------------------------------------------------------------------
+
+
+def items_step_ms_reference(mb, lane0, deg, seg, beta: float, pp: int, num_lanes: int) -> float:
+    """Pure-Python twin of :func:`balanced_loader.planning.kernels.evaluate.items_step_kernel`: the items with
+    one ``(mb, lane0)`` are a group on lanes ``lane0 .. lane0 + deg - 1`` taking ``beta`` plus their ``seg``;
+    groups run in (microbatch, first lane) order, each once all its lanes are free."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(len(mb)):
+        groups.setdefault((int(mb[i]), int(lane0[i])), []).append(i)
+    finish = [0.0] * num_lanes
+    gmax = 0.0
+    for (_, first), members in sorted(groups.items()):
+        t = beta + sum(float(seg[i]) for i in members)
+        lanes = range(first, first + int(deg[members[0]]))
+        start = max(finish[x] for x in lanes)
+        for x in lanes:
+            finish[x] = start + t / pp
+        gmax = max(gmax, t)
+    return max(finish) + (pp - 1) * gmax / pp if groups else 0.0
+
+
 def warm_up() -> None:
     """Load (or compile) every kernel once on tiny inputs, so later timings are steady-state."""
     one = np.ones(2, dtype=np.int64)
@@ -485,3 +509,6 @@ def warm_up() -> None:
     lpt(np.ones(2), one, 2)
     fill_passes(one, np.ones(2), np.zeros(2), 2, 1.0)
     karmarkar_karp(np.ones(2), 2)
+    from balanced_loader.planning.kernels.evaluate import items_step_kernel
+
+    items_step_kernel(one - 1, one - 1, one, np.ones(2), 1.0, 1, 2)

@@ -17,10 +17,13 @@ Modules, by family:
 * :mod:`.place`: :func:`cost_pack_kernel`, :func:`block_place_kernel` (lazy versioned heaps),
   :func:`fill_passes_kernel`.
 * :mod:`.karmarkar_karp`: :func:`kk_kernel`, k-way largest differencing.
+* :mod:`.evaluate`: :func:`items_step_kernel`, the contract-2 step time of a per-item plan (hydra's portfolio
+  compares candidates with it before building any contract-1 object).
 """
 
 from __future__ import annotations
 
+from balanced_loader.planning.kernels.evaluate import items_step_kernel
 from balanced_loader.planning.kernels.fit import bfd_kernel, ffd_kernel
 from balanced_loader.planning.kernels.karmarkar_karp import kk_kernel
 from balanced_loader.planning.kernels.order import argsort_stable, order_by_pair, order_desc
@@ -28,4 +31,4 @@ from balanced_loader.planning.kernels.place import block_place_kernel, cost_pack
 from balanced_loader.planning.kernels.repair import repair_kernel, repair_round
 
 __all__ = ["argsort_stable", "bfd_kernel", "block_place_kernel", "cost_pack_kernel", "ffd_kernel", "fill_passes_kernel",
-           "kk_kernel", "order_by_pair", "order_desc", "repair_kernel", "repair_round"]
+           "items_step_kernel", "kk_kernel", "order_by_pair", "order_desc", "repair_kernel", "repair_round"]
