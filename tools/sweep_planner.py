@@ -96,11 +96,39 @@ def read(path: str, others: str | None = None) -> list[sweep.CellResult]:
     return out
 
 
+def fill_bounds(path: str, args) -> None:
+    """Cells of an older run without the power-of-two bound get it (their batches are cut again); the file is
+    rewritten."""
+    results = read(path)
+    todo = [r for r in results if not r.bound_pow2_ms]
+    if not todo:
+        return
+    names = {short(c): c for c in GRID["costs"].split(",")}
+    lengths = {}
+    for r in todo:
+        c = r.cell
+        if c.corpus not in lengths:
+            lengths[c.corpus] = zoo.corpus_lengths(c.corpus, wikipedia=args.wikipedia, cache_dir=args.cache_dir)
+        name = names.get(c.cost, c.cost if c.cost.endswith((".yaml", ".yml")) else f"analytic:{c.cost}"
+                         if "@" in c.cost else c.cost)
+        cost = load_cost(name, c.world)
+        batches = sweep.cell_batches(c, lengths[c.corpus], cost, count=len(r.batches), passes=args.passes,
+                                     seed=args.seed)
+        assert [len(b) for b in batches] == r.batches, c.key
+        r.bound_ms, r.bound_pow2_ms = sweep.cell_bounds(batches, cost, c.world)
+    with open(path + ".tmp", "w") as f:
+        for r in results:
+            f.write(json.dumps(r.to_json()) + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def report(results: list[sweep.CellResult], policy: str) -> None:
     s = sweep.summary(results, policy)
+    a = sweep.summary(results, policy, pow2=False)
     print(f"cells {s['cells']}; {policy} behind the best other policy by > 0.5%: {s['behind']}; worst "
-          f"{s['worst_vs_best_other']}; within 1.03x the bound: {s['within_bound']} "
-          f"({s['share_within_bound']:.1%}); worst vs bound {s['worst_vs_bound']}")
+          f"{s['worst_vs_best_other']}; within 1.03x the bound of power-of-two groups: {s['within_bound']} "
+          f"({s['share_within_bound']:.1%}), worst {s['worst_vs_bound']}; within 1.03x the bound of any groups: "
+          f"{a['within_bound']} ({a['share_within_bound']:.1%}), worst {a['worst_vs_bound']}")
     for ratio, key, other in s["losing"][:40]:
         print(f"  behind {ratio:.4f} x {other:<10} {key}")
     # per regime: cost model x world
@@ -184,6 +212,7 @@ def main() -> None:
     try:
         if not args.report:
             run(args)
+        fill_bounds(args.report or args.out, args)
         results = read(args.report or args.out, args.others)
     except ValueError as e:
         print(f"sweep_planner: {e}", file=sys.stderr)

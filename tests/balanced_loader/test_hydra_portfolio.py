@@ -79,7 +79,8 @@ def test_every_candidate_is_a_valid_plan_timed_exactly(cost, lanes):
     ev = portfolio.Evaluator(lengths, sc, lanes, 1)
     desc = order_desc(np.ascontiguousarray(lengths))
     names = []
-    for name, build in portfolio.candidates(ev, tgt.levels, desc, top, int(tgt.memory_levels.max())):
+    for name, build in portfolio.candidates(ev, tgt.levels, desc, top, int(tgt.memory_levels.max()),
+                                                  tgt.target_ms, np.inf):
         cand = build()
         if cand is None:
             continue

@@ -70,11 +70,11 @@ def block_case(draw):
     return times, pref, lanes, load, target
 
 
-@given(block_case())
-def test_block_place_equals_reference(case):
+@given(block_case(), st.booleans())
+def test_block_place_equals_reference(case, smallest):
     times, pref, lanes, load, target = case
-    got = P.block_place(times, pref, lanes, load, target=target)
-    ref = P.block_place_reference(times, pref, lanes, load, target=target)
+    got = P.block_place(times, pref, lanes, load, target=target, smallest=smallest)
+    ref = P.block_place_reference(times, pref, lanes, load, target=target, smallest=smallest)
     for name in got._fields:
         assert np.array_equal(getattr(got, name), getattr(ref, name)), name
     placed = got.level >= 0

@@ -174,14 +174,15 @@ def _heap_pop(keys, blks, vers, base, sizes, lv):
 
 
 @njit(cache=True)
-def block_place_kernel(times, pref, load0, next_k0, target):
+def block_place_kernel(times, pref, load0, next_k0, target, smallest=False):
     """Place items on aligned lane blocks, in the given order.
 
     ``times[i, v]`` is item i's time on a block of ``2**v`` lanes (``inf``: not allowed);
     ``pref[i]`` its preferred level. An item goes to the block of its preferred size with
     the smallest start (the largest lane load in the block; ties: the lower block), unless
     start + time exceeds ``target``: then every allowed level from ``pref`` up is tried and
-    the one finishing first wins (ties: the smaller level). All lanes of the block then
+    the one finishing first wins (ties: the smaller level); with ``smallest``, the smallest level
+    that finishes by ``target`` wins instead (the one finishing first when none does). All lanes of the block then
     finish at start + time, and the item's microbatch is one past the latest microbatch
     of any of its lanes. Returns (level ``[n]``, first lane ``[n]``, start ``[n]``,
     microbatch ``[n]``, lane loads ``[num_lanes]``, next microbatch per lane); level -1
@@ -250,7 +251,7 @@ def block_place_kernel(times, pref, load0, next_k0, target):
             if sizes[lv] == 0 or not keys[off] < np.inf:
                 continue
             fin = keys[off] + times[i, lv]
-            if lv == p and fin <= target:
+            if (lv == p or smallest) and fin <= target:
                 best_lv = lv
                 break
             if fin < best_fin:

@@ -267,22 +267,29 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
             break
     mb, lane0, deg, own_ms = best
     notes: tuple[str, ...] = ()
-    fit_level = int(tgt.memory_levels.max())
+    if portfolio.wanted(len(items), setup.shape, setup.lanes, top, tgt.levels, tgt.target_ms, own_ms):
+        (mb, lane0, deg), notes = _portfolio(items, setup, tgt, desc, top, (mb, lane0, deg), own_ms)
+    micro = assemble(items, mb, lane0, deg)
+    plan = one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+    return plan.with_timing(notes=notes) if notes else plan
+
+
+def _portfolio(items: BatchItems, setup, tgt: LoadTarget, desc: np.ndarray, top: int, own: portfolio.Arrays,
+               own_ms: float) -> tuple[portfolio.Arrays, tuple[str, ...]]:
+    """The fastest of hydra's own placement and the portfolio's candidates, by contract 2 (ties: the earlier),
+    and the note that records the choice."""
     ev = portfolio.Evaluator(items.lengths, setup.shape, setup.lanes, setup.pp)
-    tried = 0
-    win, win_ms = "load-target", ev.ms((mb, lane0, deg))
-    for name, build in portfolio.candidates(ev, tgt.levels, desc, top, fit_level):
+    best, win, win_ms, tried = own, "load-target", ev.ms(own), 0
+    for name, build in portfolio.candidates(ev, tgt.levels, desc, top, int(tgt.memory_levels.max()), tgt.target_ms,
+                                            own_ms):
         cand = build()
         if cand is None:
             continue
         tried += 1
         t = ev.ms(cand)
         if t < win_ms * (1 - 1e-9):
-            win, win_ms = name, t
-            mb, lane0, deg = cand
-    if tried:
-        notes = (f"hydra: portfolio of {tried + 1} plans chose {win} ({win_ms:.1f} ms; load-target placement "
-                 f"{own_ms:.1f} ms)",)
-    micro = assemble(items, mb, lane0, deg)
-    plan = one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
-    return plan.with_timing(notes=notes) if notes else plan
+            best, win, win_ms = cand, name, t
+    if not tried:
+        return own, ()
+    return best, (f"hydra: portfolio of {tried + 1} plans chose {win} ({win_ms:.1f} ms; load-target placement "
+                  f"{own_ms:.1f} ms)",)

@@ -38,6 +38,8 @@ from balanced_loader.planning.packing import BFD_MAX_CAPACITY, block_place, cost
 SPARSE = 16  # docs per lane below which the single-degree plans join the portfolio
 MAX_ITEMS = 1 << 15  # ... and at most this many items (the simpler policies' plans are O(n log n) in Python)
 MAX_KK_GROUPS = 1024  # Karmarkar-Karp plans only up to this many groups (O(n k) per plan)
+MAX_BLASTER = 2048  # FlexSP's blaster (an O(n^2) chunking DP and Python loops) up to this many items
+MISSED = 0.01  # hydra's placement this far above its load target: placements without escalation join
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # per item: microbatch, first lane, degree ([n] each)
 
@@ -136,6 +138,79 @@ def copack_place(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int) 
     return mb, lane0, deg
 
 
+def block_first(ev: Evaluator, levels: np.ndarray, target: float, desc: np.ndarray, top: int, *, share: float = np.inf,
+                escalate: int = 2, longest_first: bool = False) -> Arrays:
+    """hydra's placement with other choices: the wide items, and the one-lane ones whose group takes at least
+    ``share`` of the target, on blocks (widest then longest first, or ``longest_first``), each on the block of its
+    level that starts first, or where that would end after ``target``, on the smallest block up to
+    ``2**escalate`` times larger that ends by it (else the one that finishes first); the rest into passes.
+
+    Where equal long docs do not divide among the lanes (26 on 8 lanes), ``share`` lets the last ones run on 2 or
+    4 lanes instead of a third pass on two lanes; ``escalate=0`` keeps every item on its own level, which
+    fragments the blocks less when wide docs of many widths are few per lane."""
+    sc, lanes, ln = ev.sc, ev.lanes, ev.lengths
+    n = len(ln)
+    big = np.flatnonzero((levels > 0) | (sc.microbatch_ms + ev.work >= share * target))
+    mb = np.zeros(n, np.int64)
+    lane0 = np.zeros(n, np.int64)
+    deg = np.ones(n, np.int64)
+    load = np.zeros(lanes)
+    next_k = np.zeros(lanes, np.int64)
+    if len(big):
+        lv = levels[big]
+        vv = np.arange(top + 1)[None, :]
+        table = (sc.microbatch_ms + ev.work[big][:, None] / (1 << vv) + ev.comm[:top + 1][None, :] * ev.s[big][:, None])
+        table[(vv < lv[:, None]) | (vv > lv[:, None] + escalate)] = np.inf
+        mine = table[np.arange(len(big)), lv]
+        order = np.argsort(-mine, kind="stable") if longest_first else np.lexsort((-mine, -lv))
+        pl = block_place(table[order], lv[order], lanes, load, next_k, target=target, smallest=True)
+        idx = big[order]
+        mb[idx], lane0[idx], deg[idx] = pl.microbatch, pl.lane, np.left_shift(1, pl.level)
+        load, next_k = pl.load, pl.next_microbatch
+    short = desc[np.isin(desc, big, invert=True)]
+    if len(short):
+        fp = fill_passes(ln[short], ev.work[short], load, sc.max_tokens_per_lane, sc.microbatch_ms)
+        mb[short] = next_k[fp.lane] + fp.pass_
+        lane0[short] = fp.lane
+    return mb, lane0, deg
+
+
+def tail_groups(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, keep: int, level: int, top: int) -> Arrays:
+    """The ``keep`` longest items by hydra's placement (wide ones on blocks, one-lane ones into passes), the rest
+    (the tail, where one doc per lane is too coarse to balance) packed into bins of ``2**level`` lanes that run
+    after them, longest-processing-time onto the blocks that are free first."""
+    sc, lanes, ln = ev.sc, ev.lanes, ev.lengths
+    n = len(ln)
+    head, tail = desc[:keep], desc[keep:]
+    mb = np.zeros(n, np.int64)
+    lane0 = np.zeros(n, np.int64)
+    deg = np.ones(n, np.int64)
+    load = np.zeros(lanes)
+    next_k = np.zeros(lanes, np.int64)
+    wide = head[levels[head] > 0]
+    if len(wide):
+        table = _group_table(ev, ln[wide], np.zeros(len(wide)), levels[wide], top)
+        mb[wide], lane0[wide], load, next_k = _place_jobs(table, levels[wide], lanes)
+        deg[wide] = np.left_shift(1, levels[wide])
+    short = head[levels[head] == 0]
+    if len(short):
+        fp = fill_passes(ln[short], ev.work[short], load, sc.max_tokens_per_lane, sc.microbatch_ms)
+        mb[short] = next_k[fp.lane] + fp.pass_
+        lane0[short] = fp.lane
+        load = fp.load
+        np.maximum.at(next_k, fp.lane, next_k[fp.lane] + fp.pass_ + 1)
+    if len(tail):
+        d = 1 << level
+        cap = d * sc.max_tokens_per_lane
+        bins = pack(ln[tail], cap, "bfd" if cap <= BFD_MAX_CAPACITY else "ffd")
+        times = sc.microbatch_ms + np.bincount(bins, weights=ev.work[tail] / d + ev.comm[level] * ev.s[tail])
+        table = np.full((len(times), top + 1), np.inf)
+        table[:, level] = times
+        jm, jl, _, _ = _place_jobs(table, np.full(len(times), level, np.int64), lanes, load, next_k)
+        mb[tail], lane0[tail], deg[tail] = jm[bins], jl[bins], d
+    return mb, lane0, deg
+
+
 def wide_bins(ev: Evaluator, levels: np.ndarray, level: int, desc: np.ndarray, top: int) -> Arrays | None:
     """Wide items packed together first-fit-decreasing into bins of ``2**level`` lanes, short items co-packed
     into their room where that pays, the rest into one-lane bins; every bin a group, longest-processing-time
@@ -190,11 +265,40 @@ def level_bins(ev: Evaluator, level: int, top: int) -> Arrays | None:
     return jm[bins], jl[bins], np.full(len(bins), d, np.int64)
 
 
-def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fit_level: int
-               ) -> Iterator[tuple[str, Callable[[], Arrays | None]]]:
+def wanted(n: int, sc: ShapeCost, lanes: int, top: int, levels: np.ndarray, target: float, own_ms: float) -> bool:
+    """Whether :func:`candidates` yields anything for this batch (the gates of the module docstring), checked
+    before any of its tables is built: hydra's own placement stands alone where it is in its regime."""
+    wide = bool((levels > 0).any())
+    pays = bool(copack_levels(sc, top).any())
+    return ((own_ms > target * (1 + MISSED) and wide) or (pays and wide)
+            or ((n < SPARSE * lanes or pays) and n <= MAX_ITEMS))
+
+
+def blaster(ev: Evaluator, top: int) -> Arrays:
+    """FlexSP's plan without its MILPs (:func:`balanced_loader.planning.policies.flexsp.plan_microbatches` with no
+    solve): the batch longest first in contiguous chunks of least largest token sum, each chunk a microbatch of
+    groups of its own best single degree, groups on the aligned blocks free first. Where long docs are few per
+    lane it mixes degrees across microbatches better than one placement of every doc at its own degree."""
+    from balanced_loader.planning.policies.flexsp import FlexSPOptions, plan_microbatches
+
+    opts = FlexSPOptions(min_degree=1, num_m=5, node_limit=1, rel_gap=0.0, buckets=1, max_solves=0, exact_vars=0,
+                         bisect_steps=0, bisect_tol=0.0, time_limit_s=1.0)
+    mbs, placed, _ = plan_microbatches(ev.lengths, ev.sc, ev.lanes, opts, ev.pp, 1 << top)
+    n = len(ev.lengths)
+    mb, lane0, deg = np.zeros(n, np.int64), np.zeros(n, np.int64), np.ones(n, np.int64)
+    for k, (groups, lanes_of) in enumerate(zip(mbs, placed)):
+        for g, lanes in zip(groups, lanes_of):
+            idx = list(g.docs)
+            mb[idx], lane0[idx], deg[idx] = k, lanes[0], len(lanes)
+    return mb, lane0, deg
+
+
+def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fit_level: int, target: float,
+               own_ms: float) -> Iterator[tuple[str, Callable[[], Arrays | None]]]:
     """The portfolio's further candidates (module docstring), lazily: ``(name, build)``. ``levels`` ``[n]`` are
     hydra's degrees (as levels) of the batch, ``fit_level`` the memory-fit level of its longest item, ``top``
-    the largest level allowed (the ``cp`` limit)."""
+    the largest level allowed (the ``cp`` limit), ``target`` hydra's load target and ``own_ms`` the time of its
+    placement (ms)."""
     from balanced_loader.planning.policies.batch_ada import batch_ada_arrays
     from balanced_loader.planning.policies.common import static_arrays
     from balanced_loader.planning.policies.greedy import greedy_arrays
@@ -204,6 +308,11 @@ def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fi
     cap = sc.max_tokens_per_lane
     pays = copack_levels(sc, top)
     sparse = len(ln) < SPARSE * lanes and len(ln) <= MAX_ITEMS
+    if own_ms > target * (1 + MISSED) and (levels > 0).any():
+        # the escalation to larger blocks overshoots where wide docs of many widths are few per lane
+        yield "no escalation", lambda: block_first(ev, levels, target, desc, top, escalate=0)
+        yield "no escalation, longest first", lambda: block_first(ev, levels, target, desc, top, escalate=0,
+                                                                  longest_first=True)
     if pays.any() and (levels > 0).any():
         yield "co-pack", lambda: copack_place(ev, levels, desc, top)
         for v in range(max(1, int(levels.max())), top + 1):
@@ -221,7 +330,19 @@ def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fi
     yield "batch-ada", lambda: batch_ada_arrays(ln, sc, lanes, degrees, ev.pp)
     yield "greedy", lambda: greedy_arrays(ln, sc, lanes, degrees)
     if sparse:
+        for share in (0.25, 0.125):
+            yield f"one-lane docs >= {share:g} T on blocks", lambda share=share: block_first(
+                ev, levels, target, desc, top, share=share)
+        tail_level = max(fit_level, int(levels.max()))
+        rounds = len(ln) // lanes * lanes  # the items of whole rounds of one per lane, longest first
+        keeps = {len(ln) - lanes // 2, len(ln) - lanes, rounds, rounds - lanes, rounds - 2 * lanes}
+        for keep in sorted(k for k in keeps if 0 <= k < len(ln)):
+            for v in range(max(1, tail_level), top + 1)[-2:]:
+                yield f"tail of {len(ln) - keep} in groups d={1 << v}", lambda keep=keep, v=v: tail_groups(
+                    ev, levels, desc, keep, v, top)
         for v in range(fit_level, top + 1):
             yield f"bins d={1 << v}", lambda v=v: level_bins(ev, v, top)
+        if len(ln) <= MAX_BLASTER:
+            yield "flexsp blaster", lambda: blaster(ev, top)
             if v != fit_level and lanes % (1 << v) == 0 and lanes >> v <= MAX_KK_GROUPS:
                 yield f"karmarkar-karp d={1 << v}", lambda v=v: kk_arrays(ln, sc, lanes, 1 << v)
