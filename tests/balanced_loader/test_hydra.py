@@ -54,8 +54,8 @@ def test_target_is_the_area_when_no_doc_is_critical():
     assert t.levels.tolist() == [2, 0, 0, 0, 0, 0, 0]
     plan, degree = _plan(cost, lengths, 4)
     # the load-target placement: 10 ms on every lane, then 10+10+10+10+5+5 over 4 lanes ends at 25; without
-    # communication or fixed cost, every doc on all 4 lanes (the portfolio's single-degree plan) reaches 22.5
-    assert degree == [4] * 7
+    # communication or fixed cost the portfolio reaches the target: the two 5-token docs on 2 lanes each
+    assert degree == [4, 1, 1, 1, 1, 2, 2]
     assert plan.predicted_ms == pytest.approx(22.5)
     assert "load-target placement 25.0 ms" in plan.notes[0]
 

@@ -280,8 +280,11 @@ def _portfolio(items: BatchItems, setup, tgt: LoadTarget, desc: np.ndarray, top:
     and the note that records the choice."""
     ev = portfolio.Evaluator(items.lengths, setup.shape, setup.lanes, setup.pp)
     best, win, win_ms, tried = own, "load-target", ev.ms(own), 0
+    enough = ev.floor_ms(top) * (1 + portfolio.STOP) if setup.pp == 1 else 0.0  # no candidate can do much better
     for name, build in portfolio.candidates(ev, tgt.levels, desc, top, int(tgt.memory_levels.max()), tgt.target_ms,
                                             own_ms):
+        if win_ms <= enough:
+            break
         cand = build()
         if cand is None:
             continue
@@ -291,5 +294,9 @@ def _portfolio(items: BatchItems, setup, tgt: LoadTarget, desc: np.ndarray, top:
             best, win, win_ms = cand, name, t
     if not tried:
         return own, ()
+    polished = portfolio.polish(ev, best)
+    t = ev.ms(polished)
+    if t < win_ms * (1 - 1e-9):
+        best, win, win_ms = polished, f"{win}, tail polished", t
     return best, (f"hydra: portfolio of {tried + 1} plans chose {win} ({win_ms:.1f} ms; load-target placement "
                   f"{own_ms:.1f} ms)",)

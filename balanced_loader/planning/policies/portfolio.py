@@ -37,8 +37,11 @@ from balanced_loader.planning.packing import BFD_MAX_CAPACITY, block_place, cost
 
 SPARSE = 16  # docs per lane below which the single-degree plans join the portfolio
 MAX_ITEMS = 1 << 15  # ... and at most this many items (the simpler policies' plans are O(n log n) in Python)
-MAX_KK_GROUPS = 1024  # Karmarkar-Karp plans only up to this many groups (O(n k) per plan)
-MAX_BLASTER = 2048  # FlexSP's blaster (an O(n^2) chunking DP and Python loops) up to this many items
+MAX_KK_GROUPS = 64  # Karmarkar-Karp plans only up to this many groups (O(n k) per plan)
+MAX_COSTLY = 512  # the simpler policies' plans and FlexSP's blaster (Python loops, O(n^2)) up to this many items
+KK_LEVELS = 3  # Karmarkar-Karp plans at 2, 4, 8 times the memory-fit degree of the longest item
+STOP = 0.002  # the portfolio stops once a plan is this close to the floor (Evaluator.floor_ms)
+ESCALATE_SLACK = (0.01, 0.04, 0.1)  # targets above the load target: escalation keeps blocks small
 MISSED = 0.01  # hydra's placement this far above its load target: placements without escalation join
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # per item: microbatch, first lane, degree ([n] each)
@@ -56,6 +59,17 @@ class Evaluator:
         deg = np.left_shift(1, np.arange(top)).astype(np.float64)  # [levels]
         # ms per token per lane of CP communication on 2**v lanes (0 on one lane)
         self.comm = np.where(deg > 1, sc.comm_bytes_per_token / deg / (sc.bandwidths(deg) * 1e6), 0.0)
+
+    def floor_ms(self, top: int) -> float:
+        """A lower bound of every plan of power-of-two groups up to ``2**top`` lanes (pp = 1): the area (each item
+        at its least lane-time plus ``microbatch_ms`` per ``cap`` tokens, over the lanes) and the longest item's
+        least group time (:func:`balanced_loader.planning.solvers.bound.step_lower_bound`'s first two terms)."""
+        cap = self.sc.max_tokens_per_lane
+        deg = np.left_shift(1, np.arange(top + 1)).astype(np.float64)  # [levels]
+        seg = self.work[:, None] / deg[None, :] + self.comm[None, :top + 1] * self.s[:, None]  # [n, levels]
+        seg[self.s[:, None] > cap * deg[None, :]] = np.inf  # memory
+        area = float(((deg[None, :] * seg).min(axis=1) + self.sc.microbatch_ms * self.s / cap).sum()) / self.lanes
+        return max(area, float(self.sc.microbatch_ms + seg.min(axis=1).max()))
 
     def seg(self, deg: np.ndarray) -> np.ndarray:
         """``[n]`` the time each item adds to a group of its degree (``ShapeCost.segment_ms``)."""
@@ -202,7 +216,7 @@ def tail_groups(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, keep: int, 
     if len(tail):
         d = 1 << level
         cap = d * sc.max_tokens_per_lane
-        bins = pack(ln[tail], cap, "bfd" if cap <= BFD_MAX_CAPACITY else "ffd")
+        bins = pack(ln[tail], cap, "bfd" if cap <= BFD_MAX_CAPACITY else "ffd", repair=False)
         times = sc.microbatch_ms + np.bincount(bins, weights=ev.work[tail] / d + ev.comm[level] * ev.s[tail])
         table = np.full((len(times), top + 1), np.inf)
         table[:, level] = times
@@ -222,7 +236,7 @@ def wide_bins(ev: Evaluator, levels: np.ndarray, level: int, desc: np.ndarray, t
     if not len(wide) or int(ln[wide].max()) > d * cap:
         return None
     n = len(ln)
-    wb = pack(ln[wide], d * cap, "ffd")  # [w] bin of each wide item
+    wb = pack(ln[wide], d * cap, "ffd", repair=False)  # [w] bin of each wide item
     nw = int(wb.max()) + 1
     bin_of = np.full(n, -1, np.int64)
     bin_of[wide] = wb
@@ -239,7 +253,7 @@ def wide_bins(ev: Evaluator, levels: np.ndarray, level: int, desc: np.ndarray, t
     times = sc.microbatch_ms + np.bincount(bin_of[in_wide], weights=seg_d[in_wide], minlength=nw)  # [nw]
     lv = np.full(nw, level, np.int64)
     if len(short):
-        sb = pack(ln[short], cap, "ffd")
+        sb = pack(ln[short], cap, "ffd", repair=False)
         bin_of[short] = nw + sb
         times = np.concatenate([times, sc.microbatch_ms + np.bincount(sb, weights=ev.work[short])])
         lv = np.concatenate([lv, np.zeros(int(sb.max()) + 1, np.int64)])
@@ -256,13 +270,55 @@ def level_bins(ev: Evaluator, level: int, top: int) -> Arrays | None:
     cap = ev.sc.max_tokens_per_lane
     if int(ev.lengths.max()) > d * cap:
         return None
-    bins = pack(ev.lengths, d * cap, "bfd" if d * cap <= BFD_MAX_CAPACITY else "ffd")
+    bins = pack(ev.lengths, d * cap, "bfd" if d * cap <= BFD_MAX_CAPACITY else "ffd", repair=False)
     seg = ev.seg(np.full(len(bins), d, np.int64))
     times = ev.sc.microbatch_ms + np.bincount(bins, weights=seg)
     table = np.full((len(times), top + 1), np.inf)
     table[:, level] = times
     jm, jl, _, _ = _place_jobs(table, np.full(len(times), level, np.int64), ev.lanes)
     return jm[bins], jl[bins], np.full(len(bins), d, np.int64)
+
+
+POLISH_MOVES = 256  # moves of the tail polish per plan
+POLISH_ITEMS = 1024  # ... on at most this many tail docs
+
+
+def polish(ev: Evaluator, plan: Arrays) -> Arrays:
+    """The one-lane passes that end each lane of ``plan`` rebalanced by
+    :func:`balanced_loader.planning.kernels.polish.polish_tail_kernel` (moves and swaps of docs between those
+    passes, or a new pass on the lane that finishes first): never a later finish for any lane it changes."""
+    from balanced_loader.planning.kernels.evaluate import items_step_kernel
+    from balanced_loader.planning.kernels.polish import polish_tail_kernel
+
+    if ev.pp != 1:  # pipeline fill and drain would depend on the passes' times too
+        return plan
+    mb, lane0, deg = (np.ascontiguousarray(a, dtype=np.int64) for a in plan)
+    lanes = ev.lanes
+    last_wide = np.full(lanes, -1, np.int64)  # [lanes] the latest microbatch of a group of several lanes
+    for i in np.flatnonzero(deg > 1):
+        seg = slice(lane0[i], lane0[i] + deg[i])
+        last_wide[seg] = np.maximum(last_wide[seg], mb[i])
+    tail = np.flatnonzero((deg == 1) & (mb > last_wide[lane0]))  # [t] one-lane items after every wide group
+    if not 2 <= len(tail) <= POLISH_ITEMS:  # each move scans the tail: O(tail) per doc of the last lane
+        return plan
+    head = np.setdiff1d(np.arange(len(mb)), tail)
+    _, base = items_step_kernel(mb[head], lane0[head], deg[head], ev.seg(deg)[head], float(ev.sc.microbatch_ms), 1,
+                                lanes)
+    pass_id = np.unique(mb[tail] * lanes + lane0[tail], return_inverse=True)[1].astype(np.int64)
+    new_lane, new_pass = polish_tail_kernel(ev.lengths[tail], ev.work[tail], lane0[tail], pass_id, base,
+                                            float(ev.sc.microbatch_ms), int(ev.sc.max_tokens_per_lane), POLISH_MOVES)
+    # each lane's tail passes run after everything else on it (first[l]: one past its latest other group), in order
+    first = np.zeros(lanes, np.int64)
+    for i in head.tolist():
+        seg = slice(lane0[i], lane0[i] + deg[i])
+        first[seg] = np.maximum(first[seg], mb[i] + 1)
+    out_mb, out_lane = mb.copy(), lane0.copy()
+    for lane in np.unique(new_lane).tolist():
+        mine = np.flatnonzero(new_lane == lane)
+        passes = np.unique(new_pass[mine])
+        out_mb[tail[mine]] = first[lane] + np.searchsorted(passes, new_pass[mine])
+        out_lane[tail[mine]] = lane
+    return out_mb, out_lane, deg
 
 
 def wanted(n: int, sc: ShapeCost, lanes: int, top: int, levels: np.ndarray, target: float, own_ms: float) -> bool:
@@ -272,6 +328,34 @@ def wanted(n: int, sc: ShapeCost, lanes: int, top: int, levels: np.ndarray, targ
     pays = bool(copack_levels(sc, top).any())
     return ((own_ms > target * (1 + MISSED) and wide) or (pays and wide)
             or ((n < SPARSE * lanes or pays) and n <= MAX_ITEMS))
+
+
+def balanced_groups(ev: Evaluator, level: int, desc: np.ndarray) -> Arrays | None:
+    """Every item on ``2**level`` lanes, the groups balanced by longest-processing-time on their work (verl's
+    plan with LPT for Karmarkar-Karp: as good with many items per group, O(n log groups)); each group's items
+    then into its fewest microbatches under ``2**level * cap`` tokens that balance them. ``None`` when an item
+    does not fit."""
+    d = 1 << level
+    cap = d * ev.sc.max_tokens_per_lane
+    ln = ev.lengths
+    if int(ln.max()) > cap or ev.lanes % d:
+        return None
+    groups = ev.lanes // d
+    seg = ev.work / d + ev.comm[level] * ev.s  # [n]
+    part = np.empty(len(ln), np.int64)
+    part[desc] = cost_pack(ln[desc], seg[desc], groups, int(ln.sum()) + 1).bins
+    members = [desc[part[desc] == g] for g in range(groups)]  # [groups] items longest first
+    m = max(-(-int(ln[idx].sum()) // cap) for idx in members)
+    mb = np.zeros(len(ln), np.int64)
+    for idx in members:
+        k = m
+        while len(idx):
+            got = cost_pack(ln[idx], seg[idx], k, cap).bins
+            if (got >= 0).all():
+                mb[idx] = got
+                break
+            k += 1
+    return mb, part * d, np.full(len(ln), d, np.int64)
 
 
 def blaster(ev: Evaluator, top: int) -> Arrays:
@@ -308,41 +392,60 @@ def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fi
     cap = sc.max_tokens_per_lane
     pays = copack_levels(sc, top)
     sparse = len(ln) < SPARSE * lanes and len(ln) <= MAX_ITEMS
-    if own_ms > target * (1 + MISSED) and (levels > 0).any():
+    wide = bool((levels > 0).any())
+    # cheapest first (block placements, packings), then the simpler policies' plans, Karmarkar-Karp and FlexSP's
+    # blaster last: the caller stops once a plan is within STOP of the floor
+    if own_ms > target * (1 + MISSED) and wide:
         # the escalation to larger blocks overshoots where wide docs of many widths are few per lane
         yield "no escalation", lambda: block_first(ev, levels, target, desc, top, escalate=0)
         yield "no escalation, longest first", lambda: block_first(ev, levels, target, desc, top, escalate=0,
                                                                   longest_first=True)
-    if pays.any() and (levels > 0).any():
+        # the load target is a lane-time bound the granularity of wide docs keeps out of reach; just above it,
+        # the last ones take the smallest larger block that still ends in time instead of the widest
+        for slack in ESCALATE_SLACK:
+            if target * (1 + slack) < own_ms:
+                yield f"escalation to {1 + slack:g} T", lambda slack=slack: block_first(
+                    ev, levels, target * (1 + slack), desc, top)
+    if pays.any() and wide:
         yield "co-pack", lambda: copack_place(ev, levels, desc, top)
         for v in range(max(1, int(levels.max())), top + 1):
             if pays[v]:
                 yield f"wide bins d={1 << v}", lambda v=v: wide_bins(ev, levels, v, desc, top)
     if not (sparse or pays.any()) or len(ln) > MAX_ITEMS:
         return
-    degrees = [1 << v for v in range(top + 1)]
-    fixed = 1 << fit_level  # the static trainers' degree (lanes are powers of two here: it divides them)
-    if fit_level <= top and lanes % fixed == 0:
-        yield "maxlen", lambda: static_arrays(ln, lanes, cap, fixed, "ffd")
-        yield "static-sp", lambda: static_arrays(ln, lanes, cap, fixed, "bfd")
-        if lanes // fixed <= MAX_KK_GROUPS:
-            yield "token-kk", lambda: kk_arrays(ln, sc, lanes, fixed)
-    yield "batch-ada", lambda: batch_ada_arrays(ln, sc, lanes, degrees, ev.pp)
-    yield "greedy", lambda: greedy_arrays(ln, sc, lanes, degrees)
     if sparse:
         for share in (0.25, 0.125):
             yield f"one-lane docs >= {share:g} T on blocks", lambda share=share: block_first(
                 ev, levels, target, desc, top, share=share)
         tail_level = max(fit_level, int(levels.max()))
         rounds = len(ln) // lanes * lanes  # the items of whole rounds of one per lane, longest first
-        keeps = {len(ln) - lanes // 2, len(ln) - lanes, rounds, rounds - lanes, rounds - 2 * lanes}
+        keeps = {len(ln) - lanes, rounds, rounds - lanes}
         for keep in sorted(k for k in keeps if 0 <= k < len(ln)):
             for v in range(max(1, tail_level), top + 1)[-2:]:
                 yield f"tail of {len(ln) - keep} in groups d={1 << v}", lambda keep=keep, v=v: tail_groups(
                     ev, levels, desc, keep, v, top)
-        for v in range(fit_level, top + 1):
+        for v in range(fit_level, min(top, fit_level + KK_LEVELS - 1) + 1):
             yield f"bins d={1 << v}", lambda v=v: level_bins(ev, v, top)
-        if len(ln) <= MAX_BLASTER:
-            yield "flexsp blaster", lambda: blaster(ev, top)
-            if v != fit_level and lanes % (1 << v) == 0 and lanes >> v <= MAX_KK_GROUPS:
+    if sparse:
+        for v in range(fit_level, min(top, fit_level + KK_LEVELS) + 1):
+            if lanes % (1 << v) or lanes >> v > MAX_KK_GROUPS:
+                continue
+            if len(ln) > MAX_COSTLY:  # Karmarkar-Karp is O(n groups): the longest-processing-time variant
+                yield f"balanced groups d={1 << v}", lambda v=v: balanced_groups(ev, v, desc)
+            elif v != fit_level:
                 yield f"karmarkar-karp d={1 << v}", lambda v=v: kk_arrays(ln, sc, lanes, 1 << v)
+    if len(ln) > MAX_COSTLY:
+        return
+    # the simpler policies' own plans and FlexSP's blaster cost milliseconds each (Python loops, one packing per
+    # degree, Karmarkar-Karp over many groups): only on small batches, where they are cheap and win most often
+    degrees = [1 << v for v in range(top + 1)]
+    fixed = 1 << fit_level  # the static trainers' degree (lanes are powers of two here: it divides them)
+    if fit_level <= top and lanes % fixed == 0:
+        yield "maxlen", lambda: static_arrays(ln, lanes, cap, fixed, "ffd")
+        yield "static-sp", lambda: static_arrays(ln, lanes, cap, fixed, "bfd")
+    yield "batch-ada", lambda: batch_ada_arrays(ln, sc, lanes, degrees, ev.pp)
+    if fit_level <= top and lanes % fixed == 0:
+        yield "token-kk", lambda: kk_arrays(ln, sc, lanes, fixed)
+    yield "greedy", lambda: greedy_arrays(ln, sc, lanes, degrees)
+    if sparse and wide:
+        yield "flexsp blaster", lambda: blaster(ev, top)
