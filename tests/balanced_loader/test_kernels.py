@@ -167,3 +167,29 @@ def test_repair_round_equals_reference(case):
     if len(lengths):  # a packing again: bins 0..gnb-1, none empty, none over the capacity
         fill = np.bincount(got, weights=lengths)
         assert len(fill) == gnb and (fill > 0).all() and fill.max() <= cap
+
+
+@given(st.integers(0, 10**6), st.integers(1, 9), st.integers(2, 60), st.sampled_from([0.0, 2.0, 30.0]))
+def test_polish_tail_equals_reference_and_never_lengthens_a_lane(seed, lanes, n, beta):
+    from balanced_loader.planning.kernels.polish import polish_tail_kernel
+
+    rng = np.random.default_rng(seed)
+    cap = 100
+    tok = rng.integers(1, cap + 1, n).astype(np.int64)
+    work = tok * rng.uniform(0.5, 2.0, n)
+    lane = rng.integers(0, lanes, n).astype(np.int64)
+    pas = np.arange(n, dtype=np.int64)  # one pass per doc: always within the cap
+    base = rng.uniform(0, 50, lanes)
+    got = polish_tail_kernel(tok, work, lane, pas, base, beta, cap, 64)
+    ref = P.polish_tail_reference(tok, work, lane, pas, base, beta, cap, 64)
+    assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1])
+
+    def finish(lane_of, pass_of):
+        out = base.copy()
+        for p in np.unique(pass_of):
+            mine = pass_of == p
+            assert len(set(lane_of[mine].tolist())) == 1 and tok[mine].sum() <= cap
+            out[lane_of[mine][0]] += beta + work[mine].sum()
+        return out
+
+    assert finish(*got).max() <= finish(lane, pas).max() + 1e-9

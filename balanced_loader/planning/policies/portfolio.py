@@ -359,11 +359,11 @@ def balanced_groups(ev: Evaluator, level: int, desc: np.ndarray) -> Arrays | Non
 
 
 def blaster(ev: Evaluator, top: int) -> Arrays:
-    """FlexSP's plan without its MILPs (:func:`balanced_loader.planning.policies.flexsp.plan_microbatches` with no
+    """FlexSP's plan without its MILPs (:func:`balanced_loader.planning.solvers.sp_plan.plan_microbatches` with no
     solve): the batch longest first in contiguous chunks of least largest token sum, each chunk a microbatch of
     groups of its own best single degree, groups on the aligned blocks free first. Where long docs are few per
     lane it mixes degrees across microbatches better than one placement of every doc at its own degree."""
-    from balanced_loader.planning.policies.flexsp import FlexSPOptions, plan_microbatches
+    from balanced_loader.planning.solvers.sp_plan import FlexSPOptions, plan_microbatches
 
     opts = FlexSPOptions(min_degree=1, num_m=5, node_limit=1, rel_gap=0.0, buckets=1, max_solves=0, exact_vars=0,
                          bisect_steps=0, bisect_tol=0.0, time_limit_s=1.0)
