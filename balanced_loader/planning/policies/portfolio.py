@@ -38,6 +38,8 @@ from balanced_loader.planning.packing import BFD_MAX_CAPACITY, block_place, cost
 SPARSE = 16  # docs per lane below which the single-degree plans join the portfolio
 MAX_ITEMS = 1 << 15  # ... and at most this many items (the simpler policies' plans are O(n log n) in Python)
 MAX_KK_GROUPS = 64  # Karmarkar-Karp plans only up to this many groups (O(n k) per plan)
+MAX_BLASTER = 1024  # FlexSP's blaster on larger batches too where docs need 8 lanes or more (BLASTER_LEVEL)
+BLASTER_LEVEL = 3
 MAX_COSTLY = 512  # the simpler policies' plans and FlexSP's blaster (Python loops, O(n^2)) up to this many items
 KK_LEVELS = 3  # Karmarkar-Karp plans at 2, 4, 8 times the memory-fit degree of the longest item
 STOP = 0.002  # the portfolio stops once a plan is this close to the floor (Evaluator.floor_ms)
@@ -365,7 +367,7 @@ def blaster(ev: Evaluator, top: int) -> Arrays:
     lane it mixes degrees across microbatches better than one placement of every doc at its own degree."""
     from balanced_loader.planning.solvers.sp_plan import FlexSPOptions, plan_microbatches
 
-    opts = FlexSPOptions(min_degree=1, num_m=5, node_limit=1, rel_gap=0.0, buckets=1, max_solves=0, exact_vars=0,
+    opts = FlexSPOptions(min_degree=1, num_m=2, node_limit=1, rel_gap=0.0, buckets=1, max_solves=0, exact_vars=0,
                          bisect_steps=0, bisect_tol=0.0, time_limit_s=1.0)
     mbs, placed, _ = plan_microbatches(ev.lengths, ev.sc, ev.lanes, opts, ev.pp, 1 << top)
     n = len(ev.lengths)
@@ -434,6 +436,9 @@ def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fi
                 yield f"balanced groups d={1 << v}", lambda v=v: balanced_groups(ev, v, desc)
             elif v != fit_level:
                 yield f"karmarkar-karp d={1 << v}", lambda v=v: kk_arrays(ln, sc, lanes, 1 << v)
+    if sparse and int(levels.max()) >= BLASTER_LEVEL and len(ln) <= MAX_BLASTER:
+        # long docs of many widths, few per lane: FlexSP's chunks of one degree each mix the widths best
+        yield "flexsp blaster", lambda: blaster(ev, top)
     if len(ln) > MAX_COSTLY:
         return
     # the simpler policies' own plans and FlexSP's blaster cost milliseconds each (Python loops, one packing per
@@ -447,5 +452,5 @@ def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fi
     if fit_level <= top and lanes % fixed == 0:
         yield "token-kk", lambda: kk_arrays(ln, sc, lanes, fixed)
     yield "greedy", lambda: greedy_arrays(ln, sc, lanes, degrees)
-    if sparse and wide:
+    if sparse and wide and int(levels.max()) < BLASTER_LEVEL:
         yield "flexsp blaster", lambda: blaster(ev, top)
