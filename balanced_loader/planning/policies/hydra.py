@@ -44,6 +44,13 @@ The degree-1 docs, longest first, then fill the deficits: each goes to the lane 
 least loaded counting ``beta`` when it must open a new pass, best fit among that lane's
 passes (:func:`balanced_loader.planning.packing.fill_passes`), so lanes run few passes.
 
+**Portfolio.** Where this placement is out of its regime (docs few per lane, a fixed cost per pass worth
+thousands of tokens of work, the placement far above ``T*``), the plans of
+:mod:`balanced_loader.planning.policies.portfolio` compete with it (co-packed wide groups, wide docs packed
+together, single-degree plans, placements without escalation, the simpler policies' plans, FlexSP's blaster):
+each is timed by the contract-2 model before any contract-1 object is built, the fastest is kept and the
+plan's ``notes`` record the choice. The gates are properties of the batch and the cost file, never the clock.
+
 **Bound.** ``T*`` is hydra's own target, not a lower bound on other plans (it fixes aligned
 power-of-two degrees and charges ``beta`` per ``cap`` tokens rounded up). Plans are measured
 against :func:`balanced_loader.planning.solvers.bound.step_lower_bound`, the one home of step
