@@ -146,8 +146,8 @@ def report(results: list[sweep.CellResult], policy: str) -> None:
 
 
 def heatmap(results: list[sweep.CellResult], policy: str, path: str) -> None:
-    """Two panels: the policy against the best other policy, and against the bound; rows corpus x context,
-    columns cost x world."""
+    """Two panels: the policy against the best other policy, and against the bound of power-of-two groups; rows
+    corpus x context, columns cost x world (an empty cell: no such context for that corpus and world)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.figure import Figure
@@ -164,20 +164,20 @@ def heatmap(results: list[sweep.CellResult], policy: str, path: str) -> None:
         other = r.best_other(policy)
         if other:
             vs_other[i, j] = mine / other[1]
-        if r.bound_ms:
-            vs_bound[i, j] = mine / r.bound_ms
+        if r.bound_pow2_ms:
+            vs_bound[i, j] = mine / r.bound_pow2_ms
     fig = Figure(figsize=(max(10, 0.55 * len(cols) * 2), 0.32 * len(rows) + 2.5))
     FigureCanvasAgg(fig)
     for k, (data, title, norm) in enumerate((
             (vs_other, f"{policy} / best other policy", TwoSlopeNorm(vmin=0.9, vcenter=1.0, vmax=1.1)),
-            (vs_bound, f"{policy} / lower bound", TwoSlopeNorm(vmin=1.0, vcenter=1.03, vmax=1.3)))):
+            (vs_bound, f"{policy} / lower bound (plans of power-of-two groups)",
+             TwoSlopeNorm(vmin=1.0, vcenter=1.03, vmax=1.3)))):
         ax = fig.add_subplot(1, 2, k + 1)
         im = ax.imshow(np.clip(data, norm.vmin, norm.vmax), cmap="RdYlGn_r", norm=norm, aspect="auto")
         for i in range(len(rows)):
             for j in range(len(cols)):
                 if np.isfinite(data[i, j]):
-                    ax.text(j, i, f"{data[i, j]:.3f}"[1:] if data[i, j] < 10 else "", ha="center", va="center",
-                            fontsize=5)
+                    ax.text(j, i, f"{data[i, j]:.3f}", ha="center", va="center", fontsize=4.5)
         ax.set_xticks(range(len(cols)), [f"{c} {w}" for c, w in cols], rotation=90, fontsize=6)
         ax.set_yticks(range(len(rows)), [f"{c} {x // 1024}K" for c, x in rows], fontsize=6)
         ax.set_title(title, fontsize=9)

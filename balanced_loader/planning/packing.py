@@ -500,6 +500,28 @@ def items_step_ms_reference(mb, lane0, deg, seg, beta: float, pp: int, num_lanes
     return max(finish) + (pp - 1) * gmax / pp if groups else 0.0
 
 
+def target_groups_reference(tokens, seg, fit, beta: float, cap: int, target: float):
+    """Pure-Python twin of :func:`balanced_loader.planning.kernels.place.target_groups_kernel`."""
+    n, nlev = seg.shape
+    group = [-1] * n
+    levels, times = [], []
+    for a in range(n):
+        if group[a] >= 0:
+            continue
+        fits = [lv for lv in range(int(fit[a]), nlev) if beta + seg[a, lv] <= target]
+        v = fits[0] if fits else min(range(int(fit[a]), nlev), key=lambda lv: (beta + seg[a, lv], lv))
+        group[a] = len(levels)
+        t, tok = beta + float(seg[a, v]), int(tokens[a])
+        for b in range(a + 1, n):
+            if group[b] < 0 and tok + int(tokens[b]) <= cap << v and t + seg[b, v] <= target:
+                group[b] = len(levels)
+                t += float(seg[b, v])
+                tok += int(tokens[b])
+        levels.append(v)
+        times.append(t)
+    return np.asarray(group, dtype=np.int64), np.asarray(levels, dtype=np.int64), np.asarray(times)
+
+
 def polish_tail_reference(tok, work, lane, pas, base, beta: float, cap: int, max_moves: int):
     """Pure-Python twin of :func:`balanced_loader.planning.kernels.polish.polish_tail_kernel` (same scan order,
     same strict comparisons)."""

@@ -193,3 +193,20 @@ def test_polish_tail_equals_reference_and_never_lengthens_a_lane(seed, lanes, n,
         return out
 
     assert finish(*got).max() <= finish(lane, pas).max() + 1e-9
+
+
+@given(st.integers(0, 10**6), st.integers(1, 40), st.integers(1, 4), st.sampled_from([0.0, 3.0]))
+def test_target_groups_equals_reference(seed, n, nlev, beta):
+    from balanced_loader.planning.kernels.place import target_groups_kernel
+
+    rng = np.random.default_rng(seed)
+    tokens = np.sort(rng.integers(1, 400, n))[::-1].astype(np.int64)
+    seg = tokens[:, None] / (1 << np.arange(nlev))[None, :] * rng.uniform(0.5, 1.5)
+    fit = np.minimum(-(-tokens // 100) - 1, nlev - 1).clip(0).astype(np.int64)
+    target = float(rng.uniform(1, 600))
+    got = target_groups_kernel(tokens, seg, fit, beta, 100, target)
+    ref = P.target_groups_reference(tokens, seg, fit, beta, 100, target)
+    for a, b in zip(got, ref):
+        assert np.allclose(a, b)
+    sizes = np.bincount(got[0], weights=tokens)
+    assert (sizes <= 100 << got[1]).all() or n == 1 or fit.max() == nlev - 1  # within each group's lanes

@@ -452,3 +452,53 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
             rver[best] += 1
         min8_set(tree, inner, best, load[best])
     return out_lane, out_pass, npass, load
+
+
+# ------------------------------------------------------------------------------------------
+# groups filled to a time target
+# ------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def target_groups_kernel(tokens, seg, fit, beta, cap, target):
+    """Items (longest first) into groups of their own level, each filled to ``target`` ms.
+
+    ``seg[i, v]`` is the time item i adds to a group of ``2**v`` lanes, ``fit[i]`` its memory-fit level. The
+    first item left opens a group at the smallest level from its fit whose time ``beta + seg`` is at most
+    ``target`` (else its fastest level); every later item left joins while the group's tokens stay within
+    ``cap * 2**v`` and its time within ``target``. Returns (group of each item ``[n]``, level ``[groups]``,
+    time ``[groups]``)."""
+    n, nlev = seg.shape
+    group = np.full(n, -1, np.int64)
+    levels = np.empty(n, np.int64)
+    times = np.empty(n, np.float64)
+    ng = 0
+    for a in range(n):
+        if group[a] >= 0:
+            continue
+        v = -1
+        best = np.inf
+        bv = fit[a]
+        for lv in range(fit[a], nlev):
+            t = beta + seg[a, lv]
+            if t <= target:
+                v = lv
+                break
+            if t < best:
+                best = t
+                bv = lv
+        if v < 0:
+            v = bv
+        group[a] = ng
+        t = beta + seg[a, v]
+        tok = tokens[a]
+        room = cap << v
+        for b in range(a + 1, n):
+            if group[b] < 0 and tok + tokens[b] <= room and t + seg[b, v] <= target:
+                group[b] = ng
+                t += seg[b, v]
+                tok += tokens[b]
+        levels[ng] = v
+        times[ng] = t
+        ng += 1
+    return group, levels[:ng].copy(), times[:ng].copy()

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from balanced_loader.cost import ShapeCost
+from balanced_loader.cost import ShapeCost, fit_levels
 from balanced_loader.planning.packing import BFD_MAX_CAPACITY, block_place, cost_pack, fill_passes, pack
 
 SPARSE = 16  # docs per lane below which the single-degree plans join the portfolio
@@ -44,6 +44,7 @@ MAX_COSTLY = 512  # the simpler policies' plans and FlexSP's blaster (Python loo
 KK_LEVELS = 3  # Karmarkar-Karp plans at 2, 4, 8 times the memory-fit degree of the longest item
 STOP = 0.002  # the portfolio stops once a plan is this close to the floor (Evaluator.floor_ms)
 ESCALATE_SLACK = (0.01, 0.04, 0.1)  # targets above the load target: escalation keeps blocks small
+TARGET_SLACK = (0.0, 0.05, 0.1, 0.2)  # groups filled to these margins above a floor or target
 MISSED = 0.01  # hydra's placement this far above its load target: placements without escalation join
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # per item: microbatch, first lane, degree ([n] each)
@@ -62,15 +63,17 @@ class Evaluator:
         # ms per token per lane of CP communication on 2**v lanes (0 on one lane)
         self.comm = np.where(deg > 1, sc.comm_bytes_per_token / deg / (sc.bandwidths(deg) * 1e6), 0.0)
 
-    def floor_ms(self, top: int) -> float:
-        """A lower bound of every plan of power-of-two groups up to ``2**top`` lanes (pp = 1): the area (each item
-        at its least lane-time plus ``microbatch_ms`` per ``cap`` tokens, over the lanes) and the longest item's
-        least group time (:func:`balanced_loader.planning.solvers.bound.step_lower_bound`'s first two terms)."""
+    def floor_ms(self, top: int, idx: np.ndarray | None = None) -> float:
+        """A lower bound of every plan of power-of-two groups up to ``2**top`` lanes (pp = 1) of the items ``idx``
+        (default all): the area (each item at its least lane-time plus ``microbatch_ms`` per ``cap`` tokens, over
+        the lanes) and the longest item's least group time
+        (:func:`balanced_loader.planning.solvers.bound.step_lower_bound`'s first two terms)."""
         cap = self.sc.max_tokens_per_lane
+        s, work = (self.s, self.work) if idx is None else (self.s[idx], self.work[idx])
         deg = np.left_shift(1, np.arange(top + 1)).astype(np.float64)  # [levels]
-        seg = self.work[:, None] / deg[None, :] + self.comm[None, :top + 1] * self.s[:, None]  # [n, levels]
-        seg[self.s[:, None] > cap * deg[None, :]] = np.inf  # memory
-        area = float(((deg[None, :] * seg).min(axis=1) + self.sc.microbatch_ms * self.s / cap).sum()) / self.lanes
+        seg = work[:, None] / deg[None, :] + self.comm[None, :top + 1] * s[:, None]  # [n, levels]
+        seg[s[:, None] > cap * deg[None, :]] = np.inf  # memory
+        area = float(((deg[None, :] * seg).min(axis=1) + self.sc.microbatch_ms * s / cap).sum()) / self.lanes
         return max(area, float(self.sc.microbatch_ms + seg.min(axis=1).max()))
 
     def seg(self, deg: np.ndarray) -> np.ndarray:
@@ -191,10 +194,11 @@ def block_first(ev: Evaluator, levels: np.ndarray, target: float, desc: np.ndarr
     return mb, lane0, deg
 
 
-def tail_groups(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, keep: int, level: int, top: int) -> Arrays:
+def tail_groups(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, keep: int, level: float, top: int) -> Arrays:
     """The ``keep`` longest items by hydra's placement (wide ones on blocks, one-lane ones into passes), the rest
     (the tail, where one doc per lane is too coarse to balance) packed into bins of ``2**level`` lanes that run
-    after them, longest-processing-time onto the blocks that are free first."""
+    after them, longest-processing-time onto the blocks that are free first; ``level < 0``: the tail in groups
+    of several widths filled to ``-level`` times its own floor (:func:`target_bins`)."""
     sc, lanes, ln = ev.sc, ev.lanes, ev.lengths
     n = len(ln)
     head, tail = desc[:keep], desc[keep:]
@@ -215,7 +219,11 @@ def tail_groups(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, keep: int, 
         lane0[short] = fp.lane
         load = fp.load
         np.maximum.at(next_k, fp.lane, next_k[fp.lane] + fp.pass_ + 1)
-    if len(tail):
+    if len(tail) and level < 0:  # the tail in groups filled to ``-level`` x its own floor (target_bins)
+        t_tail = ev.floor_ms(top, tail) * -level  # a group's own time, the tail starts after the head
+        t_mb, t_lane, t_deg = target_bins(ev, tail, t_tail, top, fit_levels(ln, sc.max_tokens_per_lane), load, next_k)
+        mb[tail], lane0[tail], deg[tail] = t_mb[tail], t_lane[tail], t_deg[tail]
+    elif len(tail):
         d = 1 << level
         cap = d * sc.max_tokens_per_lane
         bins = pack(ln[tail], cap, "bfd" if cap <= BFD_MAX_CAPACITY else "ffd", repair=False)
@@ -360,6 +368,30 @@ def balanced_groups(ev: Evaluator, level: int, desc: np.ndarray) -> Arrays | Non
     return mb, part * d, np.full(len(ln), d, np.int64)
 
 
+def target_bins(ev: Evaluator, desc: np.ndarray, target: float, top: int, fit: np.ndarray, load=None, next_k=None
+                ) -> Arrays:
+    """Groups filled to a time target, each of its own degree, then longest-processing-time onto blocks (after
+    ``load`` / ``next_k`` when given): the longest item of ``desc`` (a subset of the items, longest first) left
+    opens a group at the smallest degree (from its memory fit) whose group ends within ``target``, and the
+    longest items left that still fit it (tokens and time) join. Where docs are fewer than the lanes, groups of
+    several widths each about ``target`` long balance like FlexSP's MILP, which one-doc-per-group placements and
+    single-degree plans do not. Returns the arrays of every item (those outside ``desc`` zero)."""
+    from balanced_loader.planning.kernels.place import target_groups_kernel
+
+    sc, ln = ev.sc, ev.lengths
+    n = len(ln)
+    deg_t = np.left_shift(1, np.arange(top + 1))
+    seg = ev.work[desc, None] / deg_t[None, :] + ev.comm[None, :top + 1] * ev.s[desc, None]  # [k, levels]
+    job_of, lv, job_ms = target_groups_kernel(ln[desc], seg, np.ascontiguousarray(fit[desc], dtype=np.int64),
+                                              float(sc.microbatch_ms), int(sc.max_tokens_per_lane), float(target))
+    table = np.full((len(lv), top + 1), np.inf)
+    table[np.arange(len(lv)), lv] = job_ms
+    jm, jl, _, _ = _place_jobs(table, lv, ev.lanes, load, next_k)
+    mb, lane0, deg = np.zeros(n, np.int64), np.zeros(n, np.int64), np.ones(n, np.int64)
+    mb[desc], lane0[desc], deg[desc] = jm[job_of], jl[job_of], np.left_shift(1, lv[job_of])
+    return mb, lane0, deg
+
+
 def blaster(ev: Evaluator, top: int) -> Arrays:
     """FlexSP's plan without its MILPs (:func:`balanced_loader.planning.solvers.sp_plan.plan_microbatches` with no
     solve): the batch longest first in contiguous chunks of least largest token sum, each chunk a microbatch of
@@ -421,11 +453,18 @@ def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fi
                 ev, levels, target, desc, top, share=share)
         tail_level = max(fit_level, int(levels.max()))
         rounds = len(ln) // lanes * lanes  # the items of whole rounds of one per lane, longest first
-        keeps = {len(ln) - lanes, rounds, rounds - lanes}
+        widest = int(levels[desc[0]])  # ... and of whole rounds of the longest docs' blocks
+        run = int(np.argmin(levels[desc] == widest)) if (levels[desc] != widest).any() else len(ln)
+        blocks_run = run // (lanes >> widest) * (lanes >> widest)
+        keeps = {len(ln) - lanes, rounds, rounds - lanes, blocks_run}
         for keep in sorted(k for k in keeps if 0 <= k < len(ln)):
             for v in range(max(1, tail_level), top + 1)[-2:]:
                 yield f"tail of {len(ln) - keep} in groups d={1 << v}", lambda keep=keep, v=v: tail_groups(
                     ev, levels, desc, keep, v, top)
+            if keep in (rounds, blocks_run):
+                for slack in TARGET_SLACK[1:]:
+                    yield (f"tail of {len(ln) - keep} in groups to {1 + slack:g} its floor",
+                           lambda keep=keep, slack=slack: tail_groups(ev, levels, desc, keep, -(1 + slack), top))
         for v in range(fit_level, min(top, fit_level + KK_LEVELS - 1) + 1):
             yield f"bins d={1 << v}", lambda v=v: level_bins(ev, v, top)
     if sparse:
@@ -441,6 +480,11 @@ def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fi
         yield "flexsp blaster", lambda: blaster(ev, top)
     if len(ln) > MAX_COSTLY:
         return
+    if sparse:
+        fit = fit_levels(ln, cap)
+        for slack in TARGET_SLACK:
+            yield f"groups to {1 + slack:g} T", lambda slack=slack: target_bins(ev, desc, target * (1 + slack), top,
+                                                                               fit)
     # the simpler policies' own plans and FlexSP's blaster cost milliseconds each (Python loops, one packing per
     # degree, Karmarkar-Karp over many groups): only on small batches, where they are cheap and win most often
     degrees = [1 << v for v in range(top + 1)]
