@@ -156,3 +156,13 @@ def test_real_corpora_regression(corpus, cost, world, context):
     assert hydra.predicted_ms <= best * 1.005
     bound = step_lower_bound(batch, c, world, [(1, 1)]).bound_ms
     assert hydra.predicted_ms <= bound * 1.25
+
+
+def test_the_portfolio_can_be_turned_off():
+    lengths = np.asarray([8192] * 18 + [6808, 5823, 5485, 4549, 3293, 3270, 2503, 1738, 1376, 786, 454])
+    items = BatchItems.from_lengths(lengths)
+    on = make_plan(items, FLEX, PlanConfig(policy="hydra", world_size=8))
+    off = make_plan(items, FLEX, PlanConfig(policy="hydra", world_size=8, extra={"portfolio": False}))
+    assert off.notes == () and off.predicted_ms == pytest.approx(float(on.notes[0].split("placement ")[1].split()[0]))
+    with pytest.raises(ValueError, match="'portfolio' must be true or false"):
+        make_plan(items, FLEX, PlanConfig(policy="hydra", world_size=8, extra={"portfolio": "no"}))

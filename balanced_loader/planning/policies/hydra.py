@@ -50,6 +50,7 @@ thousands of tokens of work, the placement far above ``T*``), the plans of
 together, single-degree plans, placements without escalation, the simpler policies' plans, FlexSP's blaster):
 each is timed by the contract-2 model before any contract-1 object is built, the fastest is kept and the
 plan's ``notes`` record the choice. The gates are properties of the batch and the cost file, never the clock.
+``PlanConfig.extra["portfolio"] = False`` keeps the load-target placement alone.
 
 **Bound.** ``T*`` is hydra's own target, not a lower bound on other plans (it fixes aligned
 power-of-two degrees and charges ``beta`` per ``cap`` tokens rounded up). Plans are measured
@@ -274,7 +275,10 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
             break
     mb, lane0, deg, own_ms = best
     notes: tuple[str, ...] = ()
-    if portfolio.wanted(len(items), setup.shape, setup.lanes, top, tgt.levels, tgt.target_ms, own_ms):
+    use = config.extra.get("portfolio", True)
+    if not isinstance(use, bool):
+        raise ValueError(f"policy 'hydra': option 'portfolio' must be true or false, got {use!r}")
+    if use and portfolio.wanted(len(items), setup.shape, setup.lanes, top, tgt.levels, tgt.target_ms, own_ms):
         (mb, lane0, deg), notes = _portfolio(items, setup, tgt, desc, top, (mb, lane0, deg), own_ms)
     micro = assemble(items, mb, lane0, deg)
     plan = one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
