@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from balanced_loader.cost import CostModel, floor_level
 from balanced_loader.plan import BatchItems
-from balanced_loader.planning import make_plan, packing, zoo
+from balanced_loader.planning import make_plan, zoo
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.kernels import items_step_kernel, order_desc
+from balanced_loader.planning.kernels import evaluate, items_step_kernel, order_desc
 from balanced_loader.planning.policies import portfolio
 from balanced_loader.planning.policies.common import assemble, one_pool_plan
 from balanced_loader.planning.policies.hydra import load_target
@@ -60,7 +60,7 @@ def test_items_step_kernel_equals_reference_and_simulate(seed, lanes, n, pp):
     sc = tiny(3.0, pp2=True).shape(1, pp)
     seg = np.asarray(sc.segment_ms(lengths.astype(np.float64), deg.astype(np.float64)))
     got, _ = items_step_kernel(mb, lane0, deg, seg, sc.microbatch_ms, pp, lanes)
-    assert got == pytest.approx(packing.items_step_ms_reference(mb, lane0, deg, seg, sc.microbatch_ms, pp, lanes))
+    assert got == pytest.approx(evaluate.items_step_ms_reference(mb, lane0, deg, seg, sc.microbatch_ms, pp, lanes))
     items = BatchItems.from_lengths(lengths)
     plan = one_pool_plan(0, lanes * pp, 1, pp, assemble(items, mb, lane0, deg))
     assert got == pytest.approx(step_ms(plan, tiny(3.0, pp2=True)))

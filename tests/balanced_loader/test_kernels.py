@@ -171,7 +171,7 @@ def test_repair_round_equals_reference(case):
 
 @given(st.integers(0, 10**6), st.integers(1, 9), st.integers(2, 60), st.sampled_from([0.0, 2.0, 30.0]))
 def test_polish_tail_equals_reference_and_never_lengthens_a_lane(seed, lanes, n, beta):
-    from balanced_loader.planning.kernels.polish import polish_tail_kernel
+    from balanced_loader.planning.kernels.polish import polish_tail_kernel, polish_tail_reference
 
     rng = np.random.default_rng(seed)
     cap = 100
@@ -181,7 +181,7 @@ def test_polish_tail_equals_reference_and_never_lengthens_a_lane(seed, lanes, n,
     pas = np.arange(n, dtype=np.int64)  # one pass per doc: always within the cap
     base = rng.uniform(0, 50, lanes)
     got = polish_tail_kernel(tok, work, lane, pas, base, beta, cap, 64)
-    ref = P.polish_tail_reference(tok, work, lane, pas, base, beta, cap, 64)
+    ref = polish_tail_reference(tok, work, lane, pas, base, beta, cap, 64)
     assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1])
 
     def finish(lane_of, pass_of):
@@ -197,7 +197,7 @@ def test_polish_tail_equals_reference_and_never_lengthens_a_lane(seed, lanes, n,
 
 @given(st.integers(0, 10**6), st.integers(1, 40), st.integers(1, 4), st.sampled_from([0.0, 3.0]))
 def test_target_groups_equals_reference(seed, n, nlev, beta):
-    from balanced_loader.planning.kernels.place import target_groups_kernel
+    from balanced_loader.planning.kernels.place import target_groups_kernel, target_groups_reference
 
     rng = np.random.default_rng(seed)
     tokens = np.sort(rng.integers(1, 400, n))[::-1].astype(np.int64)
@@ -205,7 +205,7 @@ def test_target_groups_equals_reference(seed, n, nlev, beta):
     fit = np.minimum(-(-tokens // 100) - 1, nlev - 1).clip(0).astype(np.int64)
     target = float(rng.uniform(1, 600))
     got = target_groups_kernel(tokens, seg, fit, beta, 100, target)
-    ref = P.target_groups_reference(tokens, seg, fit, beta, 100, target)
+    ref = target_groups_reference(tokens, seg, fit, beta, 100, target)
     for a, b in zip(got, ref):
         assert np.allclose(a, b)
     sizes = np.bincount(got[0], weights=tokens)

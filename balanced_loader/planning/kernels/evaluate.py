@@ -7,7 +7,7 @@ assembles only the winner. A candidate is per item: microbatch ``mb``, first lan
 to its group (``ShapeCost.segment_ms`` at its degree). Groups run in (microbatch, first lane) order, which
 is the execution order of the assembled pool; the lane recurrence is the one of
 :func:`balanced_loader.simulate.lane_schedule`. The pure-Python reference is
-:func:`balanced_loader.planning.packing.items_step_ms_reference`.
+:func:`items_step_ms_reference` (below).
 """
 
 from __future__ import annotations
@@ -49,3 +49,22 @@ def items_step_kernel(mb, lane0, deg, seg, beta, pp, num_lanes):
             gmax = t
         i = j
     return finish.max() + (pp - 1) * gmax / pp, finish
+
+
+def items_step_ms_reference(mb, lane0, deg, seg, beta: float, pp: int, num_lanes: int) -> float:
+    """Pure-Python twin of :func:`items_step_kernel`: the items with
+    one ``(mb, lane0)`` are a group on lanes ``lane0 .. lane0 + deg - 1`` taking ``beta`` plus their ``seg``;
+    groups run in (microbatch, first lane) order, each once all its lanes are free."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(len(mb)):
+        groups.setdefault((int(mb[i]), int(lane0[i])), []).append(i)
+    finish = [0.0] * num_lanes
+    gmax = 0.0
+    for (_, first), members in sorted(groups.items()):
+        t = beta + sum(float(seg[i]) for i in members)
+        lanes = range(first, first + int(deg[members[0]]))
+        start = max(finish[x] for x in lanes)
+        for x in lanes:
+            finish[x] = start + t / pp
+        gmax = max(gmax, t)
+    return max(finish) + (pp - 1) * gmax / pp if groups else 0.0

@@ -502,3 +502,25 @@ def target_groups_kernel(tokens, seg, fit, beta, cap, target):
         times[ng] = t
         ng += 1
     return group, levels[:ng].copy(), times[:ng].copy()
+
+
+def target_groups_reference(tokens, seg, fit, beta: float, cap: int, target: float):
+    """Pure-Python twin of :func:`target_groups_kernel`."""
+    n, nlev = seg.shape
+    group = [-1] * n
+    levels, times = [], []
+    for a in range(n):
+        if group[a] >= 0:
+            continue
+        fits = [lv for lv in range(int(fit[a]), nlev) if beta + seg[a, lv] <= target]
+        v = fits[0] if fits else min(range(int(fit[a]), nlev), key=lambda lv: (beta + seg[a, lv], lv))
+        group[a] = len(levels)
+        t, tok = beta + float(seg[a, v]), int(tokens[a])
+        for b in range(a + 1, n):
+            if group[b] < 0 and tok + int(tokens[b]) <= cap << v and t + seg[b, v] <= target:
+                group[b] = len(levels)
+                t += float(seg[b, v])
+                tok += int(tokens[b])
+        levels.append(v)
+        times.append(t)
+    return np.asarray(group, dtype=np.int64), np.asarray(levels, dtype=np.int64), np.asarray(times)

@@ -7,7 +7,7 @@ the best of: moving one of its docs into another lane's pass with token room, in
 that finishes first (one more ``beta``), or swapping it with a doc of another lane (both passes within the
 cap); a move is taken only when both lanes then finish before the last lane did. It stops when the last
 lane has no such move or after ``max_moves``. The pure-Python reference is
-:func:`balanced_loader.planning.packing.polish_tail_reference`.
+:func:`polish_tail_reference` (below).
 """
 
 from __future__ import annotations
@@ -118,3 +118,79 @@ def polish_tail_kernel(tok, work, lane, pas, base, beta, cap, max_moves):
         pas[i] = q
         lane[i] = b
     return lane, pas
+
+
+def polish_tail_reference(tok, work, lane, pas, base, beta: float, cap: int, max_moves: int):
+    """Pure-Python twin of :func:`polish_tail_kernel` (same scan order,
+    same strict comparisons)."""
+    t, nl = len(tok), len(base)
+    lane, pas = [int(x) for x in lane], [int(x) for x in pas]
+    npass = max(pas) + 1 if t else 0
+    ptok, pwork, pcount, plane = [0] * (npass + t), [0.0] * (npass + t), [0] * (npass + t), [-1] * (npass + t)
+    for i in range(t):
+        ptok[pas[i]] += int(tok[i])
+        pwork[pas[i]] += float(work[i])
+        pcount[pas[i]] += 1
+        plane[pas[i]] = lane[i]
+    load = [float(x) for x in base]
+    for p in range(npass):
+        if pcount[p]:
+            load[plane[p]] += beta + pwork[p]
+    for _ in range(max_moves):
+        a = max(range(nl), key=lambda x: (load[x], -x))
+        lo = min(range(nl), key=lambda x: (load[x], x))
+        top = load[a]
+        best, move = top - 1e-9 * max(1.0, top), None
+        for i in (i for i in range(t) if lane[i] == a):
+            p = pas[i]
+            na = top - float(work[i]) - (beta if pcount[p] == 1 else 0.0)
+            for q in range(npass):
+                if pcount[q] and plane[q] != a and ptok[q] + tok[i] <= cap:
+                    m = max(na, load[plane[q]] + float(work[i]))
+                    if m < best:
+                        best, move = m, (0, i, q)
+            if lo != a:
+                m = max(na, load[lo] + beta + float(work[i]))
+                if m < best:
+                    best, move = m, (1, i, lo)
+            for j in range(t):
+                b, q = lane[j], pas[j]
+                if b == a or ptok[p] - tok[i] + tok[j] > cap or ptok[q] - tok[j] + tok[i] > cap:
+                    continue
+                m = max(top - float(work[i]) + float(work[j]), load[b] - float(work[j]) + float(work[i]))
+                if m < best:
+                    best, move = m, (2, i, j)
+        if move is None:
+            break
+        kind, i, x = move
+        p = pas[i]
+        if kind == 2:
+            j, q, b = x, pas[x], lane[x]
+            dw, dt = float(work[j]) - float(work[i]), int(tok[j]) - int(tok[i])
+            load[a] += dw
+            load[b] -= dw
+            ptok[p] += dt
+            ptok[q] -= dt
+            pwork[p] += dw
+            pwork[q] -= dw
+            pas[i], pas[j], lane[i], lane[j] = q, p, b, a
+            continue
+        load[a] -= float(work[i])
+        ptok[p] -= int(tok[i])
+        pwork[p] -= float(work[i])
+        pcount[p] -= 1
+        if pcount[p] == 0:
+            load[a] -= beta
+        if kind == 0:
+            q = x
+        else:
+            q, npass = npass, npass + 1
+            plane[q] = x
+            load[x] += beta
+        b = plane[q]
+        load[b] += float(work[i])
+        ptok[q] += int(tok[i])
+        pwork[q] += float(work[i])
+        pcount[q] += 1
+        pas[i], lane[i] = q, b
+    return np.asarray(lane, dtype=np.int64), np.asarray(pas, dtype=np.int64)
