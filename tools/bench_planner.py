@@ -45,6 +45,8 @@ import numpy as np
 from numba import njit
 
 import balanced_loader
+from balanced_loader.batches.items import to_items
+from balanced_loader.build import zoo
 from balanced_loader.plan import (
     BatchItems,
     Group,
@@ -54,7 +56,6 @@ from balanced_loader.planning import (
     get_policy,
     make_plan,
     packing,
-    zoo,
 )
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.kernels import order_desc
@@ -440,9 +441,11 @@ def main() -> None:
         bench_pack(f"code-like (lognormal(8.3, 0.8) tokens, truncated, seed {args.code_seed})",
                    code_corpus(args.code_docs, args.code_seed, 8192), 8192, args.repeats, False)
     if "pack" in only and "realcode" in args.corpora.split(","):
-        real = np.concatenate([zoo.corpus_lengths(name) for name in ("stdlib", "headers")])
+        real = np.concatenate([zoo.lengths(name) for name in ("stdlib", "headers")])
+        real = real[real > 0]
+        pieces = to_items(real, np.arange(len(real)), 8192, "split")[0].lengths  # every doc cut at 8192
         bench_pack("real code (the CPython stdlib's .py and /usr/include, bytes, split at 8192)",
-                   zoo.sequences(real, 8192), 8192, args.repeats, False)
+                   pieces, 8192, args.repeats, False)
     if "hydra" in only:
         bench_hydra(lengths, contexts, args.lanes, args.passes, args.batches, args.repeats)
     if "scaling" in only:

@@ -5,7 +5,7 @@ models x worlds x contexts; each cell's time against the best other policy and t
     python tools/sweep_planner.py --report /tmp/sweep.jsonl --heatmap docs/img/planner_sweep.png
     python tools/sweep_planner.py --corpora stdlib --costs flexsp-gpt7b-a100 --worlds 512 --contexts 32768
 
-Corpora (``balanced_loader.planning.zoo``): Wikipedia lengths and this machine's stdlib, /usr/include,
+Corpora (``balanced_loader.build.zoo``): Wikipedia lengths and this machine's stdlib, /usr/include,
 man pages, /usr/share/doc (byte-level tokens). Batches: sequences of at most ``max_seq_len`` (docs split),
 shuffled, cut at ``lanes x max_tokens_per_lane x --passes`` tokens, the first ``--batches`` of them. Cost
 models: presets, ``analytic:<model>@<hardware>`` or a cost file. Results are JSON lines (one cell each);
@@ -22,8 +22,9 @@ import time
 
 import numpy as np
 
+from balanced_loader.build import zoo
 from balanced_loader.cost import CostModel
-from balanced_loader.planning import sweep, zoo
+from balanced_loader.diagnostics import sweep
 from balanced_loader.presets import cost_preset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +58,7 @@ def run(args) -> None:
     worlds = [int(x) for x in args.worlds.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     for corpus in args.corpora.split(","):
-        lengths = zoo.corpus_lengths(corpus, wikipedia=args.wikipedia, cache_dir=args.cache_dir)
+        lengths = zoo.lengths(corpus, wikipedia=args.wikipedia, cache_dir=args.cache_dir)
         for cname in args.costs.split(","):
             for w in worlds:
                 cost = load_cost(cname, w)
@@ -108,7 +109,7 @@ def fill_bounds(path: str, args) -> None:
     for r in todo:
         c = r.cell
         if c.corpus not in lengths:
-            lengths[c.corpus] = zoo.corpus_lengths(c.corpus, wikipedia=args.wikipedia, cache_dir=args.cache_dir)
+            lengths[c.corpus] = zoo.lengths(c.corpus, wikipedia=args.wikipedia, cache_dir=args.cache_dir)
         name = names.get(c.cost, c.cost if c.cost.endswith((".yaml", ".yml")) else f"analytic:{c.cost}"
                          if "@" in c.cost else c.cost)
         cost = load_cost(name, c.world)

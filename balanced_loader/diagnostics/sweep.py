@@ -1,7 +1,8 @@
 """A regime sweep of the planners: every policy on the same batches over corpora x cost models x worlds x contexts.
 
-A **cell** is (corpus, cost model, world, context). Its batches are cut by :func:`~balanced_loader.planning.zoo.
-step_batches` with ``max_seq_len = min(context, the longest segment the default policy holds on that world)``
+A **cell** is (corpus, cost model, world, context). Its batches are the loader's
+(:func:`~balanced_loader.batches.stream.global_batches`, shuffled, seeded) with
+``max_seq_len = min(context, the longest segment the default policy holds on that world)``
 and a token budget of ``lanes x max_tokens_per_lane x passes`` (one pool, ``tp = pp = 1``). A cell is kept
 only where it differs from the smaller context before it: the corpus has a doc longer than that context and
 the world holds a longer segment (else it repeats that cell). Each policy plans every batch
@@ -22,12 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from balanced_loader.batches.stream import global_batches
 from balanced_loader.cost import CostModel
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import longest_segment, make_plan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.solvers.bound import step_lower_bound
-from balanced_loader.planning.zoo import step_batches
 
 DEFAULT_POLICY = PlanConfig.__dataclass_fields__["policy"].default
 POLICIES = ("hydra", "maxlen", "static-sp", "token-kk", "mcore-dcp", "batch-ada", "greedy", "flexsp", "hydraulis")
@@ -117,7 +118,9 @@ def cell_batches(cell: Cell, lengths: np.ndarray, cost: CostModel, *, count: int
                  seed: int = 0) -> list[np.ndarray]:
     """The cell's batches: sequences of at most ``max_seq_len``, ``lanes x max_tokens_per_lane x passes`` tokens."""
     budget = cell.world * cost.shape(1, 1).max_tokens_per_lane * passes
-    return step_batches(lengths, cell.max_seq_len, budget, count, seed)
+    batches, _ = global_batches(lengths, max_seq_len=cell.max_seq_len, global_batch_tokens=budget, shuffle=True,
+                                seed=seed, max_steps=count)
+    return [b.lengths for b in batches]
 
 
 def cell_bounds(batches: Sequence[np.ndarray], cost: CostModel, lanes: int) -> tuple[float, float]:
