@@ -27,7 +27,7 @@ so a position is a few integers, whatever the size of the source; the end of epo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -95,6 +95,12 @@ class Run:
                    doc_len=self.doc_len[keep], units=self.units[keep], offsets=self.offsets[keep], epoch=self.epoch,
                    window=self.window, end=self.end)
 
+    def slice(self, a: int, b: int) -> Run:
+        """Sequences ``a .. b - 1`` (views; :attr:`end` the same)."""
+        return Run(doc_ids=self.doc_ids[a:b], starts=self.starts[a:b], tokens=self.tokens[a:b],
+                   doc_len=self.doc_len[a:b], units=self.units[a:b], offsets=self.offsets[a:b], epoch=self.epoch,
+                   window=self.window, end=self.end)
+
     def positions(self) -> list[SeqPos]:
         """Every sequence's position (``[n]``)."""
         return [SeqPos(self.epoch, self.window, u, o) for u, o in zip(self.units.tolist(), self.offsets.tolist())]
@@ -137,6 +143,7 @@ class SourceSequences:
         self._order: tuple[int, EpochOrder] | None = None  # (epoch, its order)
         self._win: list[_Window] = []  # the last two windows read
         self._last: tuple[tuple, Run] | None = None  # the last read: a source that took nothing reads it again
+        self._block: tuple[tuple, int, Run] | None = None  # ((epoch, window, limit), first unit, its run)
         self._since_release = 0
 
     # ---- windows -------------------------------------------------------------------------
@@ -195,7 +202,8 @@ class SourceSequences:
     def _units(self, win: _Window, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(doc index in window, first token, tokens)`` of unit positions ``q`` (``[k]`` each)."""
         u = q if win.perm is None else win.perm(q)
-        d = np.searchsorted(win.first, u, side="right") - 1  # [k]
+        # a window of one unit per doc: unit u is doc u
+        d = u if win.num_units == len(win.ids) else np.searchsorted(win.first, u, side="right") - 1  # [k]
         if self.piece is None:
             return d, np.zeros(len(d), dtype=np.int64), win.lengths[d]
         start = (u - win.first[d]) * self.piece
@@ -205,12 +213,39 @@ class SourceSequences:
     def read(self, pos: SeqPos, limit: int | None, max_units: int) -> Run:
         """The sequences of up to ``max_units`` units from ``pos`` (normalized), inside its window, at context
         limit ``limit`` (None: no limit); a doc over ``limit`` with ``long_docs="error"`` is a ValueError."""
-        key = (self.normal(pos), limit, int(max_units))
+        pos, max_units = self.normal(pos), max(1, int(max_units))
+        key = (pos, limit, max_units)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
-        run = self._read(*key)
+        run = self._from_block(pos, limit, max_units)
+        if run is None:
+            run = self._read(pos, limit, max_units)
         self._last = (key, run)
         return run
+
+    def _from_block(self, pos: SeqPos, limit: int | None, max_units: int) -> Run | None:
+        """The read as a slice of a cached block of units (None: not a one-sequence-per-unit read).
+
+        Why: a step reads a few hundred units; computing each read's arrays afresh costs a dozen small numpy
+        calls, while a block read once (a few times the read, at most the window's size in memory) serves
+        many steps by slicing. Only where every unit is one sequence (no schedule limit below the piece)."""
+        e, w, u0, o0 = pos
+        if o0 or (limit is not None and self.long_docs == "error"):  # a block would refuse a doc past the read
+            return None
+        blk = self._block
+        if blk is None or blk[0] != (e, w, limit) or not blk[1] <= u0 < blk[1] + len(blk[2]):
+            win = self._window(e, w)
+            size = min(win.num_units - u0, max(8 * max_units, 4096))
+            run = self._read(pos, limit, size)
+            if len(run) != size:  # a unit read as several sequences (a schedule's smaller limit)
+                self._block = None
+                return None
+            blk = self._block = ((e, w, limit), u0, run)
+        (_, _, _), b0, run = blk
+        a, b = u0 - b0, min(u0 - b0 + max_units, len(run))
+        if a == 0 and b == len(run):
+            return run
+        return replace(run.slice(a, b), end=run.at(b))
 
     def _read(self, pos: SeqPos, limit: int | None, max_units: int) -> Run:
         e, w, u0, o0 = pos
@@ -254,8 +289,8 @@ class SourceSequences:
             return DocStats()
         first = run.starts == 0
         dl = run.doc_len
-        docs = int(np.count_nonzero(first & (dl > 0)))
-        empty = int(np.count_nonzero(dl == 0))
+        empty = len(dl) - int(np.count_nonzero(dl))
+        docs = int(np.count_nonzero(first)) - empty  # an empty doc is one sequence starting at 0
         tokens = int(run.tokens.sum())
         if limit is None or int(dl.max()) <= limit:
             return DocStats(docs=docs, tokens=tokens, empty=empty)

@@ -204,9 +204,7 @@ class _Taker:
             sel[a:a + n] = ~blk
             piece = buf.select(sel)
         elif piece is None:
-            sel = np.zeros(len(buf), dtype=bool)
-            sel[a:a + n] = True
-            piece = buf.select(sel)
+            piece = buf.slice(a, a + n)
         if self.pending is not None and len(piece):
             self.after_pending += [p for p in piece.positions() if p > self.pending]
         if len(piece):
@@ -256,6 +254,13 @@ class _Taker:
         return self.parts, end, tuple(sorted(ahead))
 
 
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """``parts`` end to end as one int64 array (a single part as it is)."""
+    if len(parts) == 1 and parts[0].dtype == np.int64:
+        return parts[0]
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, dtype=np.int64)
+
+
 class _NoTokens(Exception):
     """A whole pass of a source read without a token to train on."""
 
@@ -297,6 +302,10 @@ class BatchStream:
         """The step starting at ``cur``; its ``end`` is the next step's cursor."""
         step, k = cur.step, self.k
         budget, limit, w = int(self.budget.at(step)), self.limit_at(step), self.weights.at(step)
+        if k == 1 and not cur.ahead[0]:
+            quick = self._cut_within_read(cur, budget, limit)
+            if quick is not None:
+                return quick
         takers: list[_Taker | None] = [
             _Taker(self.sources[i], cur.places[i], cur.ahead[i], limit, self.stop_epoch, self._chunk[i])
             if w[i] > 0 else None for i in range(k)]
@@ -318,19 +327,49 @@ class BatchStream:
             parts, places[i], ahead[i] = t.finish()
             tokens[i], units[i] = t.tokens, float(t.units if self.by == "docs" else t.tokens)
             # next time, read about what this step took (a read-ahead past the step is read again)
-            self._chunk[i] = int(np.clip(sum(len(r) for r in parts) * 5 // 4 + 16, 64, 1 << 20))
+            self._chunk[i] = min(max(sum(len(r) for r in parts) * 5 // 4 + 16, 64), 1 << 20)
             for r in parts:
-                keep = r.tokens > 0
-                ids.append(r.doc_ids[keep] + self.offsets[i])
-                starts.append(r.starts[keep])
-                lens.append(r.tokens[keep])
+                if r.tokens.all():
+                    ids.append(r.doc_ids + self.offsets[i] if self.offsets[i] else r.doc_ids)
+                    starts.append(r.starts)
+                    lens.append(r.tokens)
+                else:
+                    keep = r.tokens > 0
+                    ids.append(r.doc_ids[keep] + self.offsets[i])
+                    starts.append(r.starts[keep])
+                    lens.append(r.tokens[keep])
                 stats = stats + self.sources[i].stats(r, limit)
-        z = np.zeros(0, dtype=np.int64)
-        items = BatchItems(doc_ids=np.concatenate(ids) if ids else z, starts=np.concatenate(starts) if ids else z,
-                           lengths=np.concatenate(lens) if ids else z)
+        items = BatchItems(doc_ids=_joined(ids), starts=_joined(starts), lengths=_joined(lens))
         end = self._after(cur, tuple(places), tuple(ahead), units, sum(units), w)
         mix_tokens = dict(zip(self.names, tokens)) if self.names is not None else None
         return Cut(items=items, start=cur, end=end, stats=stats, mixture_tokens=mix_tokens)
+
+    def _cut_within_read(self, cur: Cursor, budget: int, limit: int | None) -> Cut | None:
+        """One source's step when it ends inside one read (most steps): the general path's result without its
+        bookkeeping (None: the step crosses a read, a pass or the run's end; the general path cuts it).
+
+        Why: a step of one source is a prefix of its next read; its per-step cost is the loader's overhead
+        on every step of every rank."""
+        seq = self.sources[0]
+        pos = seq.normal(cur.places[0])
+        if self.stop_epoch is not None and pos.epoch >= self.stop_epoch:
+            return None
+        run = seq.read(pos, limit, self._chunk[0])
+        cum = np.cumsum(run.tokens)  # [n]
+        j = int(np.searchsorted(cum, budget, side="right"))  # sequences consumed: the first over the budget stops
+        if j >= len(run) or (limit is None and (j == 0 or not cum[j - 1])):  # no limit: a lone first may be over
+            return None
+        part = run.slice(0, j)
+        self._chunk[0] = min(max(j * 5 // 4 + 16, 64), 1 << 20)
+        tokens = part.tokens
+        if tokens.all():
+            items = BatchItems(doc_ids=part.doc_ids, starts=part.starts, lengths=tokens)
+        else:
+            keep = tokens > 0
+            items = BatchItems(doc_ids=part.doc_ids[keep], starts=part.starts[keep], lengths=tokens[keep])
+        total = int(cum[j - 1]) if j else 0
+        end = self._after(cur, (seq.normal(run.at(j)),), ((),), [float(total)], float(total), (1.0,))
+        return Cut(items=items, start=cur, end=end, stats=seq.stats(part, limit), mixture_tokens=None)
 
     def _mix_step(self, takers: list[_Taker | None], cur: Cursor, budget: int, w: tuple[float, ...], *,
                   first: bool) -> None:
@@ -383,7 +422,7 @@ class BatchStream:
                units: list[float], total: float, w: tuple[float, ...]) -> Cursor:
         """The cursor after a step that took ``units`` per source of ``total``."""
         carry = tuple(c + u - x * total for c, u, x in zip(cur.carry, units, w))
-        active = self.weights.active(cur.step)
+        active = self.weights.active(cur.step) if self.k > 1 else (True,)
         done = all(p.epoch > m for p, m, a in zip(places, cur.marks, active) if a)
         end = Cursor(step=cur.step + 1, epoch=cur.epoch + done, step_in_epoch=0 if done else cur.step_in_epoch + 1,
                      places=places, marks=tuple(p.epoch for p in places) if done else cur.marks, carry=carry,
