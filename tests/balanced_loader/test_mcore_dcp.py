@@ -108,3 +108,26 @@ def test_one_barrier_per_round_boundary_and_round_by_round_time():
         assert len(rounds) > 2
         # with the barriers, contract-2 timing is exactly the round-by-round sum of maxima
         assert np.isclose(plan.predicted_ms, round_by_round_ms(lengths, lanes, COST), rtol=1e-9)
+
+
+@pytest.mark.parametrize("lanes", [3, 5, 6, 7, 12])
+def test_lane_counts_that_are_not_powers_of_two_finish(lanes):
+    """Every sequence placed once, in groups inside the lanes; a sequence wider than the widest power-of-two
+    group is one ValueError (it used to loop forever in ``schedule``)."""
+    rng = np.random.default_rng(lanes)
+    cap = 4096
+    widest = 1 << (lanes.bit_length() - 1)
+    for _ in range(10):
+        ln = rng.integers(1, cap * widest + 1, size=int(rng.integers(1, 60)))
+        placed = []
+        for rnd in schedule(ln, lanes, cap):
+            end = 0
+            for first, size, docs in rnd:
+                assert first == end and size >= 1
+                end = first + size
+                assert all(gpus_needed(int(ln[i]), cap) <= size for i in docs)
+                placed += docs
+            assert end <= lanes
+        assert sorted(placed) == list(range(len(ln)))
+    with pytest.raises(ValueError, match="widest power-of-two group"):
+        schedule(np.array([cap * widest + 1]), lanes, cap)

@@ -183,12 +183,24 @@ def schedule(lengths: np.ndarray, lanes: int, cap: int, max_degree: int | None =
     """Rounds of ``(first lane, size, [item indices in run order])`` for items of ``lengths``; no group
     grows past ``max_degree`` (``--cp``; default ``lanes``)."""
     ln = [int(x) for x in lengths]
+    top = lanes if max_degree is None else min(lanes, max_degree)
+    if top < 1:
+        raise ValueError(f"mcore-dcp needs at least one lane, got lanes={lanes}, max_degree={max_degree}")
     need = np.left_shift(1, fit_levels(lengths, cap)).tolist()  # [n] gpus_needed of each item
+    widest = 1 << floor_level(top)  # Megatron's degrees are powers of two
+    if need and max(need) > widest:
+        i = int(np.argmax(need))
+        raise ValueError(f"mcore-dcp: a sequence of {ln[i]} tokens needs {need[i]} lanes of {cap} tokens, "
+                         f"more than the widest power-of-two group of {top} lanes ({widest}); lower max_seq_len "
+                         f"or raise the lane cap")
     work = [(s * s) / d for s, d in zip(ln, need)]
     pending = sorted(range(len(ln)), key=lambda i: -ln[i])
     rounds = []
     while pending:
+        before = len(pending)
         groups, pending = _round(pending, need, work, lanes, lanes if max_degree is None else max_degree)
+        if len(pending) >= before:  # a round that places nothing would repeat forever: never a hang
+            raise ValueError(f"mcore-dcp: a round on {lanes} lanes placed none of {before} sequences")
         out, lane = [], 0
         for g in groups:
             out.append((lane, g.size, g.docs))
