@@ -111,21 +111,9 @@ def test_compare_and_analyze_read_a_shard_folder(tmp_path, capsys):
     assert stats["docs"] == 200 and total == stats["tokens"]
 
 
-def _reproduce():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "tools" / "reproduce.py"
-    spec = importlib.util.spec_from_file_location("reproduce", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["reproduce"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_reproduce_tool_writes_tables_and_json(wiki_lengths, tmp_path, monkeypatch, capsys):
-    rep = _reproduce()
+    from balanced_loader.cli import reproduce as rep
+
     ln = tmp_path / "wiki_head.npy"
     np.save(ln, wiki_lengths[:3000])
     doc = tmp_path / "RESULTS.md"
