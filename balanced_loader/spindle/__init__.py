@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from balanced_loader.spindle.graph import Graph, MetaOp, graph_from_dict, load_graph
 from balanced_loader.spindle.planner import plan_waves
-from balanced_loader.spindle.schedule import Wave, WaveOp, WavePlan, batch_shards
+from balanced_loader.spindle.wave_plan import Wave, WaveOp, WavePlan, batch_shards
 
 __all__ = ["Graph", "MetaOp", "Wave", "WaveOp", "WavePlan", "batch_shards", "graph_from_dict", "load_graph",
            "plan_waves"]

@@ -2,7 +2,7 @@
 
 Spindle plans frontier by frontier, and a frontier is a barrier: a MetaOp whose predecessors all
 finished in the frontier's first waves still waits for its last one. The plan's semantics need less
-(:meth:`balanced_loader.spindle.schedule.WavePlan.validate`): a MetaOp may run in any wave once every
+(:meth:`balanced_loader.spindle.wave_plan.WavePlan.validate`): a MetaOp may run in any wave once every
 predecessor finished in earlier waves. :func:`start_early` walks the waves in order and gives a wave's
 idle devices to MetaOps of later frontiers that are ready by then: each gets the allowed count, among
 the idle devices, that runs the most of its layers within the wave's length (its first layers, taken off

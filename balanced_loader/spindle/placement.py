@@ -11,7 +11,7 @@
 
 Movement cost of a run: the docs of its batch whose activations are not already on the rank
 that needs them. Inside an entry the batch is split contiguously over its ranks
-(:func:`balanced_loader.spindle.schedule.batch_shards`); a MetaOp's activations live where it
+(:func:`balanced_loader.spindle.wave_plan.batch_shards`); a MetaOp's activations live where it
 last ran. A MetaOp's first run reads its predecessors' outputs: with ``handover=True`` the
 search also counts those (Spindle's released code does not remap at frontier boundaries,
 which is the default here and reproduces fixture F1's ranks).
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from balanced_loader.spindle.graph import MetaOp
-from balanced_loader.spindle.schedule import batch_shards
+from balanced_loader.spindle.wave_plan import batch_shards
 from balanced_loader.spindle.waves import Run
 
 Ranks = tuple[int, ...]

@@ -27,8 +27,8 @@ from balanced_loader.spindle.graph import Graph
 from balanced_loader.spindle.overlap import graph_bound, split_waves
 from balanced_loader.spindle.placement import movement, place
 from balanced_loader.spindle.refine import refine
-from balanced_loader.spindle.schedule import Wave, WaveOp, WavePlan
 from balanced_loader.spindle.wave_kernels import warm
+from balanced_loader.spindle.wave_plan import Wave, WaveOp, WavePlan
 from balanced_loader.spindle.waves import Run, order_waves, pack, waves_ms
 
 CANDIDATES = ("packed+fill", "packed", "columns", "refined", "exact", "single-wave", "sequential")

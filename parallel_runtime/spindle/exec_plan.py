@@ -1,6 +1,6 @@
 """A Spindle wave plan as what every rank executes: lanes, moves and gradient groups.
 
-:func:`build_exec_plan` turns a :class:`~balanced_loader.spindle.schedule.WavePlan` into an
+:func:`build_exec_plan` turns a :class:`~balanced_loader.spindle.wave_plan.WavePlan` into an
 :class:`ExecPlan` (plain data, identical on every rank):
 
 * **Lanes.** An entry's samples are split over its lanes by ``batch_shards``; a lane's work is
@@ -19,12 +19,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from balanced_loader.spindle.schedule import batch_shards
+from balanced_loader.spindle.wave_plan import batch_shards
 from parallel_runtime.spindle.model import OpSpec, block_names, head_names, op_specs, sinks
 
 if TYPE_CHECKING:
     from balanced_loader.spindle.graph import Graph
-    from balanced_loader.spindle.schedule import WavePlan
+    from balanced_loader.spindle.wave_plan import WavePlan
 
 EntryKey = tuple[int, int]  # (wave, index of the entry in the wave)
 

@@ -57,7 +57,7 @@ from parallel_runtime.groups import GroupLookup, ProcessGroups
 from parallel_runtime.launch import spawn_world
 from parallel_runtime.spindle.exec_plan import Entry, EntryKey, ExecPlan, build_exec_plan
 from parallel_runtime.spindle.model import (
-    ModelConfig,
+    MetaOpModelConfig,
     MultiTaskModel,
     OpSpec,
     max_rel_diff,
@@ -69,7 +69,7 @@ from parallel_runtime.spindle.transport import all_reduce_grads, return_gradient
 
 if TYPE_CHECKING:
     from balanced_loader.spindle.graph import Graph
-    from balanced_loader.spindle.schedule import WavePlan
+    from balanced_loader.spindle.wave_plan import WavePlan
 
 # ---------------------------------------------------------------------------------------------
 # One rank
@@ -82,12 +82,12 @@ class Job:
 
     ops: tuple[OpSpec, ...]
     exec_plan: ExecPlan
-    config: ModelConfig
+    config: MetaOpModelConfig
     steps: int = 1
     lr: float = 0.01
 
 
-def make_job(graph: Graph, plan: WavePlan, config: ModelConfig, *, steps: int = 1, lr: float = 0.01) -> Job:
+def make_job(graph: Graph, plan: WavePlan, config: MetaOpModelConfig, *, steps: int = 1, lr: float = 0.01) -> Job:
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     return Job(ops=op_specs(graph), exec_plan=build_exec_plan(graph, plan), config=config, steps=steps, lr=lr)
@@ -232,7 +232,7 @@ def run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_reference(graph: Graph, config: ModelConfig, *, steps: int, lr: float
+def run_reference(graph: Graph, config: MetaOpModelConfig, *, steps: int, lr: float
                   ) -> tuple[list[dict[str, float]], list[dict[str, Any]]]:
     """Per-step losses and gradients of the single-process reference (SGD between steps)."""
     model = MultiTaskModel(graph, config)
@@ -245,7 +245,7 @@ def run_reference(graph: Graph, config: ModelConfig, *, steps: int, lr: float
     return losses, grads
 
 
-def compare(graph: Graph, plan: WavePlan, config: ModelConfig, results: Sequence[dict[str, Any]], *,
+def compare(graph: Graph, plan: WavePlan, config: MetaOpModelConfig, results: Sequence[dict[str, Any]], *,
             steps: int, lr: float) -> dict[str, Any]:
     """The report of a distributed run (``results`` by rank) against the reference."""
     exec_plan = build_exec_plan(graph, plan)
@@ -298,7 +298,7 @@ def _pearson(a: Sequence[float], b: Sequence[float]) -> float | None:
     return round(sum((x - ma) * (y - mb) for x, y in zip(a, b)) / (sa * sb), 4)
 
 
-def execute(graph: Graph, plan: WavePlan, config: ModelConfig, *, steps: int = 1, lr: float = 0.01,
+def execute(graph: Graph, plan: WavePlan, config: MetaOpModelConfig, *, steps: int = 1, lr: float = 0.01,
             timeout_s: float = 300.0, threads: int = 1) -> dict[str, Any]:
     """Spawn ``plan.gpus`` gloo processes, run the plan, and compare with the reference (see :func:`compare`)."""
     job = make_job(graph, plan, config, steps=steps, lr=lr)  # bad input fails here, before any process starts
@@ -306,7 +306,7 @@ def execute(graph: Graph, plan: WavePlan, config: ModelConfig, *, steps: int = 1
     return compare(graph, plan, config, results, steps=steps, lr=lr)
 
 
-def calibrate(config: ModelConfig, batches: Sequence[int] = (1, 2, 4, 8, 16, 32), repeats: int = 20
+def calibrate(config: MetaOpModelConfig, batches: Sequence[int] = (1, 2, 4, 8, 16, 32), repeats: int = 20
               ) -> dict[str, Any]:
     """Fit ``t(b) = alpha_ms + beta_ms * b`` to one block's forward+backward on ``b`` samples, one thread.
 
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     from balanced_loader.spindle.graph import load_graph
     from balanced_loader.spindle.planner import plan_waves
-    from balanced_loader.spindle.schedule import WavePlan
+    from balanced_loader.spindle.wave_plan import WavePlan
 
     for k in ("steps", "hidden", "ffn", "tokens"):
         if getattr(args, k) < 1:
@@ -387,7 +387,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     graph = load_graph(args.graph)
     op_specs(graph)  # equal batches along edges
-    config = ModelConfig(hidden=args.hidden, ffn=args.ffn, tokens=args.tokens, seed=args.seed)
+    config = MetaOpModelConfig(hidden=args.hidden, ffn=args.ffn, tokens=args.tokens, seed=args.seed)
     if args.calibrate:
         return calibrate(config)
     if args.reference:

@@ -36,7 +36,9 @@ HEAD_PARAMS = ("w", "b")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ModelConfig:
+class MetaOpModelConfig:
+    """The MetaOp graph's toy model (one block per MetaOp; not the runtime's transformer, parallel_runtime.model)."""
+
     hidden: int = 32  # width of every block
     ffn: int = 64  # inner width of the MLP
     tokens: int = 8  # tokens per sample
@@ -121,7 +123,7 @@ def module_layers(ops: Sequence[OpSpec]) -> dict[str, int]:
 class MultiTaskModel:
     """The parameters of every module and head, and the functions that run them."""
 
-    def __init__(self, ops: Sequence[OpSpec] | Graph, config: ModelConfig) -> None:
+    def __init__(self, ops: Sequence[OpSpec] | Graph, config: MetaOpModelConfig) -> None:
         specs = op_specs(ops) if hasattr(ops, "metaops") else tuple(ops)
         self.specs = specs
         self.config = config

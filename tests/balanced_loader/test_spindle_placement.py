@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from balanced_loader.spindle.graph import graph_from_dict, load_graph
 from balanced_loader.spindle.placement import moved_docs, movement, pack_aligned, place
-from balanced_loader.spindle.schedule import batch_shards
+from balanced_loader.spindle.wave_plan import batch_shards
 from balanced_loader.spindle.waves import Run
 
 F1 = Path(__file__).resolve().parents[2] / "recipes" / "spindle-f1.yaml"

@@ -20,7 +20,7 @@ from balanced_loader.spindle import Wave, WaveOp, WavePlan, graph_from_dict, loa
 from parallel_runtime.spindle.exec_plan import build_exec_plan
 from parallel_runtime.spindle.execute import compare, main, make_job, run_rank
 from parallel_runtime.spindle.model import (
-    ModelConfig,
+    MetaOpModelConfig,
     MultiTaskModel,
     check_graph,
     max_rel_diff,
@@ -28,7 +28,7 @@ from parallel_runtime.spindle.model import (
 )
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "spindle-cpu-4.yaml"
-SMALL = ModelConfig(hidden=16, ffn=32, tokens=4, seed=3)
+SMALL = MetaOpModelConfig(hidden=16, ffn=32, tokens=4, seed=3)
 
 HAND_GRAPH = {
     "gpus": 4, "gpus_per_node": 4,
@@ -138,7 +138,7 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="'x-bb' runs 1 of its 2 layers"):
         build_exec_plan(graph, dataclasses.replace(plan, waves=plan.waves[:-1]))
     with pytest.raises(ValueError, match="must be >= 1"):
-        ModelConfig(hidden=0)
+        MetaOpModelConfig(hidden=0)
 
 
 def test_reference_cli_and_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
