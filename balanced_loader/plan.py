@@ -331,23 +331,10 @@ class StepPlan:
         where = f"step {self.step}"
         if self.world_size < 1:
             raise ValueError(f"{where}: world_size must be >= 1, got {self.world_size}")
-        seen_ranks: set[int] = set()
+        pool_grid(self.world_size, self.pools, where=f"{where}, ")
         pieces: dict[int, list[tuple[int, int, str]]] = {}
         for pi, pool in enumerate(self.pools):
             pw = f"{where}, pool {pi} (tp={pool.tp}, pp={pool.pp})"
-            if pool.tp < 1 or pool.pp < 1:
-                raise ValueError(f"{pw}: tp and pp must be >= 1")
-            if len(pool.ranks) != pool.pp:
-                raise ValueError(f"{pw}: ranks has {len(pool.ranks)} stages, expected pp={pool.pp}")
-            widths = {len(r) for r in pool.ranks}
-            if len(widths) != 1 or next(iter(widths)) % pool.tp or next(iter(widths)) == 0:
-                raise ValueError(f"{pw}: every stage must list the same positive multiple of tp ranks")
-            for r in (x for stage in pool.ranks for x in stage):
-                if not 0 <= r < self.world_size:
-                    raise ValueError(f"{pw}: rank {r} outside 0..{self.world_size - 1}")
-                if r in seen_ranks:
-                    raise ValueError(f"{pw}: rank {r} appears twice")
-                seen_ranks.add(r)
             cap = None
             lane_caps = None  # [lanes] per-lane caps of a cluster with device classes (contract 2)
             if caps is not None:
@@ -375,9 +362,6 @@ class StepPlan:
                             f"{gw}: {g.tokens} tokens on {g.degree} lane(s) exceed max_tokens_per_lane "
                             f"{cap} (x{g.degree}); use a larger degree or a larger shape"
                         )
-        if len(seen_ranks) != self.world_size:
-            missing = sorted(set(range(self.world_size)) - seen_ranks)[:8]
-            raise ValueError(f"{where}: pools do not cover the world; missing ranks {missing}")
         if isinstance(lengths, BatchItems):
             _check_sequences(where, pieces, lengths)
             return
@@ -515,6 +499,44 @@ def read_plan_json(path: str) -> Any:
         raise ValueError(f"plan file {path} is not text (expected the JSON of 'balanced-loader plan --out')") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"plan file {path} is not JSON: {e}") from None
+
+
+def pool_grid(world_size: int, pools: Sequence[Pool], *, where: str = "") -> list[tuple[int, int, int, int]]:
+    """Check that ``pools``' rank grids tile ``0 .. world_size - 1`` (contract 1: every stage lists the
+    same positive multiple of tp ranks, ranks in the world, disjoint, covering it) and give each rank's
+    ``(pool, stage, lane, tp_index)`` (``[world_size]``). The one grid check of the plan and the runtime's
+    topology; ``where`` prefixes every message."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"{where}world_size must be a positive integer, got {world_size!r}")
+    if not pools:
+        raise ValueError(f"{where}a step needs at least one pool")
+    coords: list[tuple[int, int, int, int] | None] = [None] * world_size
+    for pi, p in enumerate(pools):
+        at = f"{where}pool {pi} (tp={p.tp}, pp={p.pp})"
+        if p.tp < 1 or p.pp < 1:
+            raise ValueError(f"{at}: tp and pp must be >= 1")
+        if len(p.ranks) != p.pp:
+            raise ValueError(f"{at}: ranks lists {len(p.ranks)} stage(s); it needs pp={p.pp}")
+        width = len(p.ranks[0])
+        if width == 0 or width % p.tp:
+            raise ValueError(f"{at}: stage 0 has {width} ranks, not a positive multiple of tp={p.tp}")
+        for s, row in enumerate(p.ranks):
+            if len(row) != width:
+                raise ValueError(f"{at}: stage {s} has {len(row)} ranks, stage 0 has {width}; every stage needs "
+                                 f"the same number of lanes")
+            for j, r in enumerate(row):
+                if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < world_size:
+                    raise ValueError(f"{at}: rank {r!r} at stage {s} is outside the world 0..{world_size - 1}")
+                c = coords[r]
+                if c is not None:
+                    raise ValueError(f"{at}: rank {r} is used twice (also pool {c[0]}, stage {c[1]}); pools' ranks "
+                                     f"must be disjoint")
+                coords[r] = (pi, s, j // p.tp, j % p.tp)
+    missing = [r for r, c in enumerate(coords) if c is None]
+    if missing:
+        raise ValueError(f"{where}pools do not cover the world of {world_size} ranks; missing ranks {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    return coords  # type: ignore[return-value]
 
 
 def single_pool_ranks(world_size: int, tp: int = 1, pp: int = 1, offset: int = 0) -> tuple[tuple[int, ...], ...]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from balanced_loader.cost import allowed_degrees
-from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
+from balanced_loader.plan import Group, Pool, StepPlan, pool_grid, single_pool_ranks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,38 +162,9 @@ class Topology:
 
 
 def _validate_and_locate(world_size: int, pools: tuple[PoolShape, ...]) -> tuple[RankCoord, ...]:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if not pools:
-        raise ValueError("a topology needs at least one pool")
-    coords: list[RankCoord | None] = [None] * world_size
-    for pi, p in enumerate(pools):
-        where = f"pool {pi} (tp={p.tp}, pp={p.pp})"
-        if p.tp < 1 or p.pp < 1:
-            raise ValueError(f"{where}: tp and pp must be >= 1")
-        if len(p.ranks) != p.pp:
-            raise ValueError(f"{where}: ranks lists {len(p.ranks)} stage(s); it needs pp={p.pp}")
-        width = len(p.ranks[0])
-        if width == 0 or width % p.tp:
-            raise ValueError(f"{where}: stage 0 has {width} ranks, not a positive multiple of tp={p.tp}")
-        for s, row in enumerate(p.ranks):
-            if len(row) != width:
-                raise ValueError(f"{where}: stage {s} has {len(row)} ranks, stage 0 has {width}; "
-                                 f"every stage needs the same number of lanes")
-            for lane in range(p.num_lanes):
-                for t in range(p.tp):
-                    r = p.rank(s, lane, t)
-                    if not isinstance(r, int) or not 0 <= r < world_size:
-                        raise ValueError(f"{where}: rank {r!r} at stage {s} is outside the world 0..{world_size - 1}")
-                    if coords[r] is not None:
-                        raise ValueError(f"{where}: rank {r} is used twice (also pool {coords[r].pool}, "
-                                         f"stage {coords[r].stage}); pools' ranks must be disjoint")
-                    coords[r] = RankCoord(rank=r, pool=pi, stage=s, lane=lane, tp_index=t)
-    missing = [r for r, c in enumerate(coords) if c is None]
-    if missing:
-        raise ValueError(f"pools do not cover the world of {world_size} ranks; missing ranks {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
-    return tuple(c for c in coords if c is not None)
+    """Every rank's coordinate; the grid checked by the plan's own check (:func:`~balanced_loader.plan.pool_grid`)."""
+    return tuple(RankCoord(rank=r, pool=p, stage=s, lane=lane, tp_index=t)
+                 for r, (p, s, lane, t) in enumerate(pool_grid(world_size, pools)))
 
 
 # ---- the rank tuples a set of plans needs ------------------------------------------

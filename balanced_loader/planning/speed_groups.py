@@ -32,9 +32,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, fit_levels, pow2_divisor, slowest
+from balanced_loader.cost import CostModel, fit_levels, slowest
 from balanced_loader.plan import BatchItems, Group, Pool, StepPlan
 from balanced_loader.planning.config import PlanConfig
+from balanced_loader.planning.policies.common import fixed_degree
 
 RETRIES = 2  # re-splits after the first plan
 SLACK = 0.03  # groups' planned times within 3% of each other: no re-split
@@ -187,8 +188,7 @@ def _fixed_degree(items: BatchItems, cost: CostModel, pool: Pool, world_size: in
     cap of any class) hold the longest item, at most the largest power of two dividing the lanes."""
     caps = cost.pool_lane_caps(pool.tp, pool.pp, pool.ranks, world_size)
     cap = int(caps.min()) if caps is not None and len(caps) else cost.lane_cap(pool.tp, pool.pp)
-    longest = int(items.lengths.max()) if len(items) else 1
-    return min(1 << int(fit_levels([longest], max(cap, 1))[0]), pow2_divisor(pool.num_lanes))
+    return fixed_degree(items, pool.num_lanes, max(cap, 1))
 
 
 def plan_pool(fn: PlanFn, items: BatchItems, cost: CostModel, config: PlanConfig, step: int, pool: Pool,
