@@ -108,9 +108,7 @@ def check_loader_args(*, policy: Any, global_batch_tokens: Any, seed: Any, max_s
     to plain Python values (``int``, ``bool``, ``None``)."""
     if not isinstance(policy, str) or not policy:
         raise ValueError(f"policy must be a policy name (a string such as 'hydra'), got {policy!r}")
-    if not isinstance(long_docs, str) or long_docs not in long_doc_modes:
-        raise ValueError(f"long_docs must be one of {', '.join(long_doc_modes)}, got {long_docs!r}")
-    workers_hint = f" ({WORKERS_PER_CORE} x the {available_cores()} CPU core(s) this process may use; 0: a thread)"
+    check_long_docs(long_docs, long_doc_modes, "long_docs")
     return {
         "global_batch_tokens": integer(global_batch_tokens, "global_batch_tokens", 1, MAX_TOKENS),
         "seed": integer(seed, "seed", 0, MAX_SEED),
@@ -120,11 +118,23 @@ def check_loader_args(*, policy: Any, global_batch_tokens: Any, seed: Any, max_s
         "shuffle_window": integer(shuffle_window, "shuffle_window", 1, MAX_COUNT),
         "epochs": None if epochs is None else integer(epochs, "epochs", 1, MAX_COUNT, hint=" or None (endless)"),
         "prefetch_steps": integer(prefetch_steps, "prefetch_steps", 0, MAX_PREFETCH_STEPS),
-        "planner_workers": integer(planner_workers, "planner_workers", 0, max_planner_workers(), hint=workers_hint),
+        "planner_workers": check_planner_workers(planner_workers, "planner_workers"),
         "cp_inner": integer(cp_inner, "cp_inner", 1, MAX_RANKS),
         "pad_id": integer(pad_id, "pad_id", 0, MAX_TOKEN_ID),
         "validate": flag(validate, "validate"),
     }
+
+
+def check_long_docs(long_docs: Any, modes: tuple[str, ...], name: str) -> str:
+    if not isinstance(long_docs, str) or long_docs not in modes:
+        raise ValueError(f"{name} must be one of {', '.join(modes)}, got {long_docs!r}")
+    return long_docs
+
+
+def check_planner_workers(value: Any, name: str) -> int:
+    """Planner processes: 0 (a thread) up to a few per CPU core this process may use."""
+    hint = f" ({WORKERS_PER_CORE} x the {available_cores()} CPU core(s) this process may use; 0: a thread)"
+    return integer(value, name, 0, max_planner_workers(), hint=hint)
 
 
 def check_pad_id(pad_id: int, source: Any) -> None:

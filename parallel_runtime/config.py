@@ -21,7 +21,7 @@ from balanced_loader.calibration.calibrator import CalibrationOptions
 from balanced_loader.cost import CostModel, allowed_degrees
 from balanced_loader.data.mixture import MIX_BY
 from balanced_loader.loader import ORDERS
-from balanced_loader.loader_args import MAX_PREFETCH_STEPS, max_planner_workers
+from balanced_loader.loader_args import MAX_PREFETCH_STEPS, check_long_docs, check_planner_workers, integer
 from balanced_loader.planning import fixed_pools, pool_shapes
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
@@ -318,14 +318,11 @@ def validate(r: Recipe) -> None:
     for name in ("shuffle_window", "stdlib_limit"):
         _positive(getattr(d, name), f"data.{name}")
     _validate_mixture(d)
-    _positive(d.prefetch_steps, "data.prefetch_steps", zero=True)
-    _positive(d.planner_workers, "data.planner_workers", zero=True)
+    # the loader's own checks (loader_args), named by their recipe keys
+    integer(d.prefetch_steps, "data.prefetch_steps", 0, MAX_PREFETCH_STEPS)
+    check_planner_workers(d.planner_workers, "data.planner_workers")
+    check_long_docs(d.long_docs, LONG_DOC_MODES, "data.long_docs")
     _positive(d.read_timeout_s, "data.read_timeout_s")
-    if d.prefetch_steps > MAX_PREFETCH_STEPS or d.planner_workers > max_planner_workers():
-        raise ValueError(f"data.prefetch_steps must be <= {MAX_PREFETCH_STEPS} and data.planner_workers <= "
-                         f"{max_planner_workers()} (2 per CPU core), got {d.prefetch_steps} and {d.planner_workers}")
-    if d.long_docs not in LONG_DOC_MODES:
-        raise ValueError(f"data.long_docs must be one of {', '.join(LONG_DOC_MODES)}, got '{d.long_docs}'")
     if p.name not in POLICIES:
         raise ValueError(f"policy.name: unknown policy '{p.name}'; choose one of {', '.join(POLICIES)}")
     for other in p.compare:
