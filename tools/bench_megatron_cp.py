@@ -7,7 +7,7 @@ barrier after each group) with one cost (``hydra-gpt7b-a100``: FlexSP's GPT-7B A
 ``microbatch_ms`` 30, lane cap 8192 = ``max_seq_len_per_rank``). Every output of both is checked by
 ``check_schedule`` (Megatron's rules). Megatron's scheduler runs on CPU as it is: its constructor reads
 only ``dp_cp_group.size()`` and ``get_groups_and_subsamples`` never touches the group, so an object with a
-``size()`` stands in for the process group (tests/balanced_loader/test_megatron_cp.py also runs both on
+``size()`` stands in for the process group (tests/balanced_loader/integrations/test_megatron_cp.py also runs both on
 torch's fake process group).
 
 Sections (``--only``):

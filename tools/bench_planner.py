@@ -177,7 +177,7 @@ def multipack_first_fit(lengths, capacity, group, max_per_bin, seed):
 def code_corpus(n: int, seed: int, cap: int) -> np.ndarray:
     """Heavy-tailed code-like lengths truncated to the context: lognormal(8.3, 0.8) tokens (median
     ~4k, p99 ~26k); at cap 8192 about half are above cap/2 (FFD's weak case). Same generator as
-    tests/balanced_loader/test_packing.py."""
+    tests/balanced_loader/planning/test_packing.py."""
     rng = np.random.default_rng(seed)
     return np.minimum(rng.lognormal(8.3, 0.8, n).astype(np.int64) + 1, cap)
 

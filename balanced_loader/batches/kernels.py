@@ -4,7 +4,7 @@ Why a kernel: a window's units are permuted by position, a few dozen to a few th
 numpy each of the 6 rounds (and each round of cycle-walking) is several array calls, so small reads
 cost ~100 us of call overhead per position batch. Here one call does the whole walk of every position
 (~50 ns each). uint64 arithmetic wraps, as in the numpy form (tested equal to it in
-``tests/balanced_loader/test_batching.py``).
+``tests/balanced_loader/batches/test_batching.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ header, a version 1.0 ``.npy`` header, the token bytes, NUL padding to 512 bytes
 (two zero blocks, NUL padding to a 10 KiB record). These functions give exactly the bytes that
 ``tarfile`` (``GNU_FORMAT``, a ``TarInfo`` with mode 0o644, mtime 0, uid/gid 0, no user or group
 names) and ``numpy.lib.format.write_array(version=(1, 0))`` write, at a fraction of the cost
-(``tarfile.TarInfo.tobuf`` was a third of a byte-tokenizer build). ``tests/balanced_loader/test_writer.py``
+(``tarfile.TarInfo.tobuf`` was a third of a byte-tokenizer build). ``tests/balanced_loader/build/test_writer.py``
 compares them with ``tarfile`` and numpy.
 """
 

@@ -11,7 +11,7 @@ compared with the best other policy and with two summed lower bounds
 (:func:`~balanced_loader.planning.solvers.bound.step_lower_bound` over shape ``(1, 1)``): ``bound_ms``, below
 every plan on that pool (groups of any lanes, as contract 1 allows), and ``bound_pow2_ms``, below every plan
 whose groups have power-of-two degrees, which are the only groups any policy of the project forms (aligned
-blocks; ``tests/balanced_loader/test_bound.py`` checks every policy against it). ``tools/sweep_planner.py``
+blocks; ``tests/balanced_loader/planning/test_bound.py`` checks every policy against it). ``tools/sweep_planner.py``
 runs the grid and draws the heat map.
 """
 

@@ -21,7 +21,7 @@ descending), which is what pairs them up across ranks.
   collective a peer waits on). :meth:`StepExchange.finish` sends the rest and waits for all.
 
 The result is the same as :meth:`ShardedOptimizer.pull` then :meth:`ShardedOptimizer.push`: the same
-buckets, bytes and sums (tests/parallel_runtime/test_overlap.py). Parameters must be used inside the
+buckets, bytes and sums (tests/parallel_runtime/training/test_overlap.py). Parameters must be used inside the
 forward of the module that holds them, or after it (true of the native decoder and of the HF causal
 LMs the runtime accepts); the pull is complete after the first forward in any case.
 """

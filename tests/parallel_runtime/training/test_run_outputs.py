@@ -22,7 +22,7 @@ from balanced_loader.outputs.locks import OutputLock
 from parallel_runtime.__main__ import main
 from parallel_runtime.training.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HETERO = str(REPO / "recipes" / "cpu-hetero.yaml")
 HF = str(REPO / "recipes" / "cpu-hf-llama.yaml")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

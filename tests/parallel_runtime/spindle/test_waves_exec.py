@@ -27,7 +27,7 @@ from parallel_runtime.spindle.model import (
     reference_step,
 )
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "spindle-cpu-4.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "spindle-cpu-4.yaml"
 SMALL = MetaOpModelConfig(hidden=16, ffn=32, tokens=4, seed=3)
 
 HAND_GRAPH = {

@@ -24,7 +24,7 @@ from parallel_runtime.hf.model import HFModel
 from parallel_runtime.model import local_attention
 from parallel_runtime.training.metrics import SavedActivations
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RECIPE = str(REPO / "recipes" / "cpu-hf-llama.yaml")
 LENGTHS = [9, 1, 14, 4, 6]
 TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -14,7 +14,7 @@ from balanced_loader.build.writer import write_shards
 from parallel_runtime.config import apply_overrides, recipe_from_dict
 from parallel_runtime.training.metrics import read_metrics
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 HETERO = str(RECIPES / "cpu-hetero.yaml")
 
 

@@ -12,7 +12,7 @@ from balanced_loader.spindle.placement import moved_docs, movement, pack_aligned
 from balanced_loader.spindle.wave_plan import batch_shards
 from balanced_loader.spindle.waves import Run
 
-F1 = Path(__file__).resolve().parents[2] / "recipes" / "spindle-f1.yaml"
+F1 = Path(__file__).resolve().parents[3] / "recipes" / "spindle-f1.yaml"
 
 
 def test_batch_shards_are_balanced_and_contiguous():

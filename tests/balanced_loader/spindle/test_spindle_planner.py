@@ -16,7 +16,7 @@ from balanced_loader.cli import main
 from balanced_loader.spindle import WavePlan, graph_from_dict, load_graph, plan_waves
 from balanced_loader.spindle.synthetic import multitask_graph
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 F1 = REPO / "recipes" / "spindle-f1.yaml"
 RECIPES = sorted((REPO / "recipes").glob("spindle-*.yaml"))
 

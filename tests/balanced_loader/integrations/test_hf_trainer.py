@@ -25,7 +25,7 @@ from balanced_loader.integrations.transformers import (  # noqa: E402
     check_packed_attention,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "hf_trainer.py"
 COST = {"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0, "comm_bytes_per_token": 0,
         "bandwidth_gbs": {2: 10.0}, "max_tokens_per_lane": 256}

@@ -19,7 +19,7 @@ from balanced_loader.spindle.allocator import (
 )
 from balanced_loader.spindle.graph import graph_from_dict, load_graph
 
-F1 = Path(__file__).resolve().parents[2] / "recipes" / "spindle-f1.yaml"
+F1 = Path(__file__).resolve().parents[3] / "recipes" / "spindle-f1.yaml"
 
 
 def _ops(specs, gpus=8, **top):

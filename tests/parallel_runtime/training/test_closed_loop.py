@@ -19,7 +19,7 @@ from distributed import run_distributed
 
 from parallel_runtime.training.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DCP = str(REPO / "recipes" / "cpu-dcp.yaml")
 TRUE_SCALE = 3.0  # the "true" device is 3x slower than the cost file says
 

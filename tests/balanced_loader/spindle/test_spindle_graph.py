@@ -9,7 +9,7 @@ import pytest
 
 from balanced_loader.spindle.graph import graph_from_dict, load_graph
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 F1 = REPO / "recipes" / "spindle-f1.yaml"
 
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from distributed import accelerate_launch, run_commands  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "hf_accelerate.py"
 STEPS = 4
 

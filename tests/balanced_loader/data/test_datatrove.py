@@ -16,7 +16,7 @@ import pytest
 from balanced_loader import cli
 from balanced_loader.data.datatrove import DatatroveSource, write_datatrove
 from balanced_loader.data.open import open_source
-from tests.balanced_loader.test_megatron import WORLD, assert_each_token_once, epoch_pieces, make_loader
+from test_megatron import WORLD, assert_each_token_once, epoch_pieces, make_loader
 
 
 def datatrove_file(folder, name: str, docs, token_size: int, metadata: str | None = "auto") -> None:

@@ -22,7 +22,7 @@ from distributed import WorldError, run_distributed
 from parallel_runtime import __main__ as entry
 from parallel_runtime.training.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HETERO = str(REPO / "recipes" / "cpu-hetero.yaml")
 SMALL_COST = """\
 name: test-tiny

@@ -24,7 +24,7 @@ from balanced_loader.cost import CostModel  # noqa: E402
 from balanced_loader.wrapping import wrap  # noqa: E402
 from parallel_runtime.hf import enable_context_parallel  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "hf_dynamic_cp.py"
 COST = {"quadratic_ms": 1e-3, "linear_ms": 0.01, "microbatch_ms": 0.5, "comm_bytes_per_token": 100,
         "bandwidth_gbs": {2: 10.0}, "max_tokens_per_lane": 256}

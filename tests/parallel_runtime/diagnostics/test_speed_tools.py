@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+TOOLS = Path(__file__).resolve().parents[3] / "tools"
 
 
 @pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux schedstat")

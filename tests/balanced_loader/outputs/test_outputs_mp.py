@@ -26,7 +26,7 @@ import pytest
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.outputs.locks import OutputLock, lock_path
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ENV = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
 COST = os.path.join(REPO, "recipes", "cost-cpu-tiny.yaml")
 

@@ -12,7 +12,7 @@ from test_trainer import reference_losses, small_run, train_rank
 
 from parallel_runtime.engines.pipeline import schedule_1f1b
 
-DCP = str(Path(__file__).resolve().parents[2] / "recipes" / "cpu-dcp.yaml")
+DCP = str(Path(__file__).resolve().parents[3] / "recipes" / "cpu-dcp.yaml")
 
 
 def _sets(tmp: Path) -> list[str]:

@@ -17,7 +17,7 @@ from balanced_loader.spindle.refine import WaveTables, refine, wave_counts
 from balanced_loader.spindle.wave_kernels import wave_length, wave_length_reference
 from balanced_loader.spindle.waves import Run, order_waves, pack, wave_ms, waves_ms
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _ops(specs, gpus=4, **top):
