@@ -12,11 +12,11 @@ import struct
 
 import numpy as np
 import pytest
+from test_megatron import WORLD, assert_each_token_once, epoch_pieces, make_loader
 
 from balanced_loader import cli
 from balanced_loader.data.datatrove import DatatroveSource, write_datatrove
 from balanced_loader.data.open import open_source
-from test_megatron import WORLD, assert_each_token_once, epoch_pieces, make_loader
 
 
 def datatrove_file(folder, name: str, docs, token_size: int, metadata: str | None = "auto") -> None:
