@@ -6,15 +6,20 @@ in that source's order until the budget is reached: it closes before the sequenc
 sequence holds at most ``L <= B`` tokens, so every step holds between ``B - L`` and ``B`` tokens; only
 the last step of a finite run (``epochs=N``) may hold fewer. Steps run on across epoch ends.
 
-**A mixture's step** takes, from each source ``i`` in name order, sequences up to its target
-``w_i B - c_i / 2`` (``c_i``, the carry: how far ahead of its share the source ended the steps before,
-``sum of t_i - w_i T``), then tops up one sequence at a time from the source furthest behind its share
-(smallest ``c_i / 2 + t_i - w_i T + (1 - w_i) u_i / 2``, ``u_i`` the units of its next sequence) until
-the chosen sequence does not fit. So each source is within about one sequence of its share in every
-step, and the carry keeps the run's totals on the weights (half of it per step: a correction spreads
-over two steps instead of overshooting). With ``by="docs"`` shares count sequences and the whole step
-is the one-at-a-time rule. A source takes at most one pass of its own in a step (a source smaller
-than its share stops at its first doc taken twice); a zero-weight source is not read.
+**A mixture's step** (shares by tokens) first fills each source ``i`` near its share ``w_i B``, its
+carry ``c_i`` (how far ahead of its share the source ended the steps before, ``sum of t_i - w_i T``)
+corrected by at most one sequence either way (:meth:`BatchStream._fill_shares`): a source ahead takes
+up to ``w_i B - c_i / 2`` but at least ``w_i B - L``; the others up to ``w_i B`` (their room is there:
+the shares sum to the budget); a source behind then up to ``min(c_i / 2, (1 - w_i) L)`` more. Then it
+tops up one sequence at a time from the source furthest behind its share (smallest ``c_i / 2 + t_i -
+w_i T + (1 - w_i) u_i / 2``, ``u_i`` the units of its next sequence), skipping a source the sequence
+would put more than ``L`` ahead, until the chosen sequence does not fit. So each source ends within one
+sequence of its share of the step, and the carry keeps the run's totals on the weights. Where that is
+out of reach (docs as coarse as the budget allows: some carry beyond ``CARRY_LIMIT`` sequences) the
+carry is corrected in full and a step may be off by more; a source with no sequence left in a step
+leaves its room to the others (the step keeps its size). With ``by="docs"`` shares count sequences and
+the whole step is the one-at-a-time rule. A source takes at most one pass of its own in a step (a
+source smaller than its share stops at its first doc taken twice); a zero-weight source is not read.
 
 **Epochs.** Epoch ``e`` ends with the step in which every source that still has a positive weight (at
 that step or later) has finished one more pass over its docs. With one source, that is the step that
@@ -44,6 +49,7 @@ from balanced_loader.plan import BatchItems
 from balanced_loader.schedule import Schedule, WeightSchedule, schedule, weight_schedule
 
 CARRY_GAIN = 0.5  # the share of a source's carried surplus the next step corrects
+CARRY_LIMIT = 1.5  # carries beyond this many sequences: correct them fully, even past one sequence in a step
 _FIELDS = ("epoch", "window", "unit", "offset")
 
 
@@ -313,7 +319,7 @@ class BatchStream:
             if k == 1:
                 takers[0].take_upto(budget, first=limit is None)  # type: ignore[union-attr]
             else:
-                self._mix_step(takers, cur, budget, w, first=limit is None)
+                self._mix_step(takers, cur, budget, w, first=limit is None, limit=limit)
         except _NoTokens:
             i = next(i for i, t in enumerate(takers) if t is not None and not t.tokens)
             within = f" within max_seq_len {limit}" if self.sources[i].long_docs == "drop" else ""
@@ -371,20 +377,62 @@ class BatchStream:
         end = self._after(cur, (seq.normal(run.at(j)),), ((),), [float(total)], float(total), (1.0,))
         return Cut(items=items, start=cur, end=end, stats=seq.stats(part, limit), mixture_tokens=None)
 
+    @staticmethod
+    def _fill_shares(takers: list[_Taker | None], cur: Cursor, budget: int, w: tuple[float, ...], reach: float
+                     ) -> int:
+        """A mixture step's first fill (by tokens): each source near its share ``w_i B``, its carry corrected
+        by at most one sequence (``reach``) either way, so that no source ends more than one sequence from
+        its share of the step. Returns the tokens taken.
+
+        1. sources ahead over the steps before (carry > 0) take up to ``w_i B`` less part of their carry,
+           but at least ``w_i B - reach`` (then one more sequence still fits in ``w_i B``);
+        2. the others take up to ``w_i B``: each has that room left, since the shares sum to the budget;
+        3. sources behind (carry < 0) then take up to part of their carry more, at most ``(1 - w_i)``
+           sequences' worth, within the budget."""
+        total = 0
+        if max(abs(c) for c in cur.carry) > CARRY_LIMIT * reach:
+            # shares out of reach within one sequence per step (docs as coarse as the budget allows): the full
+            # carry correction, so the run stays on its weights; a step may then be more than a sequence off
+            for i, t in enumerate(takers):
+                room = min(w[i] * budget - CARRY_GAIN * cur.carry[i], budget - total)
+                if t is not None and room >= 1:
+                    t.take_upto(room)
+                    total += t.tokens
+            return total
+        ahead = [i for i, t in enumerate(takers) if t is not None and cur.carry[i] > 0]
+        rest = [i for i, t in enumerate(takers) if t is not None and cur.carry[i] <= 0]
+        for i in ahead:
+            t, share = takers[i], w[i] * budget
+            t.take_upto(share - min(CARRY_GAIN * cur.carry[i], reach))  # type: ignore[union-attr]
+            while t.tokens < share - reach:  # type: ignore[union-attr]
+                tk = t.peek()  # type: ignore[union-attr]
+                if not tk or t.tokens + tk > share:  # type: ignore[union-attr]
+                    break
+                t.take_one(tk)  # type: ignore[union-attr]
+            total += t.tokens  # type: ignore[union-attr]
+        for i in rest:
+            t = takers[i]
+            if w[i] * budget >= 1:
+                t.take_upto(min(w[i] * budget, budget - total))  # type: ignore[union-attr]
+                total += t.tokens  # type: ignore[union-attr]
+        for i in rest:
+            t = takers[i]
+            extra = min(-CARRY_GAIN * cur.carry[i], (1.0 - w[i]) * reach)
+            if extra >= 1 and total < budget:
+                before = t.tokens  # type: ignore[union-attr]
+                t.take_upto(min(w[i] * budget + extra, before + budget - total))  # type: ignore[union-attr]
+                total += t.tokens - before  # type: ignore[union-attr]
+        return total
+
     def _mix_step(self, takers: list[_Taker | None], cur: Cursor, budget: int, w: tuple[float, ...], *,
-                  first: bool) -> None:
+                  first: bool, limit: int | None = None) -> None:
         """A mixture's step: each source up to its target (by tokens), then one sequence at a time from the
         source furthest behind its share of what the step holds so far (module docstring)."""
         by_docs = self.by == "docs"
         total = 0
+        reach = float(budget if limit is None else limit)  # how far a source may run ahead of its share in a step
         if not by_docs:
-            for i, t in enumerate(takers):
-                if t is None:
-                    continue
-                room = min(w[i] * budget - CARRY_GAIN * cur.carry[i], budget - total)
-                if room >= 1:
-                    t.take_upto(room)
-                    total += t.tokens
+            total = self._fill_shares(takers, cur, budget, w, reach)
         units = float(sum((t.units if by_docs else t.tokens) for t in takers if t is not None))
 
         def key(i: int, t: _Taker, tk: int) -> tuple[float, int, int]:
@@ -395,10 +443,15 @@ class BatchStream:
         # one heap per distinct weight: the smallest score of a heap is its top, so a pick scans the weights,
         # not the sources (exactly the scan's choice, ties to the lower source index)
         heaps: dict[float, list[tuple[float, int, int]]] = {}
+        # the one-sequence-ahead guard holds while every source has sequences left in this step: a source
+        # that ran out (smaller than its share) leaves its room to the others, so the step keeps its size
+        guard = not by_docs
         for i, t in enumerate(takers):
             tk = t.peek() if t is not None else 0
             if tk:
                 heaps.setdefault(w[i], []).append(key(i, t, tk))
+            elif t is not None:
+                guard = False
         for h in heaps.values():
             heapq.heapify(h)
         while heaps:
@@ -407,6 +460,11 @@ class BatchStream:
             if (total or not first) and total + tk > budget:
                 return
             t = takers[i]
+            if guard and t.tokens + tk - w[i] * (total + tk) > reach:  # would run over a sequence ahead
+                heapq.heappop(h)
+                if not h:
+                    del heaps[wi]
+                continue
             t.take_one(tk)  # type: ignore[union-attr]
             total += tk
             units += 1.0 if by_docs else tk
@@ -414,6 +472,7 @@ class BatchStream:
             if nxt:
                 heapq.heapreplace(heaps[wi], key(i, t, nxt))  # type: ignore[arg-type]
             else:
+                guard = False
                 heapq.heappop(heaps[wi])
                 if not heaps[wi]:
                     del heaps[wi]

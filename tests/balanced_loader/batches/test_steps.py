@@ -178,6 +178,40 @@ def test_a_weight_schedule_is_followed_step_by_step(zoo_mix):
     assert dev <= L and np.abs(got - want).max() < 0.005
 
 
+@pytest.mark.parametrize("long_docs", ["truncate", "split"])
+def test_a_coarse_mixture_keeps_each_share_within_one_sequence(long_docs):
+    """The stdlib's tests, packages and top-level modules at 0.6 / 0.3 / 0.1, 32 sequences of 4096 per step
+    (tools/bench_mixtures.py's mixture, as length arrays): truncated, most docs are whole sequences. On the
+    bench's shard order a source ahead by half a sequence used to give up its next one and end 1.12
+    sequences behind its share; that order needs the shards built (the bench), this is the invariant on
+    the same docs in the length arrays' order."""
+    import os
+
+    from balanced_loader.batches.stream import stream_for
+    from balanced_loader.build.corpus import stdlib_py_files, stdlib_root
+    from balanced_loader.schedule import schedule
+
+    groups: dict[str, list[int]] = {"tests": [], "packages": [], "modules": []}
+    for f in stdlib_py_files():  # tools/bench_mixtures.py's three folders, as byte lengths
+        parts = os.path.relpath(f, stdlib_root()).split(os.sep)
+        key = "tests" if any(p.startswith("test") or p in ("idlelib", "lib2to3") for p in parts[:-1]) else (
+            "modules" if len(parts) == 1 else "packages")
+        groups[key].append(os.path.getsize(f))
+    m = bl.mix({k: np.asarray(v) for k, v in groups.items()}, weights={"tests": 0.6, "packages": 0.3, "modules": 0.1})
+    lim, budget = 4096, 131072
+    st = stream_for(m, seed=0, shuffle=True, window=1 << 16, max_seq_len=schedule(lim, "L"),
+                    global_batch_tokens=schedule(budget, "B"), long_docs=long_docs)
+    cur, total, dev = st.epoch_start(0), np.zeros(3), 0.0
+    for _ in range(100):
+        c = st.cut(cur)
+        cur = c.end
+        t = np.asarray([c.mixture_tokens[n] for n in m.names], dtype=np.float64)
+        assert budget - lim <= t.sum() <= budget
+        dev, total = max(dev, float(np.abs(t - np.asarray(m.weights.at(0)) * t.sum()).max())), total + t
+    assert dev <= lim
+    assert np.abs(total / total.sum() - np.asarray(m.weights.at(0))).max() < 0.005
+
+
 def test_each_source_delivers_every_token_n_or_n_plus_1_times():
     m = bl.mix({"code": corpus("stdlib", limit=40), "tiny": corpus("lines", limit=2)},
                weights={"code": 0.5, "tiny": 0.5})
