@@ -1,4 +1,4 @@
-"""The mixture and schedule figures of issue 21, measured on real shard folders (docs/results/mixtures.md).
+"""The mixture and schedule figures of issue 21, measured on real shard folders (docs/results/data_loader.md).
 
 Three shard folders are built (once, under ``--dir``) from the CPython standard library's ``.py``
 files with the byte tokenizer: ``tests`` (files under a test folder), ``packages`` (the other

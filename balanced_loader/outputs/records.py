@@ -211,7 +211,7 @@ def regenerate(root: str = ".", *, records: str | None = None, page: str | None 
     with open(page) as fh:
         text = fh.read()
     out[page] = (text, page_with(text, render(recs, page_dir=os.path.relpath(os.path.dirname(page), root))))
-    subjects = os.path.dirname(os.path.abspath(records))
+    subjects = os.path.dirname(os.path.normpath(records))
     for fn in sorted(os.listdir(subjects)):
         path = os.path.join(subjects, fn)
         if not fn.endswith(".md") or not os.path.isfile(path) or os.path.samefile(path, page):
