@@ -7,7 +7,8 @@ benchmark's latest run: the command, commit, date and machine, and its figures, 
 replaces the benchmark's previous one: history stays in git, never in table cells.
 
 A figure may carry its own ``command`` (overriding the record's: a record gathering figures of several
-commands), ``date`` (when it was measured, where that differs from the record's), ``topic`` (the
+commands), ``date``, ``commit`` and ``machine`` (where they differ from the record's: a figure a run did
+not measure again keeps its own, see ``update_record``), ``topic`` (the
 short subject shown in the table's first column; the record's name otherwise) and ``see`` (the
 subject file under ``docs/results/`` with its detailed tables). Every key is checked on reading:
 an unknown or missing key, or a value that is not text, is one ``ValueError`` naming the file.
@@ -26,6 +27,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -45,6 +47,8 @@ class Figure:
     value: str  # the measured value as it should read
     command: str = ""  # the command that reproduces this figure, where it is not the record's
     date: str = ""  # when this figure was measured, where it is not the record's date
+    commit: str = ""  # the checkout it was measured on, where it is not the record's
+    machine: str = ""  # the machine it was measured on, where it is not the record's
     topic: str = ""  # the short subject of the table's first column ("" = the record's name)
     see: str = ""  # the subject file with the details, e.g. "docs/results/planners.md"
 
@@ -68,7 +72,7 @@ def commit(repo: str | None = None) -> str:
 
 
 REQUIRED = ("id", "area", "figure", "target", "value")
-OPTIONAL = ("command", "date", "topic", "see")
+OPTIONAL = ("command", "date", "commit", "machine", "topic", "see")
 RECORD_KEYS = ("format", "version", "name", "command", "commit", "date", "machine", "figures")
 
 
@@ -118,31 +122,63 @@ def write_record(path: str, record: dict[str, Any]) -> str:
     return path
 
 
+def tool_command(argv: list[str] | None = None) -> str:
+    """The command line that ran this tool, as a user would type it from the repository root."""
+    argv = sys.argv if argv is None else argv
+    script = argv[0]
+    if os.path.isabs(script) and os.path.commonpath([script, os.getcwd()]) == os.getcwd():
+        script = os.path.relpath(script)
+    return " ".join(["python", shlex.quote(script), *(shlex.quote(a) for a in argv[1:])])
+
+
+def read_record(path: str) -> dict[str, Any]:
+    """The record in ``path``, checked (one ``ValueError`` naming the file)."""
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable record ({e})") from None
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT or rec.get("version") != VERSION:
+        raise ValueError(f"{path}: not a {FORMAT} version {VERSION} record")
+    for key in RECORD_KEYS:
+        if key not in rec:
+            raise ValueError(f"{path}: the record has no {key!r}")
+    unknown = sorted(set(rec) - set(RECORD_KEYS) - {"details"})
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)} in the record")
+    if not isinstance(rec["figures"], list):
+        raise ValueError(f"{path}: 'figures' must be a list")
+    for f in rec["figures"]:
+        check_figure(f, path)
+    return rec
+
+
+def update_record(path: str, name: str, figures: list[Figure], *, command: str, details: Any = None,
+                  repo: str | None = None) -> dict[str, Any]:
+    """Write the record of a run that measured ``figures`` into ``path``, keeping the figures of the record
+    already there that this run did not measure (a run of some sections of a benchmark): those keep their
+    own command, date, commit and machine. Returns the record written."""
+    new = make_record(name, figures, command=command, details=details, repo=repo)
+    if os.path.exists(path):
+        old = read_record(path)
+        fresh = {f["id"]: f for f in new["figures"]}
+        merged = []
+        for f in old["figures"]:
+            if f["id"] in fresh:
+                merged.append(fresh.pop(f["id"]))
+            else:
+                merged.append({**f, **{k: f.get(k) or old[k] for k in ("command", "date", "commit", "machine")}})
+        new["figures"] = merged + list(fresh.values())
+        if details is None and "details" in old:
+            new["details"] = old["details"]
+    write_record(path, new)
+    return new
+
+
 def read_records(folder: str) -> list[dict[str, Any]]:
     """Every record of ``folder``, by name; a file that is not a record is one ``ValueError`` naming it."""
-    out = []
-    for fn in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if not fn.endswith(".json"):
-            continue
-        path = os.path.join(folder, fn)
-        try:
-            with open(path) as f:
-                rec = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a readable record ({e})") from None
-        if not isinstance(rec, dict) or rec.get("format") != FORMAT or rec.get("version") != VERSION:
-            raise ValueError(f"{path}: not a {FORMAT} version {VERSION} record")
-        for key in RECORD_KEYS:
-            if key not in rec:
-                raise ValueError(f"{path}: the record has no {key!r}")
-        unknown = sorted(set(rec) - set(RECORD_KEYS) - {"details"})
-        if unknown:
-            raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)} in the record")
-        if not isinstance(rec["figures"], list):
-            raise ValueError(f"{path}: 'figures' must be a list")
-        for f in rec["figures"]:
-            check_figure(f, path)
-        out.append(rec)
+    out = [read_record(os.path.join(folder, fn))
+           for fn in (sorted(os.listdir(folder)) if os.path.isdir(folder) else []) if fn.endswith(".json")]
     seen: dict[str, str] = {}
     for rec in out:
         for f in rec["figures"]:
@@ -177,8 +213,9 @@ def render(records: list[dict[str, Any]], *, page_dir: str = "docs", see: str | 
         for r, f in rows:
             cmd = _cell(f.get("command") or r["command"])
             cmd = cmd if "`" in cmd else f"`{cmd}`"
+            when = f"{f.get('date') or r['date']}, {_cell(f.get('commit') or r['commit'])}"
             row = (f"| {_cell(f.get('topic') or r['name'])} | {_cell(f['figure'])} | {_cell(f['target'])} | "
-                   f"{_cell(f['value'])} | {cmd} | {f.get('date') or r['date']}, {_cell(r['commit'])} |")
+                   f"{_cell(f['value'])} | {cmd} | {when} |")
             if details:
                 row += f" {_link(f['see'], page_dir) if f.get('see') else ''} |"
             lines.append(row)
