@@ -457,7 +457,8 @@ def figures(found: dict, args: argparse.Namespace) -> list[Figure]:
                           target="<= 1.001x, >= 20x speed", value="; ".join(parts)))
     if "hydra" in found:
         h = found["hydra"]
-        setting = f"{args.lanes} lanes, {args.batches} steps of {args.lanes} x 8192 x {args.passes} Wikipedia tokens"
+        setting = (f"{args.lanes} lanes, {args.batches} steps of {args.lanes} x 8192 x {args.passes} Wikipedia tokens "
+                   "in a seeded shuffle, docs longer than the context left out")
         out.append(Figure(id="planners.hydra_bound", area="planning", topic="hydra", see=see, target="within 5%",
                           figure=f"step time vs lower bound, {setting}",
                           value="vs a valid bound for every plan (`planning/solvers/bound.py`): **max "
@@ -466,7 +467,7 @@ def figures(found: dict, args: argparse.Namespace) -> list[Figure]:
                                   "plans): **max " + ", ".join(f"{v['over2']:.4f} ({k(c)})" for c, v in h.items())
                                 + "**"))
         out.append(Figure(id="planners.hydra_vs_mcore_dcp", area="planning", topic="hydra", see=see,
-                          figure=f"speedup over `mcore-dcp` (modeled, total over {args.batches} steps; mcore-dcp with "
+                          figure="speedup over `mcore-dcp` (modeled, total over the same steps; mcore-dcp with "
                                  "Megatron-Core's per-round barriers)",
                           target=">= 1.15x (32K), >= 1.8x (256K)",
                           value="**" + ", ".join(f"{v['total']:.3f}x ({k(c)})" for c, v in h.items())
