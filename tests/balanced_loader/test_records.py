@@ -16,6 +16,8 @@ from balanced_loader.outputs.records import (
     page_with,
     read_records,
     render,
+    tool_command,
+    update_record,
     write_record,
 )
 
@@ -129,3 +131,17 @@ def test_the_repository_results_pages_are_current_and_every_figure_has_one_value
             assert key not in seen, f"figure {f['id']} repeats {seen[key]}"
             seen[key] = f["id"]
     assert len(seen) > 50
+
+
+def test_a_run_of_some_sections_keeps_the_other_figures_with_their_own_provenance(tmp_path):
+    path = str(tmp_path / "bench.json")
+    first = update_record(path, "bench", [fig(1), fig(2)], command="python tools/bench.py")
+    old = {k: first[k] for k in ("command", "date", "commit", "machine")}
+    second = update_record(path, "bench", [fig(2, value="22"), fig(3)], command="python tools/bench.py --only b")
+    assert [f["id"] for f in second["figures"]] == ["x.1", "x.2", "x.3"]  # replaced in place, new ones after
+    kept, fresh, new = second["figures"]
+    assert {k: kept[k] for k in old} == old and fresh["value"] == "22" and "command" not in fresh
+    assert read_records(str(tmp_path))[0] == second
+    text = render([second])
+    assert "`python tools/bench.py` |" in text and "`python tools/bench.py --only b` |" in text
+    assert tool_command(["tools/x.py", "--a", "b c"]) == "python tools/x.py --a 'b c'"
