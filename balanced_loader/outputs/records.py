@@ -212,7 +212,7 @@ def render(records: list[dict[str, Any]], *, page_dir: str = "docs", see: str | 
         lines += [f"### {area}", "", head, "|---|---|---|---|---|---|" + ("---|" if details else "")]
         for r, f in rows:
             cmd = _cell(f.get("command") or r["command"])
-            cmd = cmd if "`" in cmd else f"`{cmd}`"
+            cmd = cmd if "`" in cmd or cmd.startswith("see ") else f"`{cmd}`"
             when = f"{f.get('date') or r['date']}, {_cell(f.get('commit') or r['commit'])}"
             row = (f"| {_cell(f.get('topic') or r['name'])} | {_cell(f['figure'])} | {_cell(f['target'])} | "
                    f"{_cell(f['value'])} | {cmd} | {when} |")
