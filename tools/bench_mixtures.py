@@ -246,7 +246,7 @@ def figures(res: dict) -> list[Figure]:
             Figure(id="mixtures.run_share", area="data", topic="mixture", see=SEE, target="within 0.5% of its weight",
                    figure="each source's share of the run, same run",
                    value=f"**{sh['run_share_error_rel']:.2%}** relative at worst ("
-                         + " / ".join(f"{v:.5f}" for v in sh["run_share"].values()) + ")"),
+                         + " / ".join(f"{sh['run_share'][n]:.5f}" for n in WEIGHTS) + ")"),
             Figure(id="mixtures.delivery_spread", area="data", topic="mixture", see=SEE, target="n or n+1 times (<= 1)",
                    figure="per source, spread of deliveries of each doc (max - min) after every step",
                    value=f"**<= {sh['repeat_spread_max']}** at all {sh['steps']} steps (each doc "
