@@ -3,6 +3,10 @@
 A :class:`StepPlan` says, for one optimizer step, which pools (rank sets of one
 ``(tp, pp)`` shape) exist, and for each pool which groups of lanes run which
 segments in which microbatch. Planning is pure; these types are plain data.
+
+Why one module: it is contract 1 as code, the leaf every stage imports (nothing of ours below it):
+the plan's types, their JSON form and their checks (``StepPlan.validate``, ``pool_grid``, the
+sequences a step must tile) read the same fields, and a reader of the contract finds it in one place.
 """
 
 from __future__ import annotations

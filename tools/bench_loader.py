@@ -41,6 +41,7 @@ from balanced_loader.data.shards import VERIFY_MODES, ShardSource
 from balanced_loader.loader import BalancedLoader, resolve_cost
 from balanced_loader.materialize import needed_token_count
 from balanced_loader.outputs.files import atomic_write
+from balanced_loader.outputs.records import Figure, tool_command, update_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,6 +129,29 @@ def loader_one_rank(src: ShardSource, args: argparse.Namespace, rank: int) -> tu
     return tokens, time.perf_counter() - t0
 
 
+def write_figures(args: argparse.Namespace, speed: float, bytes_off: float, bytes_full: float, full: float,
+                  header: float) -> None:
+    """This run's figures as the benchmark's record (docs/RESULTS.md is made from the records): ``bytes_off`` /
+    ``bytes_full`` the worst rank's bytes read / needed without checks and with the default ones."""
+    see = "docs/results/data_loader.md"
+    figures = [
+        Figure(id="loader.throughput", area="data", topic="loader", see=see, target=">= 0.8",
+               figure="shards -> materialized microbatches vs plain webdataset read, same shards",
+               value=f"**{speed:.2f}** (whole cluster of {args.world} ranks, verify=full, median of {args.repeats})"),
+        Figure(id="loader.bytes_read", area="data", topic="loader", see=see, target="< 1.1",
+               figure="bytes read per rank / bytes needed (verify=off; the default checks: integrity below)",
+               value=f"**{bytes_off:.4f}** max"),
+        Figure(id="reliability.integrity_cost", area="reliability", topic="integrity",
+               see="docs/results/reliability.md", target="stated",
+               figure="loader cost of the default checks (crc per doc and per 1 KiB block)",
+               value=f"full checks {full:.2f}x the time of none for the whole cluster, header-only {header:.2f}x; "
+                     f"worst rank reads {bytes_full:.2f}x the bytes it needs"),
+    ]
+    update_record(args.record, "bench_loader", figures, command=tool_command(),
+                  details={"args": {k: v for k, v in vars(args).items() if k not in ("json", "record")}})
+    print(f"wrote the record {args.record}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shards", default=os.path.join(REPO, ".demo", "stdlib-shards"),
@@ -143,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", help="write the measurements here")
+    p.add_argument("--record", metavar="PATH",
+                   help="write the figures as a record (docs/results/records/bench_loader.json; then run "
+                        "python -m balanced_loader.outputs.records)")
     args = p.parse_args(argv)
 
     if os.path.abspath(args.shards) == os.path.join(REPO, ".demo", "stdlib-shards"):
@@ -217,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verify={m}: bytes read / bytes needed per rank: " + ", ".join(f"{x:.4f}" for x in r)
               + f" (max {max(r):.4f}; each rank reads {sum(runs[m]['bytes_read']) / args.world / 2**20:.1f} MiB "
                 f"of the {sum(os.path.getsize(u) for u in urls) / 2**20:.1f} MiB of shards)")
+    if args.record:
+        off = max(a / max(n, 1) for a, n in zip(runs["off"]["bytes_read"], runs["off"]["bytes_needed"]))
+        write_figures(args, cluster_rate / plain_rate, off, max(ratios), paired("full"), paired("header"))
     if args.json:
         with atomic_write(args.json, "w") as f:
             json.dump({"args": vars(args), "plain_s": plain_t, "cluster_s": cluster_t, "rank_s": rank_t,

@@ -1,4 +1,4 @@
-"""The mixture and schedule figures of issue 21, measured on real shard folders (docs/results/mixtures.md).
+"""The mixture and schedule figures of issue 21, measured on real shard folders (docs/results/data_loader.md).
 
 Three shard folders are built (once, under ``--dir``) from the CPython standard library's ``.py``
 files with the byte tokenizer: ``tests`` (files under a test folder), ``packages`` (the other
@@ -20,6 +20,10 @@ policy hydra, cost ``hydra-gpt7b-a100``, 131,072 tokens per step, ``max_seq_len`
 
     python tools/bench_mixtures.py --dir /tmp/mixbench
     python tools/bench_mixtures.py --adversarial 60     # synthetic worst cases of the per-step share
+
+``--record PATH`` (``docs/results/records/bench_mixtures.json``) writes the figures as the benchmark's
+record, keeping those a run did not measure (``--adversarial`` measures only its own); then
+``python -m balanced_loader.outputs.records`` regenerates docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 
 from balanced_loader.data.mixture import mix
 from balanced_loader.loader import BalancedLoader
+from balanced_loader.outputs.records import Figure, tool_command, update_record
 from balanced_loader.schedule import schedule
 
 WEIGHTS = {"tests": 0.6, "packages": 0.3, "modules": 0.1}
@@ -221,15 +226,86 @@ def adversarial(trials: int) -> dict:
             "worst_run_share_error_abs": round(max(runs), 5)}
 
 
+SEE = "docs/results/data_loader.md"
+SETTING = ("three real shard folders (the CPython stdlib's `.py` files in three groups, byte tokens), 4 ranks, hydra, "
+           "131,072 tokens per step, `max_seq_len` 4096")
+
+
+def figures(res: dict) -> list[Figure]:
+    """The record's figures of a run (``res``: the sections it measured)."""
+    out = []
+    if "shares" in res:
+        sh = res["shares"]
+        deliveries = [n for lo_hi in sh["deliveries"].values() for n in lo_hi]
+        out += [
+            Figure(id="mixtures.step_share", area="data", topic="mixture", see=SEE,
+                   target="within one `max_seq_len` every step",
+                   figure=f"each source's tokens vs its share of the step, weights 0.6/0.3/0.1 by tokens, "
+                          f"{sh['steps']} steps (two mixture epochs), `long_docs=truncate`; {SETTING}",
+                   value=f"worst **{sh['worst_step_deviation_in_max_seq_len']:.3f}** `max_seq_len`"),
+            Figure(id="mixtures.run_share", area="data", topic="mixture", see=SEE, target="within 0.5% of its weight",
+                   figure="each source's share of the run, same run",
+                   value=f"**{sh['run_share_error_rel']:.2%}** relative at worst ("
+                         + " / ".join(f"{sh['run_share'][n]:.5f}" for n in WEIGHTS) + ")"),
+            Figure(id="mixtures.delivery_spread", area="data", topic="mixture", see=SEE, target="n or n+1 times (<= 1)",
+                   figure="per source, spread of deliveries of each doc (max - min) after every step",
+                   value=f"**<= {sh['repeat_spread_max']}** at all {sh['steps']} steps (each doc "
+                         f"{min(deliveries)}-{max(deliveries)} times at the end)"),
+        ]
+    if "weight_schedule" in res:
+        out.append(Figure(id="mixtures.weight_schedule", area="data", topic="weight schedule", see=SEE,
+                          figure="(0.6, 0.3, 0.1) at step 10 -> (0.2, 0.2, 0.6) at step 20, 30 steps",
+                          target="every step within one `max_seq_len` of the interpolated share",
+                          value=f"worst **{res['weight_schedule']['worst_step_deviation_in_max_seq_len']:.3f}** "
+                                "`max_seq_len`"))
+    if "max_seq_len_schedule" in res:
+        sc = res["max_seq_len_schedule"]
+        out.append(Figure(id="mixtures.seq_len_schedule", area="data", topic="`max_seq_len` schedule", see=SEE,
+                          figure="512 at step 0 -> 4096 at step 20, `long_docs=split`, 25 steps",
+                          target="no segment over its step's limit; reaches 4096",
+                          value=f"longest / limit **<= {sc['worst_longest_segment_over_step_limit']:.3f}**; "
+                                f"the last step (step {sc['last_step_limit_and_longest'][0]}) at limit "
+                                f"{sc['last_step_limit_and_longest'][1]}, longest segment "
+                                f"{sc['last_step_limit_and_longest'][2]}"))
+    if "resume_4_to_2" in res:
+        r = res["resume_4_to_2"]
+        out.append(Figure(id="mixtures.resume_world", area="data", topic="resume", see=SEE,
+                          figure="state after step 7 at world size 4 (weights, `max_seq_len` and `global_batch_tokens` "
+                                 "scheduled), resumed at world size 2",
+                          target="same global batches as an uninterrupted run",
+                          value=f"**{r['identical_steps']} of {r['steps_compared']} steps identical** "
+                                f"({r['segments_compared']} segments)"))
+    if "bad_input" in res:
+        bad = res["bad_input"]
+        ok = sum(b["exit"] == 2 and b["stderr_lines"] == 1 for b in bad)
+        out.append(Figure(id="mixtures.bad_input", area="reliability", topic="mixture bad input", see=SEE,
+                          figure="negative / all-zero weights, unsorted schedule steps, a source that does not exist, "
+                                 "an empty source", target="one line, exit 2",
+                          value=f"**{ok} of {len(bad)}**: one line, exit 2"))
+    if "adversarial" in res:
+        a = res["adversarial"]
+        out.append(Figure(id="mixtures.adversarial", area="data", topic="mixture", see=SEE, target="(not a target)",
+                          figure="synthetic worst cases (sources of only 1- or max-length docs, budgets of 2-16 "
+                                 f"`max_seq_len`), {a['trials']} trials x 150 steps",
+                          value=f"worst step **{a['worst_step_deviation_in_max_seq_len']:.3f}** `max_seq_len` "
+                                f"({a['trials_over_one_max_seq_len']} of {a['trials']} trials above 1), run share "
+                                f"within {a['worst_run_share_error_abs'] * 100:.2f} points"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/mixbench", help="where the shard folders are built (once)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--adversarial", type=int, metavar="TRIALS",
                     help="instead: the per-step share on TRIALS synthetic worst-case mixtures")
+    ap.add_argument("--record", metavar="PATH", help="write the figures as a record (see above)")
     args = ap.parse_args()
     if args.adversarial:
-        print(json.dumps(adversarial(args.adversarial), indent=1))
+        res = {"adversarial": adversarial(args.adversarial)}
+        print(json.dumps(res["adversarial"], indent=1))
+        if args.record:
+            update_record(args.record, "bench_mixtures", figures(res), command=tool_command())
         return
     os.makedirs(args.dir, exist_ok=True)
     folders = build(args.dir)
@@ -241,6 +317,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+    if args.record:
+        update_record(args.record, "bench_mixtures", figures(res), command=tool_command())
 
 
 if __name__ == "__main__":

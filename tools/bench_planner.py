@@ -30,6 +30,10 @@ Sections (each prints a markdown table; ``--only`` picks some):
     python tools/bench_planner.py                        # everything but megatron
     python tools/bench_planner.py --only pack [--lengths PATH] [--code-docs N] [--skip-linear]
     PYTHONPATH=/tmp/mcore_pkg python tools/bench_planner.py --only megatron
+
+``--record PATH`` (``docs/results/records/bench_planner.json``) writes the headline figures of the
+sections run as the benchmark's record, keeping the figures of the sections not run; then
+``python -m balanced_loader.outputs.records`` regenerates docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from numba import njit
 import balanced_loader
 from balanced_loader.batches.items import to_items
 from balanced_loader.build import zoo
+from balanced_loader.outputs.records import Figure, tool_command, update_record
 from balanced_loader.plan import (
     BatchItems,
     Group,
@@ -196,7 +201,7 @@ def side_by_side(fns: dict, repeats: int) -> dict:
     return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), out[k]) for k in fns}
 
 
-def bench_pack(name: str, docs: np.ndarray, cap: int, repeats: int, slow_rows: bool) -> None:
+def bench_pack(name: str, docs: np.ndarray, cap: int, repeats: int, slow_rows: bool) -> dict:
     l1 = -(-int(docs.sum()) // cap)
     l2 = packing.lower_bound(docs, cap)
     print(f"\n### Packing {len(docs):,} {name} docs, capacity {cap}, one core\n")
@@ -218,6 +223,9 @@ def bench_pack(name: str, docs: np.ndarray, cap: int, repeats: int, slow_rows: b
         fns["FFD, same tree, one doc at a time"] = lambda: ffd_tree_single(docs, cap)
     rows = side_by_side(fns, repeats)
     base = rows["axolotl multipack: shuffled first fit, groups of 100k, <= 200 docs/bin"][1]
+    ffd, bfd, alone = (rows[k] for k in list(fns)[:3])
+    found = {"docs": len(docs), "cap": cap, "ffd_docs_per_s": len(docs) / ffd[1], "ffd_over_l2": ffd[2][1] / l2,
+             "ffd_alone_over_l2": alone[2][1] / l2, "ffd_speedup": base / ffd[1], "bfd_speedup": base / bfd[1]}
     for k, (wall, cpu, (bins, nb)) in rows.items():
         fill = np.bincount(bins, weights=docs)
         assert fill.max() <= cap and len(fill) == nb
@@ -230,8 +238,10 @@ def bench_pack(name: str, docs: np.ndarray, cap: int, repeats: int, slow_rows: b
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         print(f"| FFD, linear scan (numba, one run) | {wall:.4f} / {cpu:.4f} | {len(docs) / cpu / 1e6:.2f} M | "
               f"{nb:,} | {nb / l1:.5f} | {nb / l2:.5f} | {base / cpu:.1f}x |")
+        found["linear_docs_per_s"] = len(docs) / cpu
     print(f"\nMedians of {repeats} interleaved repeats after one warm-up run each; docs/s and the speed ratio "
           "from CPU time (the machine is shared).")
+    return found
 
 
 def pow2(lanes: int) -> list[int]:
@@ -253,8 +263,9 @@ def batches(lengths: np.ndarray, context: int, lanes: int, passes: int, count: i
     return out
 
 
-def bench_hydra(lengths, contexts, lanes, passes, count, repeats) -> None:
+def bench_hydra(lengths, contexts, lanes, passes, count, repeats) -> dict:
     cost = cost_preset(COST)
+    found = {}
     for ctx in contexts:
         print(f"\n### hydra at {ctx // 1024}K context, {lanes} lanes, {count} batches "
               f"({lanes} x 8192 x {passes} tokens each), cost {COST}\n")
@@ -293,9 +304,12 @@ def bench_hydra(lengths, contexts, lanes, passes, count, repeats) -> None:
               f"token-kk / hydra {tot['token-kk'] / tot['hydra']:.3f}, maxlen / hydra "
               f"{tot['maxlen'] / tot['hydra']:.3f}; hydra planning median {statistics.median(plan_wall) * 1e3:.1f} ms "
               f"wall, {statistics.median(plan_cpu) * 1e3:.1f} ms cpu.")
+        found[ctx] = {"over": max(over), "over2": max(over2), "total": tot["mcore-dcp"] / tot["hydra"],
+                      "min": min(ratios)}
+    return found
 
 
-def bench_scaling(lengths, passes, repeats, lane_counts, all_docs_lanes) -> None:
+def bench_scaling(lengths, passes, repeats, lane_counts, all_docs_lanes) -> dict:
     cost = cost_preset(COST)
     print(f"\n### hydra planning time against batch size (32K context, {passes} passes of 8192 tokens per lane; "
           f"'all': every one of the {len(lengths):,} docs in one step)\n")
@@ -306,6 +320,7 @@ def bench_scaling(lengths, passes, repeats, lane_counts, all_docs_lanes) -> None
     print("|---|---|---|---|---|---|---|---|")
     rows = [(lanes, batches(lengths, 32768, lanes, passes, 1)[0], "") for lanes in lane_counts]
     rows += [(lanes, lengths, " (all)") for lanes in all_docs_lanes]
+    found = {}
     for lanes, b, tag in rows:
         items = BatchItems.from_lengths(b)
         cfg = PlanConfig(policy="hydra", world_size=lanes)
@@ -316,6 +331,8 @@ def bench_scaling(lengths, passes, repeats, lane_counts, all_docs_lanes) -> None
         lb2 = step_lower_bound(b, cost, lanes, [(1, 1)], degrees=pow2(lanes)).bound_ms
         print(f"| {lanes}{tag} | {n:,} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {cpu / n * 1e6:.2f} | "
               f"{cpu / (n * np.log2(n)) * 1e9:.1f} | {plan.predicted_ms / lb:.4f} | {plan.predicted_ms / lb2:.4f} |")
+        found[(lanes, bool(tag))] = {"docs": n, "cpu_s": cpu}
+    return found
 
 
 def megatron_rounds(mod, b: np.ndarray, lanes: int, cap: int) -> tuple[list, float]:
@@ -379,7 +396,7 @@ def heavy_tail(count: int, context: int, seed: int = 7) -> np.ndarray:
     return np.minimum(x.astype(np.int64), context)
 
 
-def bench_megatron(lengths, contexts, lanes, passes, count) -> None:
+def bench_megatron(lengths, contexts, lanes, passes, count) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -395,6 +412,7 @@ def bench_megatron(lengths, contexts, lanes, passes, count) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     corpora = [("wikipedia", lengths)]
     corpora.append(("pareto-1.1", heavy_tail(4 * lanes * 8192 * passes * count // 64, max(contexts))))
+    ratios, same_plans = [], []
     for corpus, src in corpora:
         for ctx in contexts:
             for k, b in enumerate(batches(src, ctx, lanes, passes, count)):
@@ -408,6 +426,75 @@ def bench_megatron(lengths, contexts, lanes, passes, count) -> None:
                 print(f"| {corpus} | {ctx // 1024}K | {k} | {len(b):,} | {len(ids)} | {real_ms:,.1f} | "
                       f"{bare_ms / real_ms:.4f} | {ours.predicted_ms:,.1f} | {ours.predicted_ms / real_ms:.4f} | "
                       f"{same} | {real_s:.2f} | {ours.plan_seconds:.2f} |")
+                ratios.append(ours.predicted_ms / real_ms)
+                same_plans.append(same)
+    return {"min": min(ratios), "max": max(ratios), "same": sum(same_plans), "batches": len(same_plans)}
+
+
+def k(ctx: int) -> str:
+    return f"{ctx // 1024}K"
+
+
+def figures(found: dict, args: argparse.Namespace) -> list[Figure]:
+    """The record's figures of the sections this run measured (``found``: each section's results)."""
+    see, out = "docs/results/planners.md", []
+    pack = found.get("pack", {})
+    if "wiki" in pack:
+        w = pack["wiki"]
+        linear = f"; linear-scan FFD {w['linear_docs_per_s'] / 1e6:.2f}M docs/s" if "linear_docs_per_s" in w else ""
+        out.append(Figure(id="planners.pack_speed", area="planning", topic="packing", see=see,
+                          figure=f"`pack(ffd)` on {w['docs']:,} Wikipedia docs, cap {w['cap']:,}, one core",
+                          target=">= 2.5M docs/s, <= 1.0005 x bound",
+                          value=f"**{w['ffd_docs_per_s'] / 1e6:.1f}M docs/s** (CPU time), bins / L2 bound "
+                                f"{w['ffd_over_l2']:.5f}{linear}"))
+    if pack:
+        names = {"wiki": "Wikipedia", "realcode": "real code (this machine's CPython stdlib and /usr/include, byte "
+                 "tokens, split at 8,192)", "code": "synthetic code-like corpus"}
+        parts = [f"{names[c]} cap {v['cap']:,}: **{v['ffd_over_l2']:.5f}** (FFD alone {v['ffd_alone_over_l2']:.5f}), "
+                 f"{v['ffd_speedup']:.1f}x (`bfd` {v['bfd_speedup']:.1f}x)" for c, v in pack.items()]
+        out.append(Figure(id="planners.pack_bound", area="planning", topic="packing", see=see,
+                          figure="`pack(ffd)` bins / Martello-Toth L2 bound; speed vs axolotl's multipack (CPU time)",
+                          target="<= 1.001x, >= 20x speed", value="; ".join(parts)))
+    if "hydra" in found:
+        h = found["hydra"]
+        setting = (f"{args.lanes} lanes, {args.batches} steps of {args.lanes} x 8192 x {args.passes} Wikipedia tokens "
+                   "in a seeded shuffle, docs longer than the context left out")
+        out.append(Figure(id="planners.hydra_bound", area="planning", topic="hydra", see=see, target="within 5%",
+                          figure=f"step time vs lower bound, {setting}",
+                          value="vs a valid bound for every plan (`planning/solvers/bound.py`): **max "
+                                + ", ".join(f"{v['over']:.4f} ({k(c)})" for c, v in h.items())
+                                + "**; vs the same bound over power-of-two degrees (valid for hydra's and mcore-dcp's "
+                                  "plans): **max " + ", ".join(f"{v['over2']:.4f} ({k(c)})" for c, v in h.items())
+                                + "**"))
+        out.append(Figure(id="planners.hydra_vs_mcore_dcp", area="planning", topic="hydra", see=see,
+                          figure="speedup over `mcore-dcp` (modeled, total over the same steps; mcore-dcp with "
+                                 "Megatron-Core's per-round barriers)",
+                          target=">= 1.15x (32K), >= 1.8x (256K)",
+                          value="**" + ", ".join(f"{v['total']:.3f}x ({k(c)})" for c, v in h.items())
+                                + "**; per step min " + " / ".join(f"{v['min']:.3f}x" for v in h.values())))
+    sc = found.get("scaling", {})
+    if (512, False) in sc and (2048, False) in sc:
+        out.append(Figure(id="planners.hydra_plan_time", area="planning", topic="hydra", see=see,
+                          figure="planning time, CPU ms per plan, Wikipedia, 512 / 2,048 lanes",
+                          target="< 50 ms (512 lanes), < 250 ms (2,048 lanes)",
+                          value=f"**{sc[512, False]['cpu_s'] * 1e3:.1f} ms** (512 lanes), "
+                                f"**{sc[2048, False]['cpu_s'] * 1e3:.1f} ms** (2,048 lanes), median of {args.repeats}"))
+    if (16384, True) in sc:
+        out.append(Figure(id="planners.hydra_16k_lanes", area="planning", topic="hydra", see=see,
+                          figure="planning time, all 1M Wikipedia docs in one step at 16,384 lanes, CPU time; "
+                                 "fingerprints pinned (`tests/balanced_loader/planning/test_hydra_pinned.py`)",
+                          target="<= 0.5 s (`plan_seconds`), same plans",
+                          value=f"**{sc[16384, True]['cpu_s']:.3f} s** (median of {args.repeats})"))
+    if "megatron" in found:
+        m = found["megatron"]
+        out.append(Figure(id="planners.mcore_dcp_fidelity", area="planning", topic="mcore-dcp", see=see,
+                          figure="modeled time (with its per-round barriers) vs the real Megatron-Core "
+                                 "`BalancedCPScheduler` (megatron-core unpacked in /tmp, not a dependency: its "
+                                 "placements + a barrier after each round), Wikipedia 32K/256K and a Pareto corpus, "
+                                 f"{args.lanes} lanes", target="within 10%",
+                          value=f"**{m['min']:.4f}-{m['max']:.4f}** over {m['batches']} batches; identical plans on "
+                                f"{m['same']}/{m['batches']} batches"))
+    return out
 
 
 def main() -> None:
@@ -430,29 +517,38 @@ def main() -> None:
                     help="pack: comma-separated wiki, code (synthetic code-like), realcode (this machine's CPython "
                          "stdlib and /usr/include, byte-level tokens, split into sequences of at most 8192)")
     ap.add_argument("--skip-linear", action="store_true", help="pack: skip the slow reference rows")
+    ap.add_argument("--record", metavar="PATH", help="write the headline figures as a record (see above)")
     args = ap.parse_args()
+    found: dict = {}
     lengths = wiki(args.lengths)
     contexts = [int(x) for x in args.contexts.split(",")]
     only = set(args.only.split(","))
     packing.warm_up()
     if "pack" in only and "wiki" in args.corpora.split(","):
-        bench_pack("Wikipedia", lengths[lengths <= 32768], 32768, args.repeats, not args.skip_linear)
+        found.setdefault("pack", {})["wiki"] = bench_pack("Wikipedia", lengths[lengths <= 32768], 32768, args.repeats,
+                                                           not args.skip_linear)
     if "pack" in only and "code" in args.corpora.split(","):
-        bench_pack(f"code-like (lognormal(8.3, 0.8) tokens, truncated, seed {args.code_seed})",
-                   code_corpus(args.code_docs, args.code_seed, 8192), 8192, args.repeats, False)
+        found.setdefault("pack", {})["code"] = bench_pack(
+            f"code-like (lognormal(8.3, 0.8) tokens, truncated, seed {args.code_seed})",
+            code_corpus(args.code_docs, args.code_seed, 8192), 8192, args.repeats, False)
     if "pack" in only and "realcode" in args.corpora.split(","):
         real = np.concatenate([zoo.lengths(name) for name in ("stdlib", "headers")])
         real = real[real > 0]
         pieces = to_items(real, np.arange(len(real)), 8192, "split")[0].lengths  # every doc cut at 8192
-        bench_pack("real code (the CPython stdlib's .py and /usr/include, bytes, split at 8192)",
-                   pieces, 8192, args.repeats, False)
+        found.setdefault("pack", {})["realcode"] = bench_pack(
+            "real code (the CPython stdlib's .py and /usr/include, bytes, split at 8192)",
+            pieces, 8192, args.repeats, False)
     if "hydra" in only:
-        bench_hydra(lengths, contexts, args.lanes, args.passes, args.batches, args.repeats)
+        found["hydra"] = bench_hydra(lengths, contexts, args.lanes, args.passes, args.batches, args.repeats)
     if "scaling" in only:
-        bench_scaling(lengths, args.passes, args.repeats, [int(x) for x in args.scaling_lanes.split(",")],
-                      [int(x) for x in args.all_docs_lanes.split(",") if x])
+        found["scaling"] = bench_scaling(lengths, args.passes, args.repeats,
+                                         [int(x) for x in args.scaling_lanes.split(",")],
+                                         [int(x) for x in args.all_docs_lanes.split(",") if x])
     if "megatron" in only:
-        bench_megatron(lengths, contexts, args.lanes, args.passes, args.megatron_batches)
+        found["megatron"] = bench_megatron(lengths, contexts, args.lanes, args.passes, args.megatron_batches)
+    if args.record:
+        update_record(args.record, "bench_planner", figures(found, args), command=tool_command())
+        print(f"\nwrote the record {args.record}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark of the FlexSP and Hydraulis policies against every registered policy (contract-2 model).
 
-Two settings (docs/results/strategies.md):
+Two settings (docs/results/planners.md):
 
 * ``flexsp``: 64 lanes, preset ``flexsp-gpt7b-a100``, global batches of 512 Wikipedia docs
   (docs that no 64-lane group holds, over 64 x 5,950 tokens, are left out of the pool first),

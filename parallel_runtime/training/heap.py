@@ -42,7 +42,7 @@ def set_heap_mmap_threshold(nbytes: int) -> bool:
     (glibc ``mallopt(M_MMAP_THRESHOLD)``; ``0`` or a non-glibc C library: no change). Returns whether
     it was set. Why: glibc's default threshold rises to the size of the largest freed block (up to
     32 MiB), after which a step's activations and gradient temporaries of a few MB come from the heap
-    and their pages stay resident when freed, fragmented between live tensors (docs/results/memory.md)."""
+    and their pages stay resident when freed, fragmented between live tensors (docs/results/runtime.md)."""
     if nbytes <= 0 or _LIBC is None:
         return False
     return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, int(nbytes)))

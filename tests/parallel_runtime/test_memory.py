@@ -83,7 +83,7 @@ def test_state_formulas_match_the_runtime_tensors(cfg) -> None:
 
 
 def table(tokens: int = 384) -> str:
-    """Measured saved activations vs the formula per size, dtype and recompute (docs/results/memory.md)."""
+    """Measured saved activations vs the formula per size, dtype and recompute (docs/results/runtime.md)."""
     rows = ["| hidden | layers | heads/kv | ffn | dtype | recompute | measured B/token | formula B/token | ratio |",
             "|---|---|---|---|---|---|---|---|---|"]
     for cfg in SIZES:

@@ -26,7 +26,7 @@ when the makespan bracket is that tight); each solve's wall-clock safety limit i
 
 **1-lane groups are allowed** (``min_degree: 1``). FlexSP's code skips ``d = 1`` while its
 paper's runs use ``<1 x 64>`` microbatches; measured on the FlexSP GPT-7B setting (64 lanes,
-Wikipedia, docs/results/strategies.md) 1-lane groups make the plan faster (short docs skip
+Wikipedia, docs/results/planners.md) 1-lane groups make the plan faster (short docs skip
 the all-to-all), so they are the default; ``min_degree: 2`` reproduces the code.
 
 Determinism: the plan is a pure function of (items, cost, config) unless the MILP's

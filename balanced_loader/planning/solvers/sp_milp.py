@@ -12,7 +12,7 @@ Two formulations:
   used slots non-empty; ``sum_p d_p m[p] = lanes``; plus a work row
   ``sum_p d_p time_p <= lanes C`` and token ordering of same-degree slots. Exact on the
   bucketed instance, but slot symmetry makes HiGHS slow: on the 64-lane GPT-7B setting it
-  found no incumbent, or one worse than the greedy plan, within 5 s (docs/results/strategies.md).
+  found no incumbent, or one worse than the greedy plan, within 5 s (docs/results/planners.md).
   Used when it is small (``exact_vars``).
 * :func:`class_milp`, the same model aggregated over identical slots: integer ``n[d]`` groups
   of degree ``d`` and integer ``x[q, d]`` docs of bucket ``q`` on them, for a target makespan

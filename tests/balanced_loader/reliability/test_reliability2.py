@@ -4,7 +4,7 @@ no silent re-index, bounded resources, one line for every mistake.
 Every API case is one ``ValueError`` matching its pattern, raised at once, with nothing written into the
 fixture folders; every CLI case is exit code 2 and one stderr line, no traceback, nothing written.
 The multi-process cases (locks, a full disk) are in ``test_outputs_mp.py`` and
-``tests/parallel_runtime/test_run_outputs.py``.
+``tests/parallel_runtime/training/test_run_outputs.py``.
 """
 
 from __future__ import annotations
