@@ -278,6 +278,8 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
         raise ValueError("missing key 'seed': every recipe sets a top-level seed")
     if isinstance(raw.get("model"), dict) and "hf" in raw["model"]:
         raw = {**raw, "model": {**raw["model"], "hf": normalize(raw["model"]["hf"])}}
+    if isinstance(raw.get("data"), dict) and isinstance(raw["data"].get("mixture"), str):
+        raw = {**raw, "data": {**raw["data"], "mixture": _data_path_mixture(raw["data"]["mixture"])}}
     recipe = from_dict(Recipe, raw, "recipe", file=path)
     recipe = dataclasses.replace(recipe, path=path)
     hf = recipe.model.hf
@@ -286,6 +288,21 @@ def recipe_from_dict(raw: Any, path: str = "") -> Recipe:
             recipe.model, hf={**hf, PRETRAINED: os.path.abspath(recipe.resolve(hf[PRETRAINED]))}))
     validate(recipe)
     return recipe
+
+
+def _data_path_mixture(text: str) -> list[dict[str, Any]]:
+    """``data.mixture`` given as Megatron's data path (``"0.3 PREFIX_A 0.7 PREFIX_B"``, as ``--data-path``
+    takes it) as the recipe's list of ``{name, source, weight}`` (names: the prefixes' base names)."""
+    from balanced_loader.data.megatron import data_path_sources
+
+    try:
+        sources, weights = data_path_sources(text)
+    except ValueError as e:
+        raise ValueError(f"data.mixture: {e}") from None
+    if weights is None:
+        raise ValueError("data.mixture: a data path in a recipe carries a weight before every prefix "
+                         "('0.3 PREFIX_A 0.7 PREFIX_B')")
+    return [{"name": n, "source": p, "weight": weights[n]} for n, p in sources.items()]
 
 
 def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:

@@ -69,3 +69,24 @@ def test_metrics_log_each_steps_tokens_per_source(folders, tmp_path) -> None:
     assert len(rows) == 3 and all(set(m["mixture_tokens"]) == {"code", "prose"} for m in rows)
     assert all(sum(m["mixture_tokens"].values()) == m["tokens"] for m in rows)
     assert rows[0]["tokens"] <= 1024 < rows[2]["tokens"] <= 2048  # the budget ramp reached step 2
+
+
+def test_a_recipe_takes_megatron_data_path_as_its_mixture(tmp_path) -> None:
+    """``data.mixture: "0.3 PREFIX_A 0.7 PREFIX_B"`` (Megatron's --data-path) is the list of sources it names;
+    prefixes without weights are one line."""
+    from balanced_loader.data.megatron import write_indexed_dataset
+
+    rng = np.random.default_rng(0)
+    for name in ("web_text_document", "code_text_document"):
+        docs = [rng.integers(0, 200, size=int(k)) for k in rng.integers(8, 90, 40)]
+        write_indexed_dataset(str(tmp_path / name), docs)
+    base = yaml.safe_load(Path(HETERO).read_text())
+    path = f"0.3 {tmp_path / 'web_text_document'} 0.7 {tmp_path / 'code_text_document'}"
+    raw_mix = apply_overrides(base, ["data.source=stdlib"])
+    raw_mix["data"]["mixture"] = path
+    r = recipe_from_dict(raw_mix, HETERO)
+    assert [(e.name, e.weight) for e in r.data.mixture] == [("web_text_document", 0.3), ("code_text_document", 0.7)]
+    assert r.data.mixture[0].source == str(tmp_path / "web_text_document")
+    raw_mix["data"]["mixture"] = f"{tmp_path / 'web_text_document'} {tmp_path / 'code_text_document'}"
+    with pytest.raises(ValueError, match="carries a weight before every prefix"):
+        recipe_from_dict(raw_mix, HETERO)
