@@ -199,6 +199,7 @@ class BalancedLoader:
         self.pad_id = int(pad_id)
         self.validate = bool(validate)
         self._epochs: OrderedDict[int, EpochCuts] = OrderedDict()
+        self._said_small = False  # the warning that a pass is smaller than a step, said once
         # the global batches, one source or a mixture (its cursors say where steps start)
         self._stream: BatchStream = stream_for(self.source, seed=self.seed, shuffle=self.shuffle,
                                                window=self.shuffle_window, max_seq_len=limit,
@@ -260,6 +261,14 @@ class BalancedLoader:
             unusual = {k: v for k, v in st.to_json().items() if k not in ("docs", "tokens") and v}
             msg = (f"epoch {epoch}{part}: {st.docs} docs, {st.tokens} tokens, {ep.num_steps} steps "
                    f"(max_seq_len {self.max_seq_len}, long_docs={self.long_docs})")
+            budget = int(self._stream.budget.at(self.step))
+            if ep.num_steps == 1 and 0 < st.tokens < budget - (self.max_seq_len or 0):
+                if self._said_small:
+                    return c  # said once: every epoch is one such step
+                self._said_small = True
+                # a step never holds one sequence twice: each step is one pass, short of the budget
+                unusual["pass_smaller_than_a_step"] = (f"{st.tokens} tokens per pass, global_batch_tokens "
+                                                       f"{budget}: every step is one pass (lower the budget)")
             if unusual:
                 log.warning("%s; %s", msg, ", ".join(f"{k} {v}" for k, v in unusual.items()))
             else:

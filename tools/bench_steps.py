@@ -11,6 +11,7 @@ least one max_seq_len, and the run's shares against the (interpolated) weights.
 
     python tools/bench_steps.py --out docs/results/records/steps.json
     python tools/bench_steps.py --many-sources 1000 10000     # seconds per step of a mixture of K sources
+    python tools/bench_steps.py --matrix --steps 6 --corpora license_texts,lines,c_headers   # modes x worlds x costs
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 import balanced_loader as bl
 from balanced_loader.build import zoo
-from balanced_loader.outputs.records import Figure, make_record, write_record
+from balanced_loader.outputs.records import Figure, make_record, tool_command, update_record
 
 
 def one_source(name: str, ln: np.ndarray, *, shuffle: bool, steps: int, budget: int, limit: int,
@@ -93,6 +94,47 @@ def many_sources(k: int, steps: int = 6) -> dict:
             "step_s_median_after": round(statistics.median(times[1:]), 3)}
 
 
+MATRIX_COSTS = ("analytic:tiny@cpu", "hydra-gpt7b-a100", "flexsp-gpt7b-a100")
+
+
+def matrix(corpora: list[str], *, worlds: list[int], steps: int, limit: int) -> list[dict]:
+    """Every ``long_docs`` mode x order x world x cost model on each corpus: ``steps`` steps of a loader with
+    ``validate=True`` (every plan tiles exactly its step's sequences), budget 16 sequences per 8 ranks (at
+    least 16): the steps outside ``[B - L, B]`` and the plan errors, per cell."""
+    out = []
+    for name in corpora:
+        ln = zoo.lengths(name)
+        if len(ln) < 20:
+            continue
+        for world in worlds:
+            budget = max(16, 2 * world) * limit
+            for cost in MATRIX_COSTS:
+                for mode in ("split", "truncate", "drop"):
+                    for shuffle in (False, True):
+                        ld = bl.BalancedLoader(ln, policy="hydra", cost=cost, world_size=world, rank=0,
+                                               global_batch_tokens=budget, max_seq_len=limit, long_docs=mode,
+                                               shuffle=shuffle, epochs=None, seed=0, validate=True,
+                                               prefetch_steps=0)
+                        sizes, error = [], ""
+                        try:
+                            sizes = [int(b.sequences.lengths.sum()) for _, b in zip(range(steps), ld)]
+                        except ValueError as e:
+                            error = str(e).splitlines()[0][:200]
+                        ld.close()
+                        arr = np.asarray(ln, dtype=np.int64)
+                        per_pass = int({"split": arr.sum(), "truncate": np.minimum(arr, limit).sum(),
+                                        "drop": arr[arr <= limit].sum()}[mode])
+                        # a step never holds one sequence twice: a pass smaller than a step is one short step
+                        small = per_pass < budget
+                        out.append({"corpus": name, "world": world, "cost": cost, "long_docs": mode,
+                                    "shuffle": shuffle, "budget": budget, "steps": len(sizes),
+                                    "pass_tokens": per_pass, "pass_smaller_than_a_step": small,
+                                    "outside": sum(not budget - limit <= x <= budget for x in sizes),
+                                    "short_steps_hold_the_pass": bool(small and all(x == per_pass for x in sizes)),
+                                    "error": error})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpora", default="gcloud,vimdoc,man,lines,c_headers,license_texts")
@@ -104,7 +146,34 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--out", help="write the record (docs/results/records/steps.json) here")
     ap.add_argument("--many-sources", type=int, nargs="*", help="only: seconds per step of mixtures of K sources")
+    ap.add_argument("--matrix", action="store_true",
+                    help="only: every long_docs mode x order x world (--worlds) x cost model, plans validated")
+    ap.add_argument("--worlds", default="2,8,512")
     a = ap.parse_args()
+    if a.matrix:
+        cells = matrix(a.corpora.split(","), worlds=[int(w) for w in a.worlds.split(",")], steps=a.steps,
+                       limit=a.max_seq_len)
+        for c in cells:
+            print(json.dumps(c), flush=True)
+        full = [c for c in cells if not c["pass_smaller_than_a_step"]]
+        small = [c for c in cells if c["pass_smaller_than_a_step"]]
+        bad = [c for c in full if c["outside"] or c["error"]] + [c for c in small if not c["short_steps_hold_the_pass"]]
+        print(json.dumps({"cells": len(cells), "steps": sum(c["steps"] for c in full),
+                          "outside": sum(c["outside"] for c in full), "errors": sum(bool(c["error"]) for c in cells),
+                          "cells_with_a_pass_smaller_than_a_step": len(small),
+                          "of_those_each_step_one_whole_pass": sum(c["short_steps_hold_the_pass"] for c in small),
+                          "bad": bad[:10]}))
+        if a.out:
+            fig = Figure(id="steps.matrix", area="data", target="0 outside, 0 errors",
+                         figure=f"steps outside [B - max_seq_len, B] and plan errors (validate=True), hydra: "
+                                f"{a.corpora.replace(',', ', ')} x long_docs split / truncate / drop x shuffled / not "
+                                f"x worlds {a.worlds.replace(',', ' / ')} x costs {' / '.join(MATRIX_COSTS)}, "
+                                f"{a.steps} steps each, B = max(16, 2 x world) x max_seq_len {a.max_seq_len:,}",
+                         value=f"**{sum(c['outside'] for c in full)}** of {sum(c['steps'] for c in full)} steps, "
+                               f"{sum(bool(c['error']) for c in cells)} errors in {len(cells)} cells; "
+                               f"{len(small)} cells whose pass is smaller than a step: each step one whole pass")
+            update_record(a.out, "steps", [fig], command=tool_command())
+        return
     if a.many_sources:
         for k in a.many_sources:
             print(json.dumps(many_sources(k)), flush=True)
@@ -154,10 +223,10 @@ def main() -> None:
                figure=f"mixture: run shares against the (interpolated) weights, {mixing}",
                value=f"max abs error **{max(r['run_share_error_max'] for r in mixes):.5f}**"),
     ]
-    rec = make_record("steps", figures, command="python tools/bench_steps.py --out docs/results/records/steps.json",
-                      details={"settings": vars(a), "sources": rows, "mixtures": mixes})
-    if a.out:
-        write_record(a.out, rec)
+    details = {"settings": vars(a), "sources": rows, "mixtures": mixes}
+    command = "python tools/bench_steps.py --out docs/results/records/steps.json"
+    rec = (update_record(a.out, "steps", figures, command=command, details=details) if a.out
+           else make_record("steps", figures, command=command, details=details))
     print(json.dumps(rec["figures"], indent=1))
 
 

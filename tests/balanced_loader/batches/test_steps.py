@@ -258,3 +258,16 @@ def test_global_batch_tokens_below_max_seq_len_is_one_line_and_the_default_limit
                        max_seq_len=4096)
     ld = BalancedLoader(ln, cost="analytic:tiny@cpu", world_size=2, rank=0, global_batch_tokens=1000)
     assert ld.max_seq_len <= 1000
+
+
+def test_a_source_smaller_than_a_step_is_one_pass_per_step_and_said_once(caplog):
+    """A step never holds one sequence twice: a pass of fewer tokens than the budget is one short step,
+    every step, and the loader says so once (not every epoch)."""
+    ln = np.full(100, 300)
+    with caplog.at_level("INFO", logger="balanced_loader"):
+        ld = BalancedLoader(ln, policy="greedy", cost="analytic:tiny@cpu", world_size=2, rank=0,
+                            global_batch_tokens=65536, max_seq_len=4096, epochs=None)
+        sizes = [int(b.sequences.lengths.sum()) for _, b in zip(range(5), ld)]
+    assert sizes == [30000] * 5
+    said = [r.getMessage() for r in caplog.records if "pass_smaller_than_a_step" in r.getMessage()]
+    assert len(said) == 1 and "lower the budget" in said[0]
