@@ -1,0 +1,167 @@
+"""Reliability III (issue 38): extreme values bounded, outputs never clobbered, nothing silent.
+
+Each test is a case of the issue's probe (or a neighbour of one) that failed on the code before it:
+mixture weights and schedules in overflow-safe, bounded arithmetic; ``plan`` without ``--steps``
+stating and bounding its steps; an empty plan, repeated step numbers and blank length lines refused.
+Calibration state, outputs, RL balancing and the HF integrations have files of their own
+(``test_calibration_state.py``, ``test_outputs_clobber.py``, ``test_rl_extremes.py``,
+``tests/parallel_runtime/test_hf_cp_sync.py``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_cli_errors import GOOD_COST
+
+from balanced_loader import cli
+from balanced_loader.cost import CostModel
+from balanced_loader.data.lengths import read_lengths
+from balanced_loader.data.mixture import mix
+from balanced_loader.data.schedule import check_shares, epoch_steps, setting, weight_schedule
+from balanced_loader.loader import BalancedLoader
+from balanced_loader.plan import Group, Plan, Pool, StepPlan
+
+COST = CostModel.from_dict({"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0,
+                            "comm_bytes_per_token": 1e4, "bandwidth_gbs": {2: 10.0}, "max_tokens_per_lane": 512})
+
+
+@pytest.fixture(scope="module")
+def lens(tmp_path_factory):
+    """Two length files of real shapes (the project's Wikipedia lengths, cut at 2,000 tokens) and a cost file."""
+    import gzip
+    import os
+
+    root = tmp_path_factory.mktemp("rel3")
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with gzip.open(os.path.join(here, "data", "wikipedia_lengths.txt.gz"), "rt") as f:
+        wiki = [min(int(x), 2000) for _, x in zip(range(8000), f)]
+    (root / "L1.txt").write_text("\n".join(map(str, wiki[:5000])) + "\n")
+    (root / "L3.txt").write_text("\n".join(map(str, wiki[5000:])) + "\n")
+    (root / "cost.yaml").write_text(GOOD_COST)
+    return root
+
+
+def _cli(argv, capsys):
+    rc = cli.main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+# ---- mixture weights and schedules ----------------------------------------------------------------
+
+
+def test_weights_of_1e308_mix_by_halves_in_the_api_and_the_cli(lens, capsys, tmp_path):
+    src = mix({"a": str(lens / "L1.txt"), "b": str(lens / "L3.txt")}, weights={"a": 1e308, "b": 1e308})
+    assert src.weights.at(0) == (0.5, 0.5)
+    ld = BalancedLoader(src, policy="greedy", cost=COST, world_size=2, rank=0, global_batch_tokens=8192,
+                        max_seq_len=512, epochs=None, prefetch_steps=1)
+    batch = next(ld)  # was: TypeError: cannot unpack non-iterable NoneType object (data/mixing.py)
+    ld.close()
+    a, b = batch.mixture_tokens["a"], batch.mixture_tokens["b"]
+    assert abs(a - b) <= 2000
+    out = tmp_path / "p.json"
+    rc, _, err = _cli(["plan", "--mix", f"a={lens}/L1.txt:1e308", f"b={lens}/L3.txt:1e308", "--global-batch-tokens",
+                       8192, "--world-size", 2, "--cost-file", lens / "cost.yaml", "--policy", "greedy",
+                       "--max-seq-len", 512, "--steps", 2, "--out", out], capsys)
+    assert rc == 0, err
+    assert len(Plan.load(str(out)).steps) == 2
+
+
+def test_a_share_under_one_token_per_step_is_refused_not_an_endless_epoch(lens):
+    # 1e200 / 1 / 1e-200: the middle share is 1e-200, the last underflows to 0 (was: epochs=1 never ended)
+    with pytest.raises(ValueError, match=r"source 'b' \(weight 1\) gets a share of 1e-200 .* never end"):
+        mix({"a": str(lens / "L1.txt"), "b": str(lens / "L3.txt"), "c": [5, 6, 7]},
+            weights={"a": 1e200, "b": 1.0, "c": 1e-200})
+    w = weight_schedule({"a": 1.0, "b": 1e-9}, ["a", "b"])  # 1e-9 of a 65,536-token step: under one token
+    with pytest.raises(ValueError, match=r"source 'b' gets a share of 1e-09 of a 65,536-token step"):
+        check_shares(w, setting(65536, "global_batch_tokens"))
+    check_shares(w, setting(2 * 10**9, "global_batch_tokens"))  # 2 tokens of a 2e9-token step: fine
+    # a zero weight (the source left out) and a ramp from 0 are fine
+    check_shares(weight_schedule({"a": 1.0, "b": [(0, 0.0), (1000, 0.5)]}, ["a", "b"]), setting(4096, "g"))
+
+
+@pytest.mark.xfail(strict=True, reason="needs the one-line hook in data/mixing.stream_for (the lead's file): "
+                                       "check_shares(source.weights, global_batch_tokens); see the i38 report")
+def test_the_loader_refuses_a_share_under_one_token_of_its_budget(lens):
+    src = mix({"a": str(lens / "L1.txt"), "b": str(lens / "L3.txt")}, weights={"a": 1.0, "b": 1e-9})
+    with pytest.raises(ValueError, match="under one token per step"):
+        BalancedLoader(src, policy="greedy", cost=COST, world_size=2, rank=0, global_batch_tokens=65536,
+                       max_seq_len=512, epochs=1)
+
+
+def test_schedule_values_obey_the_scalar_bounds():
+    with pytest.raises(ValueError, match=r"global_batch_tokens at step 10 must be <= 1099511627776"):
+        setting([(0, 4096), (10, 10**15)], "global_batch_tokens")
+    with pytest.raises(ValueError, match="global_batch_tokens"):
+        BalancedLoader([100, 200, 300], policy="greedy", cost=COST, world_size=2, rank=0,
+                       global_batch_tokens=[(0, 4096), (10, 10**15)])
+    assert setting([(0, 4096), (10, 1 << 40)], "g").largest == 1 << 40
+
+
+def test_epoch_steps_estimate_matches_a_constant_mixture():
+    w = weight_schedule({"a": 3.0, "b": 1.0}, ["a", "b"])
+    # a needs 3,000 units at 0.75 * 100 a step = 40 steps; b 2,000 at 25 = 80 steps: the epoch is 80 steps
+    assert epoch_steps([3000, 2000], w, setting(100, "g")) == pytest.approx(80)
+
+
+def test_plan_without_steps_states_and_bounds_the_steps_it_plans(lens, capsys, tmp_path):
+    out = tmp_path / "p.json"
+    common = ["--global-batch-tokens", 65536, "--world-size", 2, "--cost-file", lens / "cost.yaml", "--policy",
+              "greedy", "--max-seq-len", 1000, "--out", out]
+    # the issue's command: a share of 1e-9 of a step (under one token) is refused before any step is cut
+    rc, _, err = _cli(["plan", "--mix", f"web={lens}/L1.txt:1", f"code={lens}/L3.txt:1e-9", *common], capsys)
+    assert rc == 2 and "under one token per step" in err and len(err.strip().splitlines()) == 1
+    # a small share that still makes the first epoch ~10^5 steps: one line naming --steps, nothing written
+    rc, _, err = _cli(["plan", "--mix", f"web={lens}/L1.txt:1", f"code={lens}/L3.txt:1e-4", *common], capsys)
+    assert rc == 2 and "pass --steps K" in err and "steps, more than the 10,000" in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    rc, _, err = _cli(["plan", "--lengths", lens / "L1.txt", "--global-batch-tokens", 50, *common[2:]], capsys)
+    assert rc == 2 and "pass --steps K" in err and not out.exists()
+    # an epoch under the limit: the count is stated, and it is about what was planned
+    rc, _, err = _cli(["plan", "--mix", f"web={lens}/L1.txt:1", f"code={lens}/L3.txt:0.5", *common], capsys)
+    assert rc == 0, err
+    stated = float(err.split("about ")[1].split(" step")[0].replace(",", ""))
+    planned = len(Plan.load(str(out)).steps)
+    assert abs(stated - planned) <= 0.1 * planned + 2, (stated, planned)
+
+
+# ---- old ones ----------------------------------------------------------------------------------------
+
+
+def test_a_plan_with_every_doc_dropped_is_an_error_and_writes_nothing(lens, capsys, tmp_path):
+    (tmp_path / "l.txt").write_text("100\n200\n")
+    out = tmp_path / "p.json"
+    rc, _, err = _cli(["plan", "--lengths", tmp_path / "l.txt", "--world-size", 2, "--cost-file", lens / "cost.yaml",
+                       "--policy", "greedy", "--max-seq-len", 50, "--long-docs", "drop", "--out", out], capsys)
+    assert rc == 2 and "nothing to plan" in err and "dropped 2" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_plan_file_with_repeated_step_numbers_is_refused(lens, capsys, tmp_path):
+    pool = Pool(tp=1, pp=1, ranks=((0, 1),), microbatches=((Group(lanes=(0,), segments=((0, 0, 10),)),),))
+    step = StepPlan(step=0, world_size=2, pools=(pool,))
+    (tmp_path / "p.json").write_text(Plan(policy="hand", world_size=2, steps=(step, step, step)).dumps())
+    rc, _, err = _cli(["simulate", tmp_path / "p.json", "--cost-file", lens / "cost.yaml"], capsys)
+    assert rc == 2 and "step numbers must increase, but step 0 comes after step 0" in err
+    with pytest.raises(ValueError, match="step numbers must increase"):
+        Plan.from_json(json.loads((tmp_path / "p.json").read_text()))
+
+
+@pytest.mark.parametrize("text,line", [("5\n\n6\n", 2), ("\n5\n", 1), ("# h\n5\n  \n7\n", 3), ("5\r\n\r\n6\r\n", 2)])
+def test_a_blank_line_between_lengths_is_refused_naming_it(tmp_path, text, line):
+    (tmp_path / "a.txt").write_text(text)
+    with pytest.raises(ValueError, match=rf"a.txt, line {line} is blank: .* shift the ids"):
+        read_lengths(tmp_path / "a.txt")
+
+
+def test_blank_lines_at_the_end_and_comment_lines_keep_doc_ids(tmp_path, monkeypatch):
+    from balanced_loader.data import lengths as lengths_mod
+
+    (tmp_path / "a.txt").write_text("5\n# note\n6\n\n\n")
+    assert read_lengths(tmp_path / "a.txt").tolist() == [5, 6]
+    monkeypatch.setattr(lengths_mod, "_BLOCK", 16)  # the blank line and the length after it in other blocks
+    (tmp_path / "b.txt").write_text("".join(f"{i}\n" for i in range(1, 20)) + "\n" + "7\n")
+    with pytest.raises(ValueError, match="b.txt, line 20 is blank"):
+        read_lengths(tmp_path / "b.txt")
