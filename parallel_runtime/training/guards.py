@@ -1,5 +1,9 @@
 """What a run checks before its first step, so that a mistake is one line and no output is half written.
 
+* **``--out`` is a folder of its own** (:func:`check_out`): never the recipe, a data source, the stdlib
+  corpus folder or the cost file it reads, never a device or a link to one (one line); a run refused
+  after rank 0 made ``--out`` removes the folders it made while they are still empty
+  (:func:`release_lock_on_error`), so a refusal leaves nothing behind.
 * **One writer per ``--out``** (:func:`lock_out`): rank 0 (the process that writes ``metrics.jsonl``)
   holds an exclusive lock on ``--out`` for the whole run
   (:class:`balanced_loader.data.locks.OutputLock`); a second run on it fails at once, naming the
@@ -21,6 +25,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from balanced_loader.data.files import check_output, missing_folders, remove_empty
 from balanced_loader.data.locks import OutputLock
 
 
@@ -32,17 +37,30 @@ def lock_out(out_dir: str, rank: int) -> OutputLock | None:
     return OutputLock(out_dir, "--out").acquire()
 
 
+def check_out(recipe: Any, out_dir: str) -> None:
+    """``--out`` must be a folder (or a new path) that is none of the run's inputs (module doc)."""
+    d = recipe.data
+    inputs = [recipe.path, recipe.resolve(d.shards_dir)] if recipe.path else [d.shards_dir]
+    inputs += [recipe.resolve(p) for p in (d.source, *(e.source for e in d.mixture), recipe.cost.file) if p]
+    check_output(out_dir, "--out", inputs=inputs, folder=True)
+
+
 def release_lock_on_error(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap an ``__init__`` that takes ``self._out_lock``: a failure after it releases the lock at once."""
+    """Wrap ``Trainer.__init__(self, recipe, out_dir, ...)``, which takes ``self._out_lock``: ``--out`` is checked
+    first (:func:`check_out`), and a failure after the lock releases it at once and removes the folders the
+    run made for ``--out`` (on the rank that holds the lock, while they are still empty)."""
 
     @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+    def wrapper(self: Any, recipe: Any, out_dir: str, *args: Any, **kwargs: Any) -> None:
+        check_out(recipe, out_dir)
+        made = missing_folders(out_dir)
         try:
-            init(self, *args, **kwargs)
+            init(self, recipe, out_dir, *args, **kwargs)
         except BaseException:
             lock = getattr(self, "_out_lock", None)
             if lock is not None:
                 lock.release()
+                remove_empty(made)
             raise
 
     return wrapper
