@@ -141,3 +141,16 @@ def test_bad_batches_are_one_line():
         with pytest.raises(ValueError, match=needle) as e:
             bl.balance_batch(tensors, **args)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_radix_order_equals_a_stable_argsort(descending):
+    from balanced_loader.integrations.rl_kk import sort_order
+
+    rng = np.random.default_rng(5)
+    keys = rng.integers(0, 300, 200_000).astype(np.float64) * rng.choice([1.0, 1e-7, 3e12], 200_000)  # many ties
+    keys[:5] = 0.0
+    want = np.argsort(-keys if descending else keys, kind="stable")
+    assert np.array_equal(sort_order(keys, descending), want)
+    assert np.array_equal(sort_order(keys[:1000], descending), np.argsort(-keys[:1000] if descending else keys[:1000],
+                                                                            kind="stable"))
