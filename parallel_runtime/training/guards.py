@@ -27,6 +27,8 @@ from typing import Any
 
 from balanced_loader.data.files import check_output, missing_folders, remove_empty
 from balanced_loader.data.locks import OutputLock
+from balanced_loader.data.vocab import check_step_ids as step_ids_check
+from balanced_loader.data.vocab import check_vocab as vocab_check
 
 
 def lock_out(out_dir: str, rank: int) -> OutputLock | None:
@@ -99,26 +101,10 @@ def model_vocab(recipe: Any) -> tuple[int, str]:
 
 
 def check_vocab(source: Any, vocab: int, key: str) -> None:
-    """The data's token ids must be embeddable: its recorded largest id, else its tokenizer's vocabulary."""
-    top = getattr(source, "max_token_id", None)
-    if top is not None:
-        if top >= vocab:
-            raise ValueError(f"{key} is {vocab} but {source.describe()} holds token id {top} (recorded in its index); "
-                             f"set {key} to at least {top + 1} (e.g. --set {key}={top + 1})")
-        return
-    data_vocab = getattr(source, "vocab_size", None)
-    if data_vocab is not None and int(data_vocab) > vocab:
-        raise ValueError(f"{key} is {vocab} but {source.describe()} was tokenized with a vocabulary of "
-                         f"{int(data_vocab)} ids; set {key} to at least {int(data_vocab)} (e.g. --set "
-                         f"{key}={int(data_vocab)})")
+    """The data's token ids must be embeddable (:func:`balanced_loader.data.vocab.check_vocab`)."""
+    vocab_check(source, vocab, key, fix=f"e.g. --set {key}={{n}}")
 
 
 def check_step_ids(batch: Any, vocab: int, key: str) -> None:
-    """Every token id of this rank's microbatches is below ``vocab`` (a source that records no largest id)."""
-    for mb in batch.microbatches:
-        ids = mb.input_ids
-        if ids.size and int(ids.max()) >= vocab:
-            bad = int(ids.max())
-            docs = sorted({int(d) for d, _, _ in mb.segments if d >= 0})[:3]
-            raise ValueError(f"step {batch.step}: token id {bad} (docs {docs} ...) is outside {key} {vocab}; set "
-                             f"{key} to at least {bad + 1}, or check the data's tokenizer")
+    """Every token id of this rank's microbatches is below ``vocab``, else one line naming the doc and the id."""
+    step_ids_check(batch, vocab, key, fix=f"e.g. --set {key}={{n}}")
