@@ -43,7 +43,7 @@ def check_out(recipe: Any, out_dir: str) -> None:
     """``--out`` must be a folder (or a new path) that is none of the run's inputs (module doc)."""
     d = recipe.data
     inputs = [recipe.path, recipe.resolve(d.shards_dir)] if recipe.path else [d.shards_dir]
-    inputs += [recipe.resolve(p) for p in (d.source, *(e.source for e in d.mixture), recipe.cost.file) if p]
+    inputs += [recipe.resolve(p) for p in (d.source, *(e.source for e in (d.mixture or ())), recipe.cost.file) if p]
     check_output(out_dir, "--out", inputs=inputs, folder=True)
 
 
