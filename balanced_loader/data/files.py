@@ -337,16 +337,21 @@ class OutputSet:
         return name if self.folder is None else os.path.join(self.folder, name)
 
     def commit(self) -> None:
+        """Rename every file into place, holding the set's publish lock (:func:`publish_lock`): two runs that
+        publish the same set at once leave one run's set whole, never one's JSON beside the other's charts."""
+        if not self._tmp:
+            return
         folders = {os.path.dirname(os.path.abspath(f)) for f in self._tmp}
-        for final, tmp in list(self._tmp.items()):
-            try:
-                os.chmod(tmp, 0o666 & ~_umask())
-                os.replace(tmp, final)
-            except OSError as e:
-                raise write_error(final, e) from None
-            del self._tmp[final]
-        for folder in sorted(folders):
-            fsync_dir(folder)
+        with publish_lock(min(self._tmp)):
+            for final, tmp in list(self._tmp.items()):
+                try:
+                    os.chmod(tmp, 0o666 & ~_umask())
+                    os.replace(tmp, final)
+                except OSError as e:
+                    raise write_error(final, e) from None
+                del self._tmp[final]
+            for folder in sorted(folders):
+                fsync_dir(folder)
 
     def discard(self) -> None:
         for tmp in self._tmp.values():
@@ -372,6 +377,37 @@ class OutputSet:
                 msg = msg.replace(tmp, final)
             kept = "the folder's previous files were kept" if self.folder is not None else "previous files were kept"
             raise OSError(exc.errno, f"{msg} ({kept})") from None
+
+
+@contextlib.contextmanager
+def publish_lock(path: str) -> Iterator[None]:
+    """An exclusive ``fcntl.flock`` (waited for) on ``.NAME.publish`` beside ``path`` for the block; the file is
+    removed on release. Why the inode check: a waiter may lock a file its holder removed in the meantime, and
+    must then lock the one that is there now (as :class:`balanced_loader.data.locks.OutputLock` does)."""
+    import fcntl
+
+    lock = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.publish")
+    for _ in range(1000):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # a folder we cannot add a file to: publish without it (the renames are still atomic)
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except OSError:
+            same = False
+        if same:
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(lock)  # while holding it: a waiter on this inode retries on a fresh file
+                os.close(fd)
+            return
+        os.close(fd)
+    yield  # the lock file kept changing (a thousand publishers?): the renames alone
 
 
 @contextlib.contextmanager

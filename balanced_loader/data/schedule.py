@@ -34,6 +34,7 @@ from balanced_loader.data.loader_args import MAX_TOKENS
 from balanced_loader.strict import check_number
 
 MIN_SHARE = 2.0 ** -40  # a positive weight's least share: one token of the largest budget (2**40 tokens)
+MAX_STEP = (1 << 62) - 1  # the largest step a schedule point may name (as a plan file's step numbers)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,7 +81,8 @@ def _points(value: Any, name: str) -> list[tuple[Any, Any]]:
     for i, p in enumerate(value):
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) != 2:
             raise ValueError(f"{name}: schedule point {i} must be a (step, value) pair, got {p!r}")
-        step = check_number(p[0], f"{name}: the step of schedule point {i}", integer=True, minimum=0)
+        step = check_number(p[0], f"{name}: the step of schedule point {i}", integer=True, minimum=0,
+                            maximum=MAX_STEP)
         if out and step <= out[-1][0]:
             raise ValueError(f"{name}: schedule steps must increase; point {i} (step {step}) comes after "
                              f"step {out[-1][0]} (sort the points by step)")
