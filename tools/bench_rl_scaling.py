@@ -49,7 +49,7 @@ def run_case(spec: str, repo: str, timeout: float) -> dict:
     n, k = spec.split("x")
     env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
     try:
-        r = subprocess.run([sys.executable, "-c", CHILD, n, k], capture_output=True, text=True, env=env,
+        r = subprocess.run([sys.executable, "-c", CHILD, n, k], capture_output=True, text=True, env=env, cwd=repo,
                            timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"rollouts": int(n), "ranks": int(k), "error": f"over {timeout:.0f} s"}

@@ -30,6 +30,8 @@ from balanced_loader.integrations.rl_heaps import heap_pop, heap_push, pop2, pus
 from balanced_loader.integrations.rl_kk import grouped_kk_kernel, sort_order
 from balanced_loader.planning.kernels.order import order_desc
 
+SCAN_RANKS = 256  # up to this many ranks an exchange round scans them (heaps beyond: O(log k) a step)
+
 # ------------------------------------------------------------------------------------------
 # pairwise exchange
 # ------------------------------------------------------------------------------------------
@@ -150,45 +152,68 @@ def exchange_kernel(work, part, k, max_rounds):
         r = part[i]
         pool[fill[r]] = i
         fill[r] += 1
-    # heaps of (load, rank) with a version per rank (an entry whose version is old is stale): the heaviest
-    # rank (key -load: ties to the lower index) and the lightest ones (key load)
+    # the heaviest rank and the lighter ones in ascending order: scans over the ranks when they are few (cheaper
+    # than heaps there), else heaps of (load, rank) with a version per rank (an entry whose version is old is
+    # stale): the heaviest (key -load: ties to the lower index) and the lightest (key load)
+    scan = k <= SCAN_RANKS
     ver = np.zeros(k, np.int64)
-    room = k + 2 * max(max_rounds, 0) + 2
+    room = 1 if scan else k + 2 * max(max_rounds, 0) + 2
     xk, xi, xv = np.empty(room), np.empty(room, np.int64), np.empty(room, np.int64)
     nk_, ni, nv = np.empty(room), np.empty(room, np.int64), np.empty(room, np.int64)
     xs = 0
     ns = 0
-    for r in range(k):
-        xs = heap_push(xk, xi, xv, xs, -load[r], r, 0)
-        ns = heap_push(nk_, ni, nv, ns, load[r], r, 0)
-    held_k = np.empty(k)  # entries popped from the light heap during a round, pushed back after it
-    held_i = np.empty(k, np.int64)
-    held_v = np.empty(k, np.int64)
+    if not scan:
+        for r in range(k):
+            xs = heap_push(xk, xi, xv, xs, -load[r], r, 0)
+            ns = heap_push(nk_, ni, nv, ns, load[r], r, 0)
+    tried = np.zeros(k if scan else 1, np.bool_)
+    held_k = np.empty(1 if scan else k)  # entries popped from the light heap during a round, pushed back after it
+    held_i = np.empty(1 if scan else k, np.int64)
+    held_v = np.empty(1 if scan else k, np.int64)
     wl = np.empty(max(n, 1))
     js = np.empty(max(n, 1), np.int64)
     ws = np.empty(max(n, 1))
     rounds = 0
     while rounds < max_rounds:
-        while xv[0] != ver[xi[0]]:
-            xs = heap_pop(xk, xi, xv, xs)
-        h = xi[0]
+        if scan:
+            h = 0
+            for r in range(1, k):
+                if load[r] > load[h]:
+                    h = r
+            tried[:] = False
+            tried[h] = True
+        else:
+            while xv[0] != ver[xi[0]]:
+                xs = heap_pop(xk, xi, xv, xs)
+            h = xi[0]
         items_h = pool[mstart[h]:mstart[h] + mcount[h]].copy()
         wh = np.empty(items_h.shape[0])
         for t in range(items_h.shape[0]):
             wh[t] = work[items_h[t]]
         done = False
         nh = 0
-        while ns > 0:
+        while True:
             # the next lightest rank (ties: lower index); usually the first one takes an exchange
-            ek, ei, ev = nk_[0], ni[0], nv[0]
-            ns = heap_pop(nk_, ni, nv, ns)
-            if ev != ver[ei]:
-                continue
-            held_k[nh], held_i[nh], held_v[nh] = ek, ei, ev
-            nh += 1
-            lr = ei
-            if lr == h:
-                continue
+            if scan:
+                lr = -1
+                for r in range(k):
+                    if not tried[r] and (lr < 0 or load[r] < load[lr]):
+                        lr = r
+                if lr < 0:
+                    break
+                tried[lr] = True
+            else:
+                if ns == 0:
+                    break
+                ek, ei, ev = nk_[0], ni[0], nv[0]
+                ns = heap_pop(nk_, ni, nv, ns)
+                if ev != ver[ei]:
+                    continue
+                held_k[nh], held_i[nh], held_v[nh] = ek, ei, ev
+                nh += 1
+                lr = ei
+                if lr == h:
+                    continue
             if not load[lr] < load[h]:
                 break
             gap = load[h] - load[lr]
@@ -213,10 +238,11 @@ def exchange_kernel(work, part, k, max_rounds):
                 pool, end = _add(pool, end, mstart, mcap, mcount, h, bj)
             load[h] -= d
             load[lr] += d
-            for r in (h, lr):
-                ver[r] += 1
-                xs = heap_push(xk, xi, xv, xs, -load[r], r, ver[r])
-                ns = heap_push(nk_, ni, nv, ns, load[r], r, ver[r])
+            if not scan:
+                for r in (h, lr):
+                    ver[r] += 1
+                    xs = heap_push(xk, xi, xv, xs, -load[r], r, ver[r])
+                    ns = heap_push(nk_, ni, nv, ns, load[r], r, ver[r])
             done = True
             break
         for t in range(nh):  # the rest keep their place (those of h and lr are stale now)
@@ -225,7 +251,7 @@ def exchange_kernel(work, part, k, max_rounds):
         rounds += 1
         if not done:
             break
-        if xs > room - 4 or ns > room - 4:  # compact: rebuild both heaps from the current loads
+        if not scan and (xs > room - 4 or ns > room - 4):  # compact: rebuild both heaps from the current loads
             xs = 0
             ns = 0
             for r in range(k):
@@ -506,13 +532,12 @@ def lpt_kernel(work, k):
     ws = np.empty(n)  # [n] the works in that order (one gather, then the loop reads in sequence)
     for t in range(n):
         ws[t] = work[order[t]]
-    hk, hi, hv = np.zeros(k), np.arange(k), np.zeros(k, np.int64)  # all loads 0, in index order: a heap
+    hk, hi = np.zeros(k), np.arange(k)  # all loads 0, in index order: a heap
     lane = np.empty(n, np.int64)
     for t in range(n):
         r = hi[0]
         lane[t] = r
-        size = heap_pop(hk, hi, hv, k)
-        heap_push(hk, hi, hv, size, hk[size] + ws[t], r, 0)  # the popped entry sits at index size
+        sift_down2(hk, hi, k, 0, hk[0] + ws[t], r)  # the least loaded rank's load grew: a replace-top
     out = np.empty(n, np.int64)
     for t in range(n):
         out[order[t]] = lane[t]
