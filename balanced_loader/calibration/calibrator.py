@@ -235,6 +235,15 @@ class Calibrator:
             except ValueError as e:
                 raise ValueError(f"{where}: cost: {e}") from None
             window = Samples.from_json(d["window"], f"{where}: window", world_size=self.world_size)
+            for tp, pp in sorted({(int(a), int(b)) for a, b in zip(window.tp.tolist(), window.pp.tolist())}):
+                for _, model in cost.device_classes or (("", cost),):
+                    try:
+                        model.shape(tp, pp)
+                    except ValueError as e:
+                        raise ValueError(f"{where}: window: {e}") from None
+            keep = window.plausible()  # a state saved before the rule (module samples): its rows the rule drops
+            dropped += int((~keep).sum())
+            window = window.select(keep)
             speeds = self.speeds.parse_state(d["speeds"])
         else:
             cost = for_world(cost, self.cost, where)

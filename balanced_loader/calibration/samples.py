@@ -12,8 +12,9 @@ its segments (unpadded), and two measured times of the same compute:
 **Which samples count.** A sample is kept only when both its times are finite and within
 ``MIN_SAMPLE_MS`` .. ``MAX_SAMPLE_MS`` (1 microsecond .. 10^7 ms, about 2.8 hours): a zero time is no
 measurement (a CPU timer around asynchronous GPU work reads about 0, and such rows would pull the
-fit's fixed and quadratic costs to 0), and 1e-300 or 1e300 ms are no device's. Dropped samples are
-counted (``Update.dropped``, the runtime's ``calibration`` metrics). A sample of a step outside the
+fit's fixed and quadratic costs to 0), and 1e-300 or 1e300 ms are no device's; and when its features
+are a group's (``0 < tokens <= 2**40``, ``tokens <= sumsq <= tokens**2``, degree, tp, pp in 1..2**20).
+Dropped samples are counted (``Update.dropped``, the runtime's ``calibration`` metrics). A sample of a step outside the
 calibrator's window (``(step - window, step]`` of the step it is observed at) is ignored too.
 
 Contract 2 predicts one stage's share of a group as ``(beta + (q sum s^2 + l sum s) / d +
@@ -35,6 +36,8 @@ ENGINES = ("local", "ring", "ulysses", "nested")  # engine codes in Samples.engi
 MIN_SAMPLE_MS = 1e-3  # a measured time below this is no measurement (module docstring)
 MAX_SAMPLE_MS = 1e7  # nor one above this (about 2.8 hours for one microbatch)
 MAX_STEP = 1 << 53  # steps are stored in float64 rows: exact below this
+MAX_GROUP_TOKENS = float(1 << 40)  # tokens of one group (a plan's segment limit)
+MAX_DEGREE = 1 << 20  # lanes of a group, tp, pp: a world's ranks at most
 
 
 def engine_of(degree: int, cp_inner: int) -> str:
@@ -94,11 +97,17 @@ class Samples:
         return Samples(**{f.name: getattr(self, f.name)[mask] for f in fields(self)})
 
     def plausible(self) -> np.ndarray:
-        """``[n]`` bool: both times finite and within ``MIN_SAMPLE_MS .. MAX_SAMPLE_MS`` (module docstring)."""
+        """``[n]`` bool: both times finite and within ``MIN_SAMPLE_MS .. MAX_SAMPLE_MS``, and features a group can
+        have (``0 < tokens <= 2**40``, ``tokens <= sumsq <= tokens**2``, degree, tp and pp in 1..2**20): the
+        module docstring's rule."""
         ok = np.ones(len(self), dtype=bool)
-        for t in (self.compute_ms, self.wall_ms):
-            with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):
+            for t in (self.compute_ms, self.wall_ms):
                 ok &= np.isfinite(t) & (t >= MIN_SAMPLE_MS) & (t <= MAX_SAMPLE_MS)
+            ok &= (self.tokens > 0) & (self.tokens <= MAX_GROUP_TOKENS)
+            ok &= (self.sumsq >= self.tokens) & (self.sumsq <= self.tokens * self.tokens)
+            for c in (self.degree, self.tp, self.pp):
+                ok &= (c >= 1) & (c <= MAX_DEGREE)
         return ok
 
     def check(self, where: str, world_size: int) -> None:
@@ -107,13 +116,18 @@ class Samples:
             return
         bad = [("step", (self.step < 0) | (self.step >= MAX_STEP), "an integer in 0..2**53"),
                ("rank", (self.rank < 0) | (self.rank >= world_size), f"a rank of the world (0..{world_size - 1})"),
-               ("tp", self.tp < 1, "an integer >= 1"), ("pp", self.pp < 1, "an integer >= 1"),
-               ("degree", self.degree < 1, "an integer >= 1"),
+               ("tp", (self.tp < 1) | (self.tp > MAX_DEGREE), "an integer in 1..2**20"),
+               ("pp", (self.pp < 1) | (self.pp > MAX_DEGREE), "an integer in 1..2**20"),
+               ("degree", (self.degree < 1) | (self.degree > MAX_DEGREE), "an integer in 1..2**20"),
                ("engine", (self.engine < 0) | (self.engine >= len(ENGINES)), f"0..{len(ENGINES) - 1}")]
         for col in ("tokens", "sumsq", "compute_ms", "wall_ms"):
             v = getattr(self, col)
             with np.errstate(invalid="ignore"):
                 bad.append((col, ~(np.isfinite(v) & (v >= 0)), "a finite number >= 0"))
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad.append(("tokens", self.tokens > MAX_GROUP_TOKENS, "at most 2**40 (one group's tokens)"))
+            bad.append(("sumsq", (self.sumsq < self.tokens) | (self.sumsq > self.tokens * self.tokens),
+                        "between tokens and tokens**2 (a sum of squared segment lengths)"))
         for col, mask, want in bad:
             if mask.any():
                 i = int(np.flatnonzero(mask)[0])

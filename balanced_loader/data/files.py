@@ -20,8 +20,11 @@ from __future__ import annotations
 import contextlib
 import errno as errno_
 import os
+import re
+import socket
 import stat
 import tempfile
+import zlib
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -111,6 +114,35 @@ def _target(path: str) -> str:
     return path
 
 
+def _temp_file(folder: str, base: str, suffix: str) -> tuple[int, str]:
+    """A new hidden temporary file for output ``base`` in ``folder``: ``.BASE.pPID-HOST.XXXXXXXX.tmp``. Its
+    name says which process made it, so a run first removes the ones of dead processes of this host (what a
+    ``kill -9`` left: the output itself was never touched, only this file stayed behind)."""
+    tag = f"p{os.getpid()}-{_HOST}"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            m = _TEMP.match(name)
+            if m and m.group(1) == base and m.group(3) == _HOST and int(m.group(2)) != os.getpid() \
+                    and not _alive(int(m.group(2))):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(folder, name))
+    return tempfile.mkstemp(prefix=f".{base}.{tag}.", suffix=suffix, dir=folder)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+_TEMP = re.compile(r"^\.(.+)\.p(\d+)-([0-9a-f]{8})\.[^.]+\.tmp")
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = None
                  ) -> Iterator[IO[Any]]:
@@ -126,7 +158,7 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str
     path = _target(os.fspath(path))
     folder = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        fd, tmp = _temp_file(folder, os.path.basename(path), ".tmp")
     except OSError as e:
         raise write_error(path, e) from None
     ok = False
@@ -184,7 +216,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
     path = _target(os.fspath(path))
     folder = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        fd, tmp = _temp_file(folder, os.path.basename(path), ".tmp")
         os.close(fd)
     except OSError as e:
         raise write_error(path, e) from None
@@ -325,8 +357,8 @@ class OutputSet:
             base = os.path.basename(final)
             try:
                 # the final extension last: writers that pick a format by extension (charts) still see it
-                fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=f".tmp{os.path.splitext(base)[1]}",
-                                           dir=os.path.dirname(os.path.abspath(final)))
+                fd, tmp = _temp_file(os.path.dirname(os.path.abspath(final)), base,
+                                     f".tmp{os.path.splitext(base)[1]}")
                 os.close(fd)
             except OSError as e:
                 raise write_error(final, e) from None

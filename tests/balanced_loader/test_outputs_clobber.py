@@ -9,6 +9,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,19 @@ def test_check_output_names_each_case():
     with pytest.raises(ValueError, match="is also an input"):
         check_output(__file__, inputs=[__file__])
     check_output("/tmp/new-file-that-does-not-exist.json", inputs=[__file__])
+
+
+def test_a_killed_runs_temporary_file_is_removed_by_the_next_run(work, tmp_path):
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    p = subprocess.Popen([sys.executable, "-m", "balanced_loader", "trace", str(work / "p16.json"), "--cost-file",
+                          str(work / "cost.yaml"), "--out", str(out), "--png", str(png)], env=ENV)
+    for _ in range(600):  # until its first temporary file is there, then kill -9
+        if [f for f in os.listdir(tmp_path) if f.startswith(".t.json.")]:
+            break
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    left = [f for f in os.listdir(tmp_path) if f.startswith(".")]
+    assert left and not out.exists()  # the output untouched, a hidden temporary file left behind
+    assert _trace(work, "--out", out, "--png", png) == 0
+    assert sorted(os.listdir(tmp_path)) == ["t.json", "t.png"]  # the next run removed the dead run's files
