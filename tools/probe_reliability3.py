@@ -10,7 +10,8 @@ where nothing should be, a hang past its timeout):
   calibration states (random leaves of a real state replaced by hostile values: each must load, and
   then fit, or be one ``ValueError`` line that changed nothing);
 * ``kill``: ``trace --out J --png P`` killed with SIGKILL at random moments over a previous pair: the
-  pair left is always the old one or the new one, never mixed;
+  pair left is always the old one or the new one, never mixed; the next run removes the hidden
+  temporary files the killed ones left;
 * ``concurrency``: runs of ``trace`` (two step ranges) and ``compare`` (two seeds) publishing into the
   same outputs at once: the set left is always one run's, whole;
 * ``disk``: a full disk (a 256 KiB tmpfs when this process may mount one, else a file size limit):
@@ -317,11 +318,12 @@ def probe_kill(root: Path, tally: Tally, runs: int) -> None:
         kind = "old pair" if pair == ref["old"] else "new pair" if pair == ref["new"] else "mixed"
         outcomes[kind] = outcomes.get(kind, 0) + 1
         tally.add("kill", f"kill {i}", kind != "mixed", kind)
-        for f in work.iterdir():  # what a killed run leaves: its hidden temporary files
-            if f.name.startswith("."):
-                outcomes["runs that left a hidden temporary file"] = \
-                    outcomes.get("runs that left a hidden temporary file", 0) + 1
-                f.unlink()
+        if any(f.name.startswith(".") for f in work.iterdir()):  # a killed run's hidden temporary files
+            outcomes["runs that left a hidden file"] = outcomes.get("runs that left a hidden file", 0) + 1
+    rc, err = cli("trace", root / "p16.json", *c, "--steps", "0-2", "--out", work / "t.json", "--png", work / "t.png")
+    left = sorted(f.name for f in work.iterdir() if f.name.startswith("."))
+    outcomes["hidden files after the next run"] = len(left)  # it removes those of dead processes
+    tally.add("kill", "the next run cleans up", rc == 0 and not left, f"rc {rc}, left {left}: {err[-160:]}")
     tally.kill = outcomes
 
 
