@@ -147,7 +147,7 @@ def api_cases(root: Path) -> list[tuple[str, object]]:
     import balanced_loader as bl
     from balanced_loader.cost import CostModel
     from balanced_loader.data.mixture import mix
-    from balanced_loader.data.schedule import setting
+    from balanced_loader.schedule import setting
 
     cost = CostModel.from_dict({"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0,
                                 "comm_bytes_per_token": 1e4, "bandwidth_gbs": {2: 10.0}, "max_tokens_per_lane": 512})

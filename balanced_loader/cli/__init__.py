@@ -29,8 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 # each command's output options: option -> (file | folder, the files a folder output writes into it). Before a
-# command runs, each output is checked (data.files.check_output): never one of its inputs, never a device or a
-# link to one; a folder output the command made is removed again when it fails (data.files.undo_folders)
+# command runs, each output is checked (outputs.files.check_output): never one of its inputs, never a device or a
+# link to one; a folder output the command made is removed again when it fails (outputs.files.undo_folders)
 OUTPUTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
     "plan": {"out": ("file", ())},
     "trace": {"out": ("file", ()), "png": ("file", ())},
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # OSError: a file the user named (missing, a folder, exists, no access)
         if isinstance(e, ValueError) or not e.strerror:
             msg = str(e)
-        else:  # a write error of data.files names the path in strerror already; filename is then None
+        else:  # a write error of outputs.files names the path in strerror already; filename is then None
             msg = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
         print(f"balanced-loader {args.command}: error: {msg}", file=sys.stderr)
         return 2
@@ -127,7 +127,7 @@ def _checked_outputs(args: argparse.Namespace):
     import contextlib
     import os
 
-    from balanced_loader.data.files import check_output, undo_folders
+    from balanced_loader.outputs.files import check_output, undo_folders
 
     outputs = {k: v for k, v in OUTPUTS.get(args.command, {}).items() if getattr(args, k, None)}
     inputs = [p for k, v in vars(args).items() if k not in outputs and k != "command" for p in _paths(v)

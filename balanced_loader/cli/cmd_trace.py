@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from balanced_loader.cli.cmd_simulate import validate_plan
-    from balanced_loader.data.files import OutputSet
     from balanced_loader.diagnostics.trace import plan_trace, read_trace, save_trace
+    from balanced_loader.outputs.files import OutputSet
     from balanced_loader.plan import Plan, plan_lengths, read_plan_json
     from balanced_loader.presets import load_cost
 

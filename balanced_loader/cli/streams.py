@@ -6,7 +6,7 @@
 * ``--max-seq-len`` and ``--global-batch-tokens`` take ``N`` or a schedule ``N@STEP,N@STEP,...``.
 
 With either, the input's global batches come from a
-:class:`~balanced_loader.data.mixing.MixtureStream`, exactly as the loader cuts them.
+:class:`~balanced_loader.batches.stream.BatchStream`, exactly as the loader cuts them.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def open_input(args: argparse.Namespace) -> Any:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"--mix: source name '{dup[0]}' is given twice")
-        return mix({n: _open_one(p, cache_dir) for n, p, _ in args.mix}, weights={n: w for n, _, w in args.mix},
-                   by=args.mix_by)
+        weights = None if any(w is None for _, _, w in args.mix) else {n: w for n, _, w in args.mix}
+        return mix({n: _open_one(p, cache_dir) for n, p, _ in args.mix}, weights=weights, by=args.mix_by)
     if args.lengths:
         return _open_one(args.lengths, None)
     spec = args.source[0] if len(args.source) == 1 else list(args.source)
@@ -62,6 +62,7 @@ class StreamBatches:
     label: str
     long_docs: str
     limits: list  # [steps] max_seq_len of each step (None: no limit)
+    budgets: list  # [steps] global_batch_tokens of each step
 
     @property
     def batches(self) -> list:
@@ -69,28 +70,19 @@ class StreamBatches:
 
     @property
     def stats(self) -> Any:
-        from balanced_loader.data.batching import DocStats
+        from balanced_loader.batches.items import DocStats
 
         out = DocStats()
         for c in self.cuts:
             out = out + c.stats
         return out
 
-    def validation(self, step: int) -> Any:
-        """The lengths (by doc_id) step ``step``'s plan must cover (read through, never copied)."""
-        from balanced_loader.data.mixture import ClippedLengths
-
-        limit = self.limits[step]
-        if self.long_docs == "truncate" and limit is not None:
-            return ClippedLengths(self.source.lengths, limit)
-        return self.source.lengths
-
 
 def epoch_estimate(source: Any, budget: Any) -> float:
     """About how many steps the first epoch of ``source`` (a mixture at its weights, or one source) takes
-    under the ``budget`` schedule (:func:`balanced_loader.data.schedule.epoch_steps`)."""
+    under the ``budget`` schedule (:func:`balanced_loader.schedule.epoch_steps`)."""
     from balanced_loader.data.mixture import MixtureSource
-    from balanced_loader.data.schedule import epoch_steps, weight_schedule
+    from balanced_loader.schedule import epoch_steps, weight_schedule
 
     if isinstance(source, MixtureSource):
         parts, weights, by = source.sources, source.weights, source.by
@@ -121,9 +113,9 @@ def check_epoch_steps(estimate: float, what: str) -> None:
 def stream_batches(args: argparse.Namespace, *, max_seq_len: Any, steps: int | None) -> StreamBatches:
     """The first ``steps`` global batches (None: to the end of the first epoch, stated and bounded by
     :func:`check_epoch_steps`) of ``args``'s input. A mixture share under one token of a step is refused."""
-    from balanced_loader.data.mixing import stream_for
+    from balanced_loader.batches.stream import stream_for
     from balanced_loader.data.mixture import MixtureSource
-    from balanced_loader.data.schedule import check_shares, schedule
+    from balanced_loader.schedule import check_shares, schedule
 
     if args.global_batch_tokens is None:
         raise ValueError("a mixture (--mix) or a schedule is cut into steps: give --global-batch-tokens N "
@@ -136,7 +128,7 @@ def stream_batches(args: argparse.Namespace, *, max_seq_len: Any, steps: int | N
     if steps is None:
         check_epoch_steps(epoch_estimate(source, budget), source.describe())
     stream = stream_for(source, seed=args.seed, shuffle=args.shuffle, window=args.shuffle_window, max_seq_len=limit,
-                        global_batch_tokens=budget, long_docs=args.long_docs)
+                        global_batch_tokens=budget, long_docs=args.long_docs, epochs=1 if steps is None else None)
     cuts, cur = [], stream.epoch_start(0)
     while steps is None or len(cuts) < steps:
         try:
@@ -148,7 +140,8 @@ def stream_batches(args: argparse.Namespace, *, max_seq_len: Any, steps: int | N
             break
         cur = c.end
     return StreamBatches(source=source, cuts=cuts, label=source.describe(), long_docs=args.long_docs,
-                         limits=[stream.limit_at(c.start.step) for c in cuts])
+                         limits=[stream.limit_at(c.start.step) for c in cuts],
+                         budgets=[int(stream.budget.at(c.start.step)) for c in cuts])
 
 
 def shares(mixture_tokens: dict[str, int] | None) -> str:

@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.cost import CostModel
-from balanced_loader.data.loader_args import MAX_RANKS, MAX_TOKEN_ID, MAX_TOKENS
 from balanced_loader.integrations.rl_kernels import balance_kernel
+from balanced_loader.loader_args import MAX_RANKS, MAX_TOKEN_ID, MAX_TOKENS
 
 # verl's calculate_workload (a 7B model: 12 h^2 s + 2 h s^2 with h = 4096, divided by 2 h): 24576 s + s^2
 DEFAULT_LINEAR = 24576.0

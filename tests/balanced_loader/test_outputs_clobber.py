@@ -16,7 +16,7 @@ import pytest
 from test_cli_errors import GOOD_COST
 
 from balanced_loader import cli
-from balanced_loader.data.files import atomic_write, check_output
+from balanced_loader.outputs.files import atomic_write, check_output
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -19,9 +19,9 @@ from balanced_loader import cli
 from balanced_loader.cost import CostModel
 from balanced_loader.data.lengths import read_lengths
 from balanced_loader.data.mixture import mix
-from balanced_loader.data.schedule import check_shares, epoch_steps, setting, weight_schedule
 from balanced_loader.loader import BalancedLoader
 from balanced_loader.plan import Group, Plan, Pool, StepPlan
+from balanced_loader.schedule import check_shares, epoch_steps, setting, weight_schedule
 
 COST = CostModel.from_dict({"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0,
                             "comm_bytes_per_token": 1e4, "bandwidth_gbs": {2: 10.0}, "max_tokens_per_lane": 512})
@@ -117,7 +117,8 @@ def test_plan_without_steps_states_and_bounds_the_steps_it_plans(lens, capsys, t
     rc, _, err = _cli(["plan", "--mix", f"web={lens}/L1.txt:1", f"code={lens}/L3.txt:1e-4", *common], capsys)
     assert rc == 2 and "pass --steps K" in err and "steps, more than the 10,000" in err, err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
-    rc, _, err = _cli(["plan", "--lengths", lens / "L1.txt", "--global-batch-tokens", 50, *common[2:]], capsys)
+    rc, _, err = _cli(["plan", "--lengths", lens / "L1.txt", "--global-batch-tokens", 100, *common[2:8],
+                       "--max-seq-len", 100, "--out", out], capsys)
     assert rc == 2 and "pass --steps K" in err and not out.exists()
     # an epoch under the limit: the count is stated, and it is about what was planned
     rc, _, err = _cli(["plan", "--mix", f"web={lens}/L1.txt:1", f"code={lens}/L3.txt:0.5", *common], capsys)

@@ -324,7 +324,7 @@ class StagedFolder:
 
 def remove_partials(target: str | os.PathLike[str]) -> None:
     """Remove the staging folders a killed :class:`StagedFolder` of ``target`` left behind (call while
-    holding ``target``'s :class:`~balanced_loader.data.locks.OutputLock`: no one else is writing it)."""
+    holding ``target``'s :class:`~balanced_loader.outputs.locks.OutputLock`: no one else is writing it)."""
     import shutil
 
     target = os.path.normpath(os.path.abspath(os.fspath(target)))
@@ -415,7 +415,7 @@ class OutputSet:
 def publish_lock(path: str) -> Iterator[None]:
     """An exclusive ``fcntl.flock`` (waited for) on ``.NAME.publish`` beside ``path`` for the block; the file is
     removed on release. Why the inode check: a waiter may lock a file its holder removed in the meantime, and
-    must then lock the one that is there now (as :class:`balanced_loader.data.locks.OutputLock` does)."""
+    must then lock the one that is there now (as :class:`balanced_loader.outputs.locks.OutputLock` does)."""
     import fcntl
 
     lock = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.publish")

@@ -30,10 +30,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from balanced_loader.data.loader_args import MAX_TOKENS
 from balanced_loader.strict import check_number
 
 MIN_SHARE = 2.0 ** -40  # a positive weight's least share: one token of the largest budget (2**40 tokens)
+MAX_TOKENS = 1 << 40  # tokens of a doc, a segment or a global batch (the loader's bound; loader_args re-exports it)
 MAX_STEP = (1 << 62) - 1  # the largest step a schedule point may name (as a plan file's step numbers)
 
 
