@@ -166,3 +166,61 @@ def test_blank_lines_at_the_end_and_comment_lines_keep_doc_ids(tmp_path, monkeyp
     (tmp_path / "b.txt").write_text("".join(f"{i}\n" for i in range(1, 20)) + "\n" + "7\n")
     with pytest.raises(ValueError, match="b.txt, line 20 is blank"):
         read_lengths(tmp_path / "b.txt")
+
+
+# ---- a mixture's whole state on load ---------------------------------------------------------------
+
+
+def _mixture_states(steps: int) -> tuple[object, list[dict]]:
+    """A two-source mixture of real Wikipedia lengths (epoch 0 ends near step 38) and its saved states."""
+    import gzip
+    import os
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with gzip.open(os.path.join(here, "data", "wikipedia_lengths.txt.gz"), "rt") as f:
+        wiki = [max(1, min(int(x), 600)) for _, x in zip(range(500), f)]
+    src = mix({"a": wiki[:300], "b": [max(1, x // 2) for x in wiki[300:]]}, weights={"a": 0.7, "b": 0.3})
+    ld = _mix_loader(src)
+    states = []
+    for _ in range(steps):
+        next(ld)
+        states.append(json.loads(json.dumps(ld.state_dict())))
+    ld.close()
+    return src, states
+
+
+def _mix_loader(src):
+    return BalancedLoader(src, policy="greedy", cost=COST, world_size=2, rank=0, global_batch_tokens=4096,
+                          max_seq_len=512, epochs=None, validate=False, prefetch_steps=1)
+
+
+def test_a_later_epochs_moved_start_is_refused_for_a_mixture():
+    """Past epoch 0 a state's epoch start was trusted: at an epoch's first step (cursor = epoch start) a
+    source moved by -2 or +1 units, a carry of 1e300 or an epoch +5, in both, resumed (was: accepted)."""
+    src, states = _mixture_states(50)
+    later = [s for s in states if s["position"]["cursor"]["epoch"] >= 1]
+    first, inside = later[0], later[3]
+    assert first["position"]["cursor"]["step_in_epoch"] == 0 and inside["position"]["cursor"]["step_in_epoch"] == 3
+    for state in (first, inside):
+        for name, key, delta in (("a", "unit", -2), ("a", "unit", 1), ("b", "carry", 1e300), ("a", "epoch", 5),
+                                 ("b", "mark", -1)):
+            bad = json.loads(json.dumps(state))
+            for part in ("cursor", "epoch_start"):
+                bad["position"][part]["sources"][name][key] += delta
+            with pytest.raises(ValueError, match="loader state"):
+                _mix_loader(src).load_state_dict(bad)
+    for state in (first, inside):  # the states as saved resume, at their step
+        ld = _mix_loader(src)
+        ld.load_state_dict(state)
+        assert next(ld).step == state["position"]["cursor"]["step"]
+        ld.close()
+
+
+def test_a_claimed_far_epoch_is_refused_without_replaying_it():
+    src, states = _mixture_states(3)
+    bad = json.loads(json.dumps(states[-1]))
+    for part in ("cursor", "epoch_start"):
+        bad["position"][part]["epoch"] = 10**9
+    bad["epoch"] = 10**9
+    with pytest.raises(ValueError, match="loader state"):
+        _mix_loader(src).load_state_dict(bad)
