@@ -36,8 +36,7 @@ def test_a_share_under_one_token_per_step_is_one_line(folders) -> None:  # noqa:
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the change in parallel_runtime/config.py (DataConfig.mixture None "
-                                       "by default, [] refused) described in the i38 report")
 def test_an_empty_mixture_is_an_error_not_the_stdlib_corpus(folders) -> None:  # noqa: F811
-    with pytest.raises(ValueError, match="data.mixture"):
+    with pytest.raises(ValueError, match="data.mixture is an empty list"):
         recipe_from_dict(raw(folders, "data.mixture=[]"), HETERO)
+    assert recipe_from_dict(raw(folders, "data.mixture=null"), HETERO).data.mixture is None  # no mixture: fine
