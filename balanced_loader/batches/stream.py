@@ -41,7 +41,7 @@ from balanced_loader.batches.items import DocStats
 from balanced_loader.batches.sequences import Run, SeqPos, SourceSequences
 from balanced_loader.data.mixture import MixtureSource
 from balanced_loader.plan import BatchItems
-from balanced_loader.schedule import Schedule, WeightSchedule, schedule, weight_schedule
+from balanced_loader.schedule import Schedule, WeightSchedule, check_shares, schedule, weight_schedule
 
 CARRY_GAIN = 0.5  # the share of a source's carried surplus the next step corrects
 _FIELDS = ("epoch", "window", "unit", "offset")
@@ -510,6 +510,7 @@ def stream_for(source: Any, *, seed: int, shuffle: bool, window: int, max_seq_le
 
     common = dict(max_seq_len=max_seq_len, global_batch_tokens=global_batch_tokens, epochs=epochs)
     if isinstance(source, MixtureSource):
+        check_shares(source.weights, global_batch_tokens)  # a share under one token per step: an endless epoch
         return BatchStream([seqs(s, source_seed(seed, n)) for s, n in zip(source.sources, source.names)],
                            offsets=source.offsets, names=source.names, weights=source.weights, by=source.by, **common)
     return BatchStream([seqs(source, seed)], offsets=[0, source.num_docs], names=None,

@@ -82,8 +82,6 @@ def test_a_share_under_one_token_per_step_is_refused_not_an_endless_epoch(lens):
     check_shares(weight_schedule({"a": 1.0, "b": [(0, 0.0), (1000, 0.5)]}, ["a", "b"]), setting(4096, "g"))
 
 
-@pytest.mark.xfail(strict=True, reason="needs the one-line hook in data/mixing.stream_for (the lead's file): "
-                                       "check_shares(source.weights, global_batch_tokens); see the i38 report")
 def test_the_loader_refuses_a_share_under_one_token_of_its_budget(lens):
     src = mix({"a": str(lens / "L1.txt"), "b": str(lens / "L3.txt")}, weights={"a": 1.0, "b": 1e-9})
     with pytest.raises(ValueError, match="under one token per step"):
