@@ -99,7 +99,7 @@ def _limited(limit: int):
 def test_trace_json_and_png_are_published_together_on_a_full_disk(work, tmp_path):
     out, png = tmp_path / "t.json", tmp_path / "t.png"
     argv = [sys.executable, "-m", "balanced_loader", "trace", str(work / "p16.json"), "--cost-file",
-            str(work / "cost.yaml"), "--out", str(out), "--png", str(png)]
+            str(work / "cost.yaml"), "--steps", "0-1", "--out", str(out), "--png", str(png)]
     ok = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=300)
     assert ok.returncode == 0, ok.stderr
     size_json, size_png = out.stat().st_size, png.stat().st_size

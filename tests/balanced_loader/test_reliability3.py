@@ -222,3 +222,39 @@ def test_a_claimed_far_epoch_is_refused_without_replaying_it():
     bad["epoch"] = 10**9
     with pytest.raises(ValueError, match="loader state"):
         _mix_loader(src).load_state_dict(bad)
+
+
+# ---- found by this turn's probe (issue 33: sequences as the unit of a step) --------------------------------
+
+
+def test_simulate_and_trace_read_a_plan_whose_long_docs_were_split(lens, capsys, tmp_path):
+    """``plan`` splits docs longer than --max-seq-len into pieces that may fall in different steps; simulate
+    and trace checked each step against whole docs (was: 'doc 24 covers 2000 of its 6592 tokens', exit 2)."""
+    import gzip
+    import os
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with gzip.open(os.path.join(here, "data", "wikipedia_lengths.txt.gz"), "rt") as f:
+        (tmp_path / "l.txt").write_text("".join(line for _, line in zip(range(3000), f)))
+    plan = tmp_path / "p.json"
+    rc, _, err = _cli(["plan", "--lengths", tmp_path / "l.txt", "--global-batch-tokens", 20000, "--world-size", 16,
+                       "--cost-file", lens / "cost.yaml", "--policy", "hydra", "--max-seq-len", 1000, "--steps", 3,
+                       "--out", plan], capsys)
+    assert rc == 0 and "split" in err + _, err
+    for extra in ([], ["--lengths", tmp_path / "l.txt"]):
+        rc, _, err = _cli(["simulate", plan, "--cost-file", lens / "cost.yaml", *extra], capsys)
+        assert rc == 0, err
+    rc, _, err = _cli(["trace", plan, "--cost-file", lens / "cost.yaml", "--out", tmp_path / "t.json"], capsys)
+    assert rc == 0 and (tmp_path / "t.json").exists(), err
+    # what the check still finds: two segments of one doc overlapping in a step, a run past its doc's end
+    data = json.loads(plan.read_text())
+    seg = data["steps"][0]["pools"][0]["microbatches"][0][0]["segments"]
+    d, a, k = seg[0]
+    seg.append([d, a, k])
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    rc, _, err = _cli(["simulate", tmp_path / "bad.json", "--cost-file", lens / "cost.yaml"], capsys)
+    assert rc == 2 and "overlaps" in err, err
+    (tmp_path / "short.txt").write_text("1\n" * 3000)
+    rc, _, err = _cli(["simulate", plan, "--cost-file", lens / "cost.yaml", "--lengths", tmp_path / "short.txt"],
+                      capsys)
+    assert rc == 2 and "past its 1 tokens" in err, err
