@@ -174,16 +174,32 @@ def sample_rows(step: int, rank: int, groups: Sequence[tuple[int, int, int, int,
     return Samples.from_rows(rows)
 
 
+def _cuda_in_use() -> bool:
+    """Whether this process has initialized CUDA (never imports torch, never initializes CUDA itself)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
 class MicrobatchTimer:
     """Times a user's microbatches: ``with timer(mb): forward and backward``, then :meth:`samples`.
 
     Compute is this thread's CPU time (``time.thread_time``) or, with ``cuda=True``, CUDA events
-    around the block; wall time is ``time.perf_counter`` (after a synchronize on CUDA). Padding
-    microbatches (``mb.padding``, from ``cp=1``) are not recorded: they are not work the plan made.
+    around the block; wall time is ``time.perf_counter`` (after a synchronize on CUDA). ``cuda=None``
+    (the default): CUDA events when this process has initialized CUDA (its work is on a GPU), else CPU
+    time; ``cuda=False`` in such a process is refused in one line (a CPU timer around asynchronous GPU
+    work reads about 0). Padding microbatches (``mb.padding``, from ``cp=1``) are not recorded: they are
+    not work the plan made.
     """
 
-    def __init__(self, step: int, rank: int, *, tp: int = 1, pp: int = 1, cuda: bool = False) -> None:
-        self.step, self.rank, self.tp, self.pp, self.cuda = int(step), int(rank), tp, pp, cuda
+    def __init__(self, step: int, rank: int, *, tp: int = 1, pp: int = 1, cuda: bool | None = None) -> None:
+        gpu = _cuda_in_use()
+        if cuda is False and gpu:
+            raise ValueError("MicrobatchTimer(cuda=False) in a process that runs CUDA work: a CPU timer around "
+                             "asynchronous GPU kernels reads about 0; pass cuda=True (CUDA events) or leave cuda unset")
+        self.step, self.rank, self.tp, self.pp = int(step), int(rank), tp, pp
+        self.cuda = gpu if cuda is None else bool(cuda)
         self._groups: list[tuple[int, int, int, int, tuple[int, ...]]] = []
         self._compute: list[float] = []
         self._wall: list[float] = []

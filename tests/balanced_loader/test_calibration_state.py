@@ -152,3 +152,18 @@ def test_samples_of_steps_outside_the_window_are_ignored():
     assert sorted(set(cal.window.step.tolist())) == [7]
     with pytest.raises(ValueError, match="step must be an integer in 0..2"):
         cal.observe(2**70, _step(1, rng))
+
+
+def test_a_timer_in_a_process_running_cuda_work_uses_events_or_refuses(monkeypatch):
+    """A CPU timer around asynchronous GPU work reads about 0 (was: MicrobatchTimer's default, cuda=False,
+    on a GPU): unset, it uses CUDA events once the process has initialized CUDA; cuda=False is refused."""
+    import torch
+
+    from balanced_loader.calibration import MicrobatchTimer
+
+    assert MicrobatchTimer(0, 0).cuda is False  # this machine: no CUDA initialized, CPU time
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert MicrobatchTimer(0, 0).cuda is True
+    with pytest.raises(ValueError, match=r"cuda=False\) in a process that runs CUDA work.*pass cuda=True"):
+        MicrobatchTimer(0, 0, cuda=False)
