@@ -40,3 +40,35 @@ def test_an_empty_mixture_is_an_error_not_the_stdlib_corpus(folders) -> None:  #
     with pytest.raises(ValueError, match="data.mixture is an empty list"):
         recipe_from_dict(raw(folders, "data.mixture=[]"), HETERO)
     assert recipe_from_dict(raw(folders, "data.mixture=null"), HETERO).data.mixture is None  # no mixture: fine
+
+
+def test_a_checkpoint_whose_mixture_cursor_moved_is_refused_on_resume(folders, tmp_path) -> None:  # noqa: F811
+    """A checkpoint's loader state with one source's place moved by +1 or -2 units (or a carry of 1e300) is one
+    line on resume (was: resumed, and step 7 trained 3,332 tokens instead of 3,404), and OUT stays as it was."""
+    import json
+    import shutil
+
+    from parallel_runtime.training.trainer import Trainer
+
+    r = recipe_from_dict(raw(folders, "train.checkpoint_every=3", "data.max_seq_len=256",
+                             "data.global_batch_tokens=2048"), HETERO)
+    run = tmp_path / "run"
+    Trainer(r, str(run), reference=True).train(3)
+    meta_path = next(run.glob("checkpoint/step-*/meta.json"))
+    good = json.loads(meta_path.read_text())
+    for name, key, delta in (("prose", "unit", 1), ("code", "unit", -2), ("code", "carry", 1e300)):
+        bad = json.loads(json.dumps(good))
+        cursor = bad["loader"]["position"]["cursor"]["sources"][name]
+        if key == "unit" and cursor[key] + delta < 0:
+            delta = 1
+        cursor[key] += delta
+        copy = tmp_path / f"copy-{name}-{key}"
+        shutil.copytree(run, copy)
+        next(copy.glob("checkpoint/step-*/meta.json")).write_text(json.dumps(bad))
+        before = sorted(p.name for p in copy.rglob("*"))
+        with pytest.raises(ValueError, match="loader state") as e:
+            Trainer(r, str(copy), reference=True).train(5)
+        assert "\n" not in str(e.value)
+        assert sorted(p.name for p in copy.rglob("*")) == before
+    Trainer(r, str(run), reference=True).train(5)  # the checkpoint as saved resumes
+    assert len(read_metrics(os.path.join(run, "metrics.jsonl"))) == 5
