@@ -258,3 +258,21 @@ def test_simulate_and_trace_read_a_plan_whose_long_docs_were_split(lens, capsys,
     rc, _, err = _cli(["simulate", plan, "--cost-file", lens / "cost.yaml", "--lengths", tmp_path / "short.txt"],
                       capsys)
     assert rc == 2 and "past its 1 tokens" in err, err
+
+
+def test_hydra_cp_scheduler_refuses_what_is_not_a_batch_of_integer_lengths():
+    """Found by tools/probe_turn3.py (issue 34): None gave a TypeError, a length of 2**70 an OverflowError,
+    1.5 / "10" / True were read as 1 / 10 / 1, and [] returned a schedule Megatron's rules refuse (no sample
+    on any rank in the last group)."""
+    import numpy as np
+
+    from balanced_loader.integrations.megatron import HydraCPScheduler
+
+    s = HydraCPScheduler(4096, world_size=4)
+    for bad, what in ((None, "must be a list of"), ([], "is empty"), ([(0, 2**70)], "over 1,099,511,627,776"),
+                      ([(0, 1.5)], "pair of integers"), ([(0, "10")], "pair of integers"),
+                      ([(0, True)], "pair of integers"), ([(0, float("nan"))], "pair of integers")):
+        with pytest.raises(ValueError, match=what):
+            s.get_groups_and_subsamples(bad)
+    groups, ids = s.get_groups_and_subsamples([(np.int64(3), np.int32(40)), (7, 5000)])  # numpy scalars: fine
+    assert {i for g in ids for r in g for i in r} == {3, 7}
