@@ -9,8 +9,8 @@ changed data accepted silently where the format can tell).
 * ``datatrove``: the same on ``.ds`` / ``.ds.index`` (a moved doc boundary that keeps the index sound
   is undetectable: the format has no checksum; counted apart);
 * ``hydra``: ``HydraCPScheduler`` on hostile lengths, ids and sizes, its schedule checked by Megatron's rules;
-* ``steps``: the loader and ``plan`` with docs of 2**40 tokens, max_seq_len 1, schedules crossing the budget,
-  and hydra on 2**20 ranks (each in a process with a time and memory limit);
+* ``steps``: ``plan`` and ``analyze`` with docs of 2**40 tokens, max_seq_len 1, schedules crossing the budget,
+  and hydra on 2**20 ranks (each in a process limited to 180 s and 6 GiB of address space);
 * ``kill`` / ``concurrency`` / ``disk``: ``verify PREFIX --write-checksums`` killed with SIGKILL at random
   moments, three at once, and with a file size limit below the sidecar: the sidecar is absent or whole,
   one line on a full disk, no temporary file left.
@@ -75,10 +75,12 @@ def wiki(n: int) -> list[int]:
         return [max(1, min(int(x), 5000)) for _, x in zip(range(n), f)]
 
 
-def cli(*argv, timeout: float = 120, limit: int | None = None) -> tuple[int, str, str]:
+def cli(*argv, timeout: float = 120, limit: int | None = None, memory: int | None = None) -> tuple[int, str, str]:
     def pre() -> None:
         if limit is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        if memory is not None:  # address space: a run that would hold too much fails instead of swapping
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     try:
         r = subprocess.run([sys.executable, "-m", "balanced_loader", *map(str, argv)], capture_output=True, text=True,
                            env=ENV, timeout=timeout, preexec_fn=pre)
@@ -229,11 +231,11 @@ def probe_steps(root: Path, cases: Cases) -> None:
                                                 "--max-seq-len", 4096, "--world-size", 16, "--policy", "flexsp",
                                                 "--time-limit", 0.001, "--steps", 2, *c],
         "analyze steps of a 2**40 doc": ["analyze", root / "big.txt", "--global-batch-tokens", 65536,
-                                         "--max-seq-len", 4096],
+                                         "--max-seq-len", 4096, "--out", root / "an"],
     }
     for name, argv in runs.items():
         t0 = time.perf_counter()
-        rc, out, err = cli(*argv, timeout=180)
+        rc, out, err = cli(*argv, timeout=180, memory=6 << 30)
         dt = time.perf_counter() - t0
         lines = err.strip().splitlines()
         if rc == -1:

@@ -276,3 +276,27 @@ def test_hydra_cp_scheduler_refuses_what_is_not_a_batch_of_integer_lengths():
             s.get_groups_and_subsamples(bad)
     groups, ids = s.get_groups_and_subsamples([(np.int64(3), np.int32(40)), (7, 5000)])  # numpy scalars: fine
     assert {i for g in ids for r in g for i in r} == {3, 7}
+
+
+def test_a_damaged_checksum_sidecar_header_is_one_line(tmp_path, capsys):
+    """Found by tools/probe_turn3.py (issue 34): two bits flipped in PREFIX.crc32.npy's header made numpy's
+    header parser raise tokenize.TokenError, a traceback out of `verify PREFIX` (exit 1)."""
+    import numpy as np
+
+    from balanced_loader.data.megatron import write_indexed_dataset
+    from balanced_loader.data.open import open_source
+
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path / "c")
+    write_indexed_dataset(prefix, [rng.integers(0, 50_000, int(n)).astype(np.uint16) for n in rng.integers(1, 900, 40)])
+    assert _cli(["verify", prefix, "--write-checksums"], capsys)[0] == 0
+    side = tmp_path / "c.crc32.npy"
+    data = bytearray(side.read_bytes())
+    data[60] ^= 1 << 3  # inside the header's shape tuple: '(40,)' loses its closing parenthesis
+    side.write_bytes(bytes(data))
+    rc, out, _ = _cli(["verify", prefix], capsys)
+    assert rc == 2 and "checksum file" in out and "cannot be read" in out and "--write-checksums" in out, out
+    with pytest.raises(ValueError, match="checksum file .* cannot be read"):
+        src = open_source(prefix)
+        for i in range(src.num_docs):
+            src.tokens(i)
