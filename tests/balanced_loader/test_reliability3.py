@@ -300,3 +300,17 @@ def test_a_damaged_checksum_sidecar_header_is_one_line(tmp_path, capsys):
         src = open_source(prefix)
         for i in range(src.num_docs):
             src.tokens(i)
+
+
+def test_analyze_of_a_doc_cut_into_too_many_sequences_is_one_line(tmp_path, capsys):
+    """Found by tools/probe_turn3.py (issue 33): `analyze` of a 2**40-token doc at --max-seq-len 4096 built
+    2**28 sequences with their ids and starts (a MemoryError after a minute under 6 GiB); now the lengths
+    alone, and above 2**27 sequences one line."""
+    from balanced_loader.cli.cmd_analyze import piece_lengths
+
+    (tmp_path / "big.txt").write_text(f"{2**40}\n5\n")
+    rc, _, err = _cli(["analyze", tmp_path / "big.txt", "--global-batch-tokens", 65536, "--max-seq-len", 4096,
+                       "--out", tmp_path / "an"], capsys)
+    assert rc == 2 and "cuts these docs into 268,435,457 sequences" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "an").exists()
+    assert sorted(piece_lengths([10, 3, 8], 4).tolist()) == [2, 3, 4, 4, 4, 4]
