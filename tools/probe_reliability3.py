@@ -385,7 +385,7 @@ def probe_disk(root: Path, tally: Tally) -> None:
         where.mkdir(exist_ok=True)
         tally.disk_kind = "tmpfs 256 KiB" if mnt else "RLIMIT_FSIZE"
         cases = [("plan", ["plan", "--lengths", root / "L1.txt", "--global-batch-tokens", 20000, "--world-size", 64,
-                           *c, "--policy", "hydra", "--max-seq-len", 1000, "--steps", 20, "--out", where / "p.json"]),
+                           *c, "--policy", "hydra", "--max-seq-len", 1000, "--steps", 100, "--out", where / "p.json"]),
                  ("trace --png", ["trace", root / "p16.json", *c, "--out", where / "t.json", "--png", where / "t.png"]),
                  ("compare", ["compare", "--lengths", root / "L1.txt", "--world-size", 4, *c, "--policies",
                               "greedy,maxlen", "--global-batch-tokens", 20000, "--steps", 2, "--out", where / "cmp"]),

@@ -122,8 +122,10 @@ def _temp_file(folder: str, base: str, suffix: str) -> tuple[int, str]:
     with contextlib.suppress(OSError):
         for name in os.listdir(folder):
             m = _TEMP.match(name)
-            if m and m.group(1) == base and m.group(3) == _HOST and int(m.group(2)) != os.getpid() \
-                    and not _alive(int(m.group(2))):
+            # base's own temporaries, and those of a writer that wrote atomically into one of base's (a chart
+            # into an OutputSet's temporary file: '..BASE.pPID-HOST.X.tmp.png.pPID-HOST.Y.tmp')
+            mine = m is not None and (m.group(1) == base or m.group(1).startswith(f".{base}.p"))
+            if mine and m.group(3) == _HOST and int(m.group(2)) != os.getpid() and not _alive(int(m.group(2))):
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(folder, name))
     return tempfile.mkstemp(prefix=f".{base}.{tag}.", suffix=suffix, dir=folder)

@@ -164,3 +164,21 @@ def test_a_killed_runs_temporary_file_is_removed_by_the_next_run(work, tmp_path)
     assert left and not out.exists()  # the output untouched, a hidden temporary file left behind
     assert _trace(work, "--out", out, "--png", png) == 0
     assert sorted(os.listdir(tmp_path)) == ["t.json", "t.png"]  # the next run removed the dead run's files
+
+
+def test_a_killed_charts_nested_temporary_file_is_removed_too(work, tmp_path):
+    """Found by tools/probe_reliability3.py: the chart writer writes atomically into the OutputSet's temporary
+    file, so a run killed then leaves '..t.png.pPID-HOST.X.tmp.png.pPID-HOST.Y.tmp', which the next run kept
+    (2 of 20 killed runs)."""
+    from balanced_loader.outputs.files import _HOST
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tag = f"p{dead.pid}-{_HOST}"
+    names = [f".t.png.{tag}.abcdefgh.tmp.png", f"..t.png.{tag}.abcdefgh.tmp.png.{tag}.ijklmnop.tmp",
+             f".t.json.{tag}.qrstuvwx.tmp"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"partial")
+    (tmp_path / f".other.png.{tag}.abcdefgh.tmp").write_bytes(b"not ours")
+    assert _trace(work, "--out", tmp_path / "t.json", "--png", tmp_path / "t.png") == 0
+    assert sorted(os.listdir(tmp_path)) == [f".other.png.{tag}.abcdefgh.tmp", "t.json", "t.png"]
