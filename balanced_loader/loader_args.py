@@ -20,10 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.schedule import Schedule, schedule
+from balanced_loader.schedule import MAX_TOKENS, Schedule, schedule
 
 MAX_RANKS = 1 << 20  # ranks of a world (a plan file's limit too)
-MAX_TOKENS = 1 << 40  # tokens of a doc, a segment or a global batch
 MAX_COUNT = 1 << 30  # epochs, shuffle window (docs)
 MAX_SEED = (1 << 63) - 1
 MAX_PREFETCH_STEPS = 256  # plans computed ahead (each holds its batch and plan in memory)

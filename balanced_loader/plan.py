@@ -466,6 +466,10 @@ class Plan:
             raise ValueError(f"malformed plan file: {type(e).__name__}: {str(e)[:200]}") from None
         # every number in range before numpy sees it (an int64 overflow would be a traceback later)
         big = 1 << 40  # tokens of a doc or a segment
+        for prev, sp in zip(plan.steps, plan.steps[1:]):  # a step given twice would be simulated or run twice
+            if sp.step <= prev.step:
+                raise ValueError(f"malformed plan file: step numbers must increase, but step {sp.step} comes after "
+                                 f"step {prev.step}")
         for sp in plan.steps:
             where = f"malformed plan file: step {sp.step}"
             if not 0 <= sp.step < 1 << 62:

@@ -13,6 +13,15 @@ last. A plain number is a schedule of one point. Three settings take one:
 
 On the command line a schedule is ``VALUE@STEP,VALUE@STEP,...`` (``--max-seq-len 512@0,4096@20``),
 in a recipe a list of ``[step, value]`` pairs. Every mistake is one ``ValueError`` naming the setting.
+
+**Bounds.** A token setting's every value obeys the scalar's bounds (1..2**40 tokens). Weights are
+finite and >= 0 with a positive one at every point; shares are computed overflow-safe (the weights
+over their largest first, so 1e308 weights are two halves, not ``inf / inf``). A positive weight
+whose share at a point is below ``MIN_SHARE`` (2**-40) is refused: it is under one token per step at
+any budget, so its source would count as unread forever and the epoch would never end;
+:func:`check_shares` refuses a share under one token of that step's budget (``share * budget < 1``)
+the same way, where the budget is known. :func:`epoch_steps` estimates the steps one epoch of a
+mixture takes (what ``plan`` without ``--steps`` states and bounds).
 """
 
 from __future__ import annotations
@@ -22,6 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from balanced_loader.strict import check_number
+
+MIN_SHARE = 2.0 ** -40  # a positive weight's least share: one token of the largest budget (2**40 tokens)
+MAX_TOKENS = 1 << 40  # tokens of a doc, a segment or a global batch (the loader's bound; loader_args re-exports it)
+MAX_STEP = (1 << 62) - 1  # the largest step a schedule point may name (as a plan file's step numbers)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,7 +81,8 @@ def _points(value: Any, name: str) -> list[tuple[Any, Any]]:
     for i, p in enumerate(value):
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) != 2:
             raise ValueError(f"{name}: schedule point {i} must be a (step, value) pair, got {p!r}")
-        step = check_number(p[0], f"{name}: the step of schedule point {i}", integer=True, minimum=0)
+        step = check_number(p[0], f"{name}: the step of schedule point {i}", integer=True, minimum=0,
+                            maximum=MAX_STEP)
         if out and step <= out[-1][0]:
             raise ValueError(f"{name}: schedule steps must increase; point {i} (step {step}) comes after "
                              f"step {out[-1][0]} (sort the points by step)")
@@ -76,13 +90,17 @@ def _points(value: Any, name: str) -> list[tuple[Any, Any]]:
     return out
 
 
-def schedule(value: Any, name: str, *, integer: bool = True, minimum: float = 1) -> Schedule:
-    """A :class:`Schedule` from a number, a list of ``(step, value)`` pairs or a :class:`Schedule`."""
+def schedule(value: Any, name: str, *, integer: bool = True, minimum: float = 1,
+             maximum: float | None = None) -> Schedule:
+    """A :class:`Schedule` from a number, a list of ``(step, value)`` pairs or a :class:`Schedule` (every
+    value in ``minimum..maximum``)."""
     if isinstance(value, Schedule):
+        if value.points and maximum is not None and value.largest > maximum:
+            raise ValueError(f"{name} must be <= {maximum:,} at every step, got {value.largest:,}")
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = [(0, value)]
-    pts = [(s, check_number(v, f"{name} at step {s}", integer=integer, minimum=minimum))
+    pts = [(s, check_number(v, f"{name} at step {s}", integer=integer, minimum=minimum, maximum=maximum))
            for s, v in _points(value, name)]
     return Schedule(name=name, points=tuple(pts), integer=integer)
 
@@ -107,14 +125,12 @@ class WeightSchedule:
 
     def at(self, step: int) -> tuple[float, ...]:
         """``[k]`` shares at ``step``: the raw weights over their sum."""
-        w = self.raw(step)
-        total = sum(w)
-        return tuple(x / total for x in w)
+        return shares(self.raw(step))
 
     def active(self, step: int) -> tuple[bool, ...]:
-        """``[k]`` whether each source has a positive weight at ``step`` or at any later step."""
-        later = [w for s, w in self.points if s > step]
-        return tuple(x > 0 or any(w[i] > 0 for w in later) for i, x in enumerate(self.raw(step)))
+        """``[k]`` whether each source has a positive share at ``step`` or at any later step."""
+        later = [shares(w) for s, w in self.points if s > step]
+        return tuple(x > 0 or any(w[i] > 0 for w in later) for i, x in enumerate(self.at(step)))
 
     @property
     def constant(self) -> bool:
@@ -159,7 +175,57 @@ def weight_schedule(weights: Any, names: Sequence[str], *, default: Sequence[flo
     for s, w in pts:
         if not any(x > 0 for x in w):
             raise ValueError(f"weights at step {s} are all zero; at least one source needs a positive weight")
+        for n, x, share in zip(names, w, shares(w)):
+            if x > 0 and share < MIN_SHARE:
+                raise ValueError(f"weights at step {s}: source '{n}' (weight {x:g}) gets a share of {share:.3g} of "
+                                 f"every step, under one token per step at any global_batch_tokens (<= 2**40), so "
+                                 f"its epoch would never end; raise its weight, or set it to 0 to leave it out")
     return WeightSchedule(names=names, points=tuple((s, tuple(float(x) for x in w)) for s, w in pts))
+
+
+def shares(weights: Sequence[float]) -> tuple[float, ...]:
+    """``[k]`` weights over their sum, overflow-safe: each over the largest first (so the sum is at most k)."""
+    top = max(weights)
+    scaled = [x / top for x in weights]
+    total = sum(scaled)
+    return tuple(x / total for x in scaled)
+
+
+def check_shares(weights: WeightSchedule, budget: Schedule, *, where: str = "weights") -> None:
+    """Every positive share is at least one token of its step's budget (``share * budget >= 1``) at every
+    point of either schedule; else one ValueError naming the source and the step (module docstring)."""
+    steps = sorted({s for s, _ in weights.points} | {s for s, _ in budget.points})
+    for s in steps:
+        b = budget.at(s)
+        for n, x, share in zip(weights.names, weights.raw(s), weights.at(s)):
+            if x > 0 and share * b < 1:
+                raise ValueError(f"{where} at step {s}: source '{n}' gets a share of {share:.3g} of a {b:,}-token "
+                                 f"step, under one token per step, so its epoch would never end; raise its weight "
+                                 f"(or global_batch_tokens), or set it to 0 to leave it out")
+
+
+def epoch_steps(need: Sequence[float], weights: WeightSchedule, budget: Schedule, *, unit: float = 1.0,
+                cap: float = 1e18) -> float:
+    """About how many steps until every source ``i`` that keeps a positive share has taken ``need[i]`` units,
+    a step giving it ``share_i(s) * budget(s) / unit`` (``unit``: tokens of one unit: 1 for tokens, a doc's mean
+    tokens for docs). Piecewise between the schedules' points, each piece at the mean of its end rates (exact
+    for constant schedules); at most ``cap``."""
+    marks = sorted({0} | {s for s, _ in weights.points} | {s for s, _ in budget.points})
+    left = [float(x) for x in need]
+
+    def rates(step: int) -> list[float]:
+        return [x * budget.at(step) / unit for x in weights.at(step)]
+
+    for a, b in zip(marks, [*marks[1:], None]):
+        r = rates(a) if b is None else [(x + y) / 2 for x, y in zip(rates(a), rates(b - 1))]
+        live = [j for j, on in enumerate(weights.active(a)) if on and left[j] > 0]
+        if not live:
+            return float(a)
+        finish = max(left[j] / r[j] if r[j] > 0 else float("inf") for j in live)
+        if b is None or finish <= b - a:
+            return min(cap, a + finish)
+        left = [max(0.0, x - y * (b - a)) for x, y in zip(left, r)]
+    return cap  # not reached: the last piece has no end
 
 
 def _check_names(d: Mapping[str, Any], names: Sequence[str], where: str) -> None:
@@ -194,9 +260,11 @@ def parse_text(text: str, name: str, *, integer: bool = True) -> Any:
 
 
 def setting(value: Any, name: str) -> Schedule:
-    """A positive-integer loader setting (``global_batch_tokens``, ``max_seq_len``): an int or a schedule."""
+    """A loader token setting (``global_batch_tokens``, ``max_seq_len``): a positive int (the loader's own
+    checks bound a user's, a derived default is any size) or a schedule of ints in 1..2**40, the bounds of
+    the scalar."""
     if isinstance(value, (list, tuple, Schedule)):
-        return schedule(value, name)
+        return schedule(value, name, maximum=MAX_TOKENS)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer (or a schedule [(step, value), ...]), got {value!r}")
     return schedule(value, name)

@@ -63,7 +63,7 @@ class DataConfig:
     source: str = STDLIB  # "stdlib" (CPython's .py files, built once into shards_dir), a shard folder, a .jsonl
     shards_dir: str = ".demo/stdlib-shards"  # where the stdlib corpus is built (relative to the working dir)
     stdlib_limit: int | None = None  # only the first N stdlib files (small test corpora)
-    mixture: tuple[MixtureEntry, ...] = ()  # several sources at set shares of every step (instead of source)
+    mixture: tuple[MixtureEntry, ...] | None = None  # several sources at set shares of every step (instead of source)
     mixture_by: str = "tokens"  # the weights are shares of each step's tokens | docs
     # token budget of one step; or a schedule [[step, tokens], ...] (batch-size ramp-up)
     global_batch_tokens: int | tuple[tuple[int, int], ...] = 8192
@@ -395,8 +395,11 @@ def _validate_mixture(d: DataConfig) -> None:
                          else "data.order strict keeps the source order: set data.shuffle: false")
     if d.mixture_by not in MIX_BY:
         raise ValueError(f"data.mixture_by must be one of {', '.join(MIX_BY)}, got '{d.mixture_by}'")
-    if not d.mixture:
+    if d.mixture is None:
         return
+    if not d.mixture:  # an empty list is a mistake, never the stdlib corpus (data.source's default) in its place
+        raise ValueError("data.mixture is an empty list: list its sources ({name, source, weight} each), or remove "
+                         "data.mixture to train on data.source")
     if d.source != STDLIB:
         raise ValueError("data.source and data.mixture are both set; a mixture lists its sources itself")
     names = [e.name for e in d.mixture]

@@ -47,7 +47,7 @@ from balanced_loader.batches.items import DocStats
 from balanced_loader.batches.sequences import Run, SeqPos, SourceSequences
 from balanced_loader.data.mixture import MixtureSource
 from balanced_loader.plan import BatchItems
-from balanced_loader.schedule import Schedule, WeightSchedule, schedule, weight_schedule
+from balanced_loader.schedule import Schedule, WeightSchedule, check_shares, schedule, weight_schedule
 
 CARRY_GAIN = 0.5  # the share of a source's carried surplus the next step corrects
 CARRY_LIMIT = 1.5  # carries beyond this many sequences: correct them fully, even past one sequence in a step
@@ -456,12 +456,28 @@ class BatchStream:
                 cur is not None and (cur.epoch, cur.step_in_epoch, cur.step) != (epoch, step_in_epoch, step)):
             raise ValueError(f"malformed loader state: its batch cursor does not match epoch {epoch}, step "
                              f"{step_in_epoch} of the epoch, global step {step}; {fix}")
-        if epoch == 0 and start != self._epoch_starts[0]:
-            raise ValueError(f"malformed loader state: epoch 0 does not begin where its cursor says; {fix}")
+        self._check_epoch_start(start, fix)
         if cur is not None:
             self._replay(start, cur, fix)
         self._epoch_starts[epoch] = start
         return cur
+
+    def _check_epoch_start(self, start: Cursor, fix: str) -> None:
+        """``start`` must be where its epoch begins. Past epoch 0 that is found by streaming the earlier epochs
+        (lengths only, as :meth:`_replay` does inside the epoch): a mixture's epoch begins wherever its last
+        source crossed, so a moved place, epoch or carry at a later epoch's start (and at its first step,
+        where the cursor is that start) is otherwise a consistent-looking state."""
+        at = self._epoch_starts[max(e for e in self._epoch_starts if e <= start.epoch)]
+        while at.epoch < start.epoch and at.step < start.step:  # never past the state's step: no endless replay
+            at = self.cut(at).end  # an epoch's end records the next epoch's start (_after)
+        want = self._epoch_starts.get(start.epoch, at)
+        if start != want:
+            diff = [name for name, a, b in zip(self.cursor_names, want.places, start.places) if a != b]
+            what = (f"source(s) {', '.join(diff)} are not where it begins" if diff else
+                    "its step, carry or marks differ from the replayed ones" if start.step != want.step or
+                    start.carry != want.carry or start.marks != want.marks else "its read-ahead differs")
+            raise ValueError(f"loader state: epoch {start.epoch} does not begin where its cursor says ({what}); "
+                             f"{fix}")
 
     def _replay(self, start: Cursor, cur: Cursor, fix: str) -> None:
         """``cur`` must be where its step begins, cut from the epoch's first step (lengths only)."""
@@ -527,6 +543,7 @@ def stream_for(source: Any, *, seed: int, shuffle: bool, window: int, max_seq_le
 
     common = dict(max_seq_len=max_seq_len, global_batch_tokens=global_batch_tokens, epochs=epochs)
     if isinstance(source, MixtureSource):
+        check_shares(source.weights, global_batch_tokens)  # a share under one token per step: an endless epoch
         return BatchStream([seqs(s, source_seed(seed, n)) for s, n in zip(source.sources, source.names)],
                            offsets=source.offsets, names=source.names, weights=source.weights, by=source.by, **common)
     return BatchStream([seqs(source, seed)], offsets=[0, source.num_docs], names=None,

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.calibration.fit import FitSettings, ShapeFit, fit_model, predict, rel_error
-from balanced_loader.calibration.samples import Samples
+from balanced_loader.calibration.samples import MAX_STEP, Samples
 from balanced_loader.calibration.speeds import SpeedTracker, raw_speeds
 from balanced_loader.cost import CostModel
 from balanced_loader.strict import check_keys, check_number
@@ -85,11 +85,13 @@ class Update:
     error_after: float  # the same with the fitted model
     speeds: list[float]  # [world_size] speeds in use after the fit
     speeds_changed: bool
+    dropped: int = 0  # samples left out since the previous fit: implausible times or steps outside the window
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "error_before": round(self.error_before, 4),
                 "error_after": round(self.error_after, 4), "speeds": [round(v, 4) for v in self.speeds],
-                "speeds_changed": self.speeds_changed, "shapes": {k: v.to_json() for k, v in self.shapes.items()}}
+                "speeds_changed": self.speeds_changed, "dropped_samples": self.dropped,
+                "shapes": {k: v.to_json() for k, v in self.shapes.items()}}
 
 
 def per_rank_step_error(s: Samples, predicted: np.ndarray) -> float:
@@ -117,6 +119,7 @@ class Calibrator:
         self.speeds.in_use = prior.rank_speeds(world_size)
         self.window = Samples.empty()
         self.steps_seen = 0
+        self.dropped = 0  # samples left out since the last fit (module samples: which samples count)
         self.history: list[dict[str, Any]] = []
         import scipy.optimize  # noqa: F401  (the fit's solver, loaded now rather than inside a timed step)
 
@@ -130,13 +133,23 @@ class Calibrator:
         return self.steps_seen >= o.first and (self.steps_seen - o.first) % o.every == 0
 
     def observe(self, step: int, samples: Samples) -> Update | None:
-        """Add one step's samples of every rank (the same on every rank); a fit when one is due."""
+        """Add one step's samples of every rank (the same on every rank); a fit when one is due.
+
+        Samples with implausible times (:meth:`Samples.plausible`) or of a step outside the window
+        ``(step - window, step]`` are left out and counted (``Update.dropped``)."""
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < MAX_STEP:
+            raise ValueError(f"observe(step, ...): step must be an integer in 0..2**53, got {step!r}")
+        step = int(step)
         if len(samples) and (int(samples.rank.min()) < 0 or int(samples.rank.max()) >= self.world_size):
-            raise ValueError(f"calibration samples name rank {int(samples.rank.max())} but the world has "
+            bad_rank = int(samples.rank.max()) if int(samples.rank.max()) >= self.world_size else \
+                int(samples.rank.min())
+            raise ValueError(f"calibration samples name rank {bad_rank} but the world has "
                              f"{self.world_size} ranks")
-        bad = ~(np.isfinite(samples.compute_ms) & np.isfinite(samples.wall_ms)) | (samples.compute_ms < 0)
-        self.window = Samples.concat([self.window, samples.select(~bad)])
-        self.window = self.window.select(self.window.step > step - self.options.window)  # forget old samples
+        lo = step - self.options.window
+        keep = samples.plausible() & (samples.step > lo) & (samples.step <= step)
+        self.dropped += int(len(samples) - keep.sum())
+        self.window = Samples.concat([self.window, samples.select(keep)])
+        self.window = self.window.select((self.window.step > lo) & (self.window.step <= step))  # forget old samples
         self.steps_seen += 1
         if not self.due() or not len(self.window):
             return None
@@ -172,7 +185,8 @@ class Calibrator:
             cost = cost.replace(name=self.cost.name)
         up = Update(step=step, cost=cost, shapes=shapes, error_before=per_rank_step_error(s, before),
                     error_after=per_rank_step_error(s, after), speeds=self.speeds.in_use.tolist(),
-                    speeds_changed=changed)
+                    speeds_changed=changed, dropped=self.dropped)
+        self.dropped = 0
         self.cost = cost
         self.history = [*self.history, up.to_json()][-HISTORY:]
         log.info("calibration after step %d: error %.3f -> %.3f, speeds %s", step, up.error_before,
@@ -183,27 +197,84 @@ class Calibrator:
     def state_dict(self) -> dict[str, Any]:
         return {"format": STATE_FORMAT, "version": 1, "world_size": self.world_size,
                 "options": asdict(self.options), "cost": self.cost.to_dict(), "steps_seen": self.steps_seen,
-                "window": self.window.to_json(), "speeds": self.speeds.state_dict(), "history": self.history}
+                "window": self.window.to_json(), "speeds": self.speeds.state_dict(), "history": self.history,
+                "dropped": self.dropped}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Resume exactly (same world size), or at another world size keeping the fitted coefficients
-        (speeds and samples are per rank, so they start afresh)."""
+        (speeds and samples are per rank, so they start afresh).
+
+        Every field is checked before anything changes (one ValueError line naming the field): the format,
+        the world size, the options, a cost model that parses with lane speeds and a class map for this
+        world, a step count, the window's rows (ranks of the world, finite non-negative times, integer
+        columns), the speeds and the fit history."""
+        where = "calibration state"
         if not isinstance(d, dict) or d.get("format") != STATE_FORMAT or d.get("version") != 1:
             raise ValueError(f"not a calibration state: expected \"format\": \"{STATE_FORMAT}\", version 1")
-        prior = self.cost
-        self.cost = CostModel.from_dict(d["cost"], where="calibration state: cost")
-        self.steps_seen = int(d["steps_seen"])
-        self.history = list(d.get("history", []))
-        if int(d["world_size"]) == self.world_size:
-            self.window = Samples.from_json(d["window"], "calibration state: window")
-            self.speeds.load_state_dict(d["speeds"])
+        missing = [k for k in ("world_size", "cost", "steps_seen", "window", "speeds") if k not in d]
+        if missing:
+            raise ValueError(f"{where}: missing '{missing[0]}'; pass a dict from Calibrator.state_dict()")
+        saved_world = _count(d["world_size"], f"{where}: world_size", 1, 1 << 20)
+        steps_seen = _count(d["steps_seen"], f"{where}: steps_seen", 0, MAX_STEP)
+        dropped = _count(d.get("dropped", 0), f"{where}: dropped", 0, MAX_STEP)
+        if not isinstance(d.get("options", {}), dict):
+            raise ValueError(f"{where}: options must be a mapping, got {type(d['options']).__name__}")
+        CalibrationOptions.of(d.get("options") or True)  # well formed (this run's own options apply)
+        if not isinstance(d["cost"], dict):
+            raise ValueError(f"{where}: cost must be a cost-model mapping, got {type(d['cost']).__name__}")
+        try:
+            cost = CostModel.from_dict(d["cost"], where=f"{where}: cost")
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{where}: cost is malformed ({type(e).__name__}: {e})") from None
+        history = _history(d.get("history", []), where)
+        same = saved_world == self.world_size
+        if same:
+            try:
+                cost.rank_speeds(self.world_size)
+                cost.rank_class_index(self.world_size)
+            except ValueError as e:
+                raise ValueError(f"{where}: cost: {e}") from None
+            window = Samples.from_json(d["window"], f"{where}: window", world_size=self.world_size)
+            for tp, pp in sorted({(int(a), int(b)) for a, b in zip(window.tp.tolist(), window.pp.tolist())}):
+                for _, model in cost.device_classes or (("", cost),):
+                    try:
+                        model.shape(tp, pp)
+                    except ValueError as e:
+                        raise ValueError(f"{where}: window: {e}") from None
+            keep = window.plausible()  # a state saved before the rule (module samples): its rows the rule drops
+            dropped += int((~keep).sum())
+            window = window.select(keep)
+            speeds = self.speeds.parse_state(d["speeds"])
+        else:
+            cost = for_world(cost, self.cost, where)
+        # everything checked: apply
+        self.cost, self.steps_seen, self.history, self.dropped = cost, steps_seen, history, dropped
+        if same:
+            self.window = window
+            self.speeds.smoothed, self.speeds.in_use = speeds
         else:
             log.warning("calibration state saved at world size %s, resumed at %d: speeds and samples start "
-                        "afresh, fitted coefficients kept", d["world_size"], self.world_size)
+                        "afresh, fitted coefficients kept", saved_world, self.world_size)
             self.window = Samples.empty()
-            self.cost = for_world(self.cost, prior, "calibration state")
             self.speeds.smoothed = np.full(self.world_size, np.nan)
             self.speeds.in_use = self.cost.rank_speeds(self.world_size)
+
+
+def _count(v: Any, what: str, lo: int, hi: int) -> int:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+        raise ValueError(f"{what} must be an integer in {lo}..{hi:,}, got {str(v)[:40]}")
+    return int(v)
+
+
+def _history(h: Any, where: str) -> list[dict[str, Any]]:
+    """The fit reports of a state: a list of mappings, each with the integer step it was fitted after."""
+    if not isinstance(h, list):
+        raise ValueError(f"{where}: history must be a list of fit reports, got {type(h).__name__}")
+    for i, e in enumerate(h):
+        if not isinstance(e, dict):
+            raise ValueError(f"{where}: history[{i}] must be a mapping, got {type(e).__name__}")
+        _count(e.get("step"), f"{where}: history[{i}].step", 0, MAX_STEP)
+    return list(h)[-HISTORY:]
 
 
 def for_world(saved: CostModel, own: CostModel, where: str) -> CostModel:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from balanced_loader.calibration.calibrator import CalibrationOptions, Calibrator, Update, for_world
-from balanced_loader.calibration.samples import Samples, agree_cost, gather_samples
+from balanced_loader.calibration.samples import MAX_STEP, Samples, agree_cost, gather_samples
 from balanced_loader.cost import CostModel
 
 
@@ -74,18 +74,47 @@ class CostSchedule:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (a state without it keeps the loader's own cost model)."""
+        """Restore what :meth:`state_dict` saved (a state without it keeps the loader's own cost model).
+
+        Checked whole before anything changes: ``costs`` is a list of ``[from_step, cost model]`` with
+        increasing steps and models that parse (lane speeds and class maps for this world when it is the
+        saved one), and the calibration state (:meth:`Calibrator.load_state_dict`)."""
         raw = state.get("costs")
-        if raw is not None and (self.calibrator is not None or len(raw) > 1):  # else: the loader's own cost file
-            try:
-                entries = [(int(first), CostModel.from_dict(d, where=f"loader state: cost from step {first}"))
-                           for first, d in raw]
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"malformed loader state: costs: {e}") from None
-            saved = state.get("world_size")
-            if entries and saved is not None and saved != self.world_size:  # per-rank keys are this world's
-                entries = [(first, for_world(c, self.entries[0][1], "loader state")) for first, c in entries]
-            if entries:
-                self.entries = [(0, entries[0][1])] + entries[1:]  # the first one plans every earlier step
+        entries = None
+        if raw is not None and (self.calibrator is not None or (isinstance(raw, list) and len(raw) > 1)):
+            entries = self._entries(raw, state.get("world_size"))
         if self.calibrator is not None and state.get("calibration") is not None:
             self.calibrator.load_state_dict(state["calibration"])
+        if entries:
+            self.entries = [(0, entries[0][1])] + entries[1:]  # the first one plans every earlier step
+
+    def _entries(self, raw: Any, saved: Any) -> list[tuple[int, CostModel]]:
+        bad = "malformed loader state: costs"
+        if not isinstance(raw, list):
+            raise ValueError(f"{bad} must be a list of [from_step, cost model], got {type(raw).__name__}")
+        entries: list[tuple[int, CostModel]] = []
+        for i, e in enumerate(raw):
+            if not isinstance(e, (list, tuple)) or len(e) != 2 or not isinstance(e[1], dict):
+                raise ValueError(f"{bad}: entry {i} must be [from_step, cost model mapping], got {str(e)[:60]}")
+            first = e[0]
+            if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < MAX_STEP or (
+                    entries and first <= entries[-1][0]):
+                raise ValueError(f"{bad}: entry {i} starts at step {str(first)[:40]}; steps must be integers that "
+                                 f"increase")
+            try:
+                cost = CostModel.from_dict(e[1], where=f"loader state: cost from step {first}")
+            except (TypeError, KeyError, AttributeError) as err:
+                raise ValueError(f"{bad}: the cost from step {first} is malformed ({type(err).__name__}: {err})") \
+                    from None
+            except ValueError as err:
+                raise ValueError(f"{bad}: {err}") from None
+            if saved is not None and saved != self.world_size:  # per-rank keys are this world's
+                cost = for_world(cost, self.entries[0][1], "loader state")
+            else:
+                try:
+                    cost.rank_speeds(self.world_size)
+                    cost.rank_class_index(self.world_size)
+                except ValueError as err:
+                    raise ValueError(f"{bad}: the cost from step {first}: {err}") from None
+            entries.append((first, cost))
+        return entries

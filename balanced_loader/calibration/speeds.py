@@ -75,11 +75,23 @@ class SpeedTracker:
                 "in_use": self.in_use.tolist()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        sm, use = d.get("smoothed"), d.get("in_use")
+        self.smoothed, self.in_use = self.parse_state(d)
+
+    def parse_state(self, d: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(smoothed, in_use)`` of a :meth:`state_dict`, checked (one ValueError line): one entry per rank,
+        positive finite numbers (``smoothed`` may hold None for a rank not measured yet)."""
+        where = "calibration state: speeds"
+        sm, use = (d.get("smoothed"), d.get("in_use")) if isinstance(d, dict) else (None, None)
         if not isinstance(sm, list) or not isinstance(use, list) or len(sm) != self.world_size \
                 or len(use) != self.world_size:
-            raise ValueError(f"calibration state: speeds for {self.world_size} ranks expected")
-        self.smoothed = np.asarray([np.nan if x is None else float(x) for x in sm])
-        self.in_use = np.asarray([float(x) for x in use])
-        if not (np.isfinite(self.in_use).all() and (self.in_use > 0).all()):
-            raise ValueError("calibration state: speeds in use must be positive numbers")
+            raise ValueError(f"{where}: 'smoothed' and 'in_use', speeds for {self.world_size} ranks expected")
+
+        def speed(x: Any, what: str, none: bool) -> float:
+            if x is None and none:
+                return float("nan")
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not (0 < x < float("inf")):
+                raise ValueError(f"{where}: {what} must be a positive number, got {str(x)[:40]}")
+            return float(x)
+
+        return (np.asarray([speed(x, f"smoothed[{r}]", True) for r, x in enumerate(sm)], dtype=np.float64),
+                np.asarray([speed(x, f"in_use[{r}]", False) for r, x in enumerate(use)], dtype=np.float64))

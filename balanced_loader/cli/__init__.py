@@ -28,6 +28,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# each command's output options: option -> (file | folder, the files a folder output writes into it). Before a
+# command runs, each output is checked (outputs.files.check_output): never one of its inputs, never a device or a
+# link to one; a folder output the command made is removed again when it fails (outputs.files.undo_folders)
+OUTPUTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
+    "plan": {"out": ("file", ())},
+    "trace": {"out": ("file", ()), "png": ("file", ())},
+    "candidates": {"out": ("file", ())},
+    "waves": {"out": ("file", ())},
+    "compare": {"out": ("folder", ("compare.json", "rank_load.png", "step_times.png"))},
+    "analyze": {"out": ("folder", ("analyze.json", "histogram.png", "mixture.png"))},
+    "build-shards": {"out": ("folder", ())},
+}
+
+
 class UsageError(Exception):
     """A command-line mistake argparse found (bad option, bad number): one line, exit 2."""
 
@@ -78,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mod = importlib.import_module(f"balanced_loader.cli.{COMMANDS[args.command][0]}")
     try:
-        return int(mod.run(args) or 0)
+        with _checked_outputs(args):
+            return int(mod.run(args) or 0)
     except BrokenPipeError:
         return 0
     except (ValueError, OSError) as e:  # OSError: a file the user named (missing, a folder, exists, no access)
@@ -95,3 +110,37 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("balanced-loader: interrupted", file=sys.stderr)
         return 130
+
+
+def _paths(value: object) -> list[str]:
+    """The strings in an argument's value (lists and ``--mix`` tuples opened up)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in _paths(v)]
+    return []
+
+
+def _checked_outputs(args: argparse.Namespace):
+    """Check the command's outputs against its inputs (every other argument that names an existing path) and
+    against what may be replaced; the context undoes the folders a folder output made if the command fails."""
+    import contextlib
+    import os
+
+    from balanced_loader.outputs.files import check_output, undo_folders
+
+    outputs = {k: v for k, v in OUTPUTS.get(args.command, {}).items() if getattr(args, k, None)}
+    inputs = [p for k, v in vars(args).items() if k not in outputs and k != "command" for p in _paths(v)
+              if os.path.exists(p)]
+    seen: dict[str, str] = {}
+    stack = contextlib.ExitStack()
+    for opt, (kind, names) in outputs.items():
+        path, flag = getattr(args, opt), f"--{opt.replace('_', '-')}"
+        check_output(path, flag, inputs=inputs, folder=kind == "folder", names=names)
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ValueError(f"{flag} {path} is the same file as {seen[real]}; give each output its own path")
+        seen[real] = f"{flag} {path}"
+        if kind == "folder":
+            stack.enter_context(undo_folders(path))
+    return stack

@@ -78,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
     import json
     import os
 
-    import numpy as np
-
     from balanced_loader.cli import analysis as analyze
     from balanced_loader.cli import charts
     from balanced_loader.outputs.files import OutputSet, write_json
@@ -96,10 +94,7 @@ def run(args: argparse.Namespace) -> int:
     cost = load_cost(args.cost_file, preset, world_size=args.world_size or 64)
     cost_name = cost.name or args.cost_file
     if args.max_len is not None:
-        from balanced_loader.batches.items import to_items
-
-        items, _ = to_items(lengths, np.arange(len(lengths), dtype=np.int64), args.max_len, "split")
-        analyzed = items.lengths
+        analyzed = piece_lengths(lengths, args.max_len)
         what += f", docs split at {args.max_len:,} tokens"
     else:
         analyzed = lengths
@@ -138,6 +133,24 @@ def run(args: argparse.Namespace) -> int:
     print("  " + next_command(args, adv, cost_arg=(f"--cost-file {args.cost_file}" if args.cost_file
                                                  else f"--cost {preset}")))
     return 0
+
+
+MAX_PIECES = 1 << 27  # sequences analyze holds (8 bytes each: 1 GiB)
+
+
+def piece_lengths(lengths: Any, max_len: int) -> Any:
+    """``[pieces]`` the lengths of the sequences ``max_len`` cuts the docs into (full pieces first, then each
+    doc's remainder: the statistics do not depend on the order), one array; more than :data:`MAX_PIECES` is
+    one line (a doc of 2**40 tokens cut at 4,096 would be 2**28 sequences)."""
+    import numpy as np
+
+    ln = np.asarray(lengths, dtype=np.int64)  # [docs]
+    full, rest = ln // max_len, ln % max_len  # [docs] each
+    n = int(full.sum()) + int(np.count_nonzero(rest))
+    if n > MAX_PIECES:
+        raise ValueError(f"--max-seq-len {max_len:,} cuts these docs into {n:,} sequences, more than analyze holds "
+                         f"({MAX_PIECES:,}); raise --max-seq-len")
+    return np.concatenate([np.full(int(full.sum()), max_len, dtype=np.int64), rest[rest > 0]])
 
 
 def _steps(args: argparse.Namespace, paths: list[str], cost: Any) -> tuple[dict[str, Any], Any, int, str | None]:

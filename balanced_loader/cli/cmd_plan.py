@@ -95,7 +95,12 @@ def run(args: argparse.Namespace) -> int:
         mixture = [c.mixture_tokens for c in sb.cuts]
     else:
         batches, stats, what, num_docs = _batches(args)
-    if not batches:  # nothing to plan: one empty step
+    if num_docs and not any(len(b) for b in batches):  # docs given, none planned: an error, never an empty plan
+        raise ValueError(f"{what}: nothing to plan: none of its {num_docs:,} docs has a token to train on "
+                         f"(dropped {stats.dropped}, empty {stats.empty})"
+                         + ("; raise --max-seq-len or pass --long-docs split" if stats.dropped else "")
+                         + "; no plan was written")
+    if not batches:  # an input without docs: one empty step
         z = np.zeros(0, dtype=np.int64)
         batches = [BatchItems(doc_ids=z, starts=z, lengths=z)]
     steps = []
@@ -137,6 +142,11 @@ def _batches(args: argparse.Namespace):
     from balanced_loader.data.lengths import doc_line
 
     lengths, shard_bounds, what = _lengths(args)
+    if args.steps is None and args.global_batch_tokens is not None:  # the whole input: say how many steps
+        from balanced_loader.cli.streams import check_epoch_steps
+        from balanced_loader.data.lengths import sum_lengths
+
+        check_epoch_steps(sum_lengths(lengths) / args.global_batch_tokens, what)
     try:
         batches, stats = global_batches(lengths, max_seq_len=args.max_seq_len, long_docs=args.long_docs,
                                         global_batch_tokens=args.global_batch_tokens, shuffle=args.shuffle,

@@ -99,12 +99,43 @@ def run(args: argparse.Namespace) -> int:
 
 
 def validate_plan(plan, lengths, cost, path: str) -> None:
-    """Every step of a plan file against contract 1 and the cost model's caps (one line naming the file)."""
+    """Every step of a plan file against contract 1 and the cost model's caps (one line naming the file),
+    each against the sequences its segments show (:func:`step_sequences`)."""
     for sp in plan.steps:
         try:
-            sp.validate(lengths, cost)
+            sp.validate(step_sequences(sp, lengths), cost)
         except ValueError as e:
             raise ValueError(f"plan {path} fails validation: {e}") from None
+
+
+def step_sequences(sp, lengths):
+    """The sequences of step ``sp`` of a plan file as its segments show them (``BatchItems``): each doc's
+    segments in order, a run of adjacent ones one sequence. A plan file does not record where the loader
+    cut a doc longer than ``max_seq_len`` into pieces, and the pieces of one doc may be in different steps,
+    so a step is checked against these runs: no two segments overlap, and no run passes its doc's end in
+    ``lengths`` (indexed by doc_id); a piece left out of every step goes unnoticed."""
+    import numpy as np
+
+    from balanced_loader.plan import BatchItems
+
+    segs = sorted((d, a, k) for p in sp.pools for mb in p.microbatches for g in mb for d, a, k in g.segments)
+    runs: list[list[int]] = []  # [doc, start, length] each
+    for d, a, k in segs:
+        if k <= 0 or a < 0:
+            continue  # StepPlan.validate names the empty segment
+        if runs and runs[-1][0] == d and a < runs[-1][1] + runs[-1][2]:
+            raise ValueError(f"step {sp.step}: doc {d} segment at {a} overlaps token {runs[-1][1] + runs[-1][2]}")
+        if runs and runs[-1][0] == d and a == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += k
+        else:
+            runs.append([d, a, k])
+    for d, a, k in runs:
+        if d < 0 or d >= len(lengths):
+            raise ValueError(f"step {sp.step}: doc {d} is not in the length index")
+        if a + k > int(lengths[d]):
+            raise ValueError(f"step {sp.step}: doc {d} reaches token {a + k}, past its {int(lengths[d])} tokens")
+    arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3)  # [sequences, 3]: doc, start, length
+    return BatchItems(doc_ids=arr[:, 0], starts=arr[:, 1], lengths=arr[:, 2])
 
 
 def format_table(metrics, summary: dict, header: str = "", pools: bool = True) -> str:

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     from balanced_loader.cli.cmd_simulate import validate_plan
     from balanced_loader.diagnostics.trace import plan_trace, read_trace, save_trace
+    from balanced_loader.outputs.files import OutputSet
     from balanced_loader.plan import Plan, plan_lengths, read_plan_json
     from balanced_loader.presets import load_cost
 
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.plan} is a trace file already: give --png OUT.png to draw it (and no --out)")
         trace = read_trace(args.plan)
         _draw(trace, args.png, os.path.basename(args.plan))
+        print(f"wrote {args.png}")
         return 0
     if not (args.out or args.png):
         raise ValueError("nothing to write: give --out PLAN.trace.json and/or --png OUT.png")
@@ -78,15 +80,18 @@ def run(args: argparse.Namespace) -> int:
     meta = {"policy": plan.policy, "plan": args.plan, "cost": cost.name or args.cost_file,
             "steps": [sp.step for sp in steps]}
     trace = plan_trace(steps, cost, flows=not args.no_flows, meta=meta)
-    if args.out:
-        save_trace(args.out, trace)
+    with OutputSet() as outs:  # the trace and its chart: both or neither (a full disk on the PNG keeps no JSON)
+        if args.out:
+            save_trace(outs.path(args.out), trace)
+        if args.png:
+            _draw(trace, outs.path(args.png), f"{os.path.basename(args.plan)}: {plan.policy}, {plan.world_size} "
+                                              f"ranks, cost {cost.name or args.cost_file} (modeled)")
     n = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")
     total = sum(e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "step") / 1e3
     print(f"plan {args.plan}: policy {plan.policy}, {plan.world_size} ranks, {len(steps)} step(s), "
           f"{total:,.1f} ms modeled; {n:,} slices" + (f"; wrote {args.out}" if args.out else ""))
     if args.png:
-        _draw(trace, args.png, f"{os.path.basename(args.plan)}: {plan.policy}, {plan.world_size} ranks, "
-                               f"cost {cost.name or args.cost_file} (modeled)")
+        print(f"wrote {args.png}")
     return 0
 
 
@@ -94,7 +99,6 @@ def _draw(trace: dict, path: str, title: str) -> None:
     from balanced_loader.cli.charts import trace_gantt
 
     trace_gantt(trace, path, title=title)
-    print(f"wrote {path}")
 
 
 def _ranges(xs: list[int]) -> str:

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from balanced_loader.cli import charts
     from balanced_loader.cli.analysis import format_steps, length_stats, step_report
     from balanced_loader.cli.streams import stream_batches
-    from balanced_loader.outputs.files import write_json
+    from balanced_loader.outputs.files import OutputSet, write_json
 
     ns = argparse.Namespace(mix=args.mix, mix_by=args.mix_by, cache_dir=args.cache_dir, lengths=None, source=None,
                             global_batch_tokens=args.global_batch_tokens, seed=args.seed, shuffle=args.shuffle,
@@ -70,18 +70,19 @@ def run(args: argparse.Namespace) -> int:
         sources.append({"name": n, "description": s.describe(), "stats": st,
                         "weight": steps[0]["weights"][n], "share": totals[n] / grand})
     os.makedirs(args.out, exist_ok=True)
-    png = charts.mixture_shares(lengths, {n: [s["shares"][n] for s in steps] for n in names},
-                                {n: [s["weights"][n] for s in steps] for n in names},
-                                os.path.join(args.out, "mixture.png"), unit=unit,
-                                title=f"Mixture of {len(names)} sources by {unit}: {len(steps)} steps")
+    png, jpath = os.path.join(args.out, "mixture.png"), os.path.join(args.out, "analyze.json")
     sizes = step_report(sb.batches, budgets=sb.budgets, limits=sb.limits, mixture=[c.mixture_tokens for c in sb.cuts],
                         finite=False)
-    charts.step_sizes({n: [c.mixture_tokens[n] for c in sb.cuts] for n in names}, sb.budgets, sb.limits,
-                      os.path.join(args.out, "steps.png"), title=f"Tokens per step by source ({len(sb.cuts)} steps)")
     report = {"mixture": {"by": unit, "weights": src.weights.to_json(), "sources": sources, "steps": steps},
               "description": src.describe(), "chart": png, "step_sizes": sizes}
-    jpath = os.path.join(args.out, "analyze.json")
-    write_json(jpath, report, indent=1)
+    with OutputSet(args.out) as outs:  # the charts and the JSON replace the folder's old set together
+        charts.mixture_shares(lengths, {n: [s["shares"][n] for s in steps] for n in names},
+                              {n: [s["weights"][n] for s in steps] for n in names},
+                              outs.path("mixture.png"), unit=unit,
+                              title=f"Mixture of {len(names)} sources by {unit}: {len(steps)} steps")
+        charts.step_sizes({n: [c.mixture_tokens[n] for c in sb.cuts] for n in names}, sb.budgets, sb.limits,
+                          outs.path("steps.png"), title=f"Tokens per step by source ({len(sb.cuts)} steps)")
+        write_json(outs.path("analyze.json"), report, indent=1)
     if args.json:
         print(json.dumps(report))
         return 0

@@ -18,6 +18,7 @@ MAX_TOKENS = 1 << 40  # tokens of a doc, a sequence or a global batch
 MAX_COUNT = 1 << 30  # steps, docs per shard, list lengths
 MAX_SECONDS = 1e6  # solver time limits
 MAX_SEED = (1 << 63) - 1
+MAX_PLAN_STEPS = 10_000  # steps `plan` makes without --steps (more: asked for with --steps K)
 
 
 def int_in(lo: int, hi: int) -> Callable[[str], int]:

@@ -78,19 +78,57 @@ class StreamBatches:
         return out
 
 
+def epoch_estimate(source: Any, budget: Any) -> float:
+    """About how many steps the first epoch of ``source`` (a mixture at its weights, or one source) takes
+    under the ``budget`` schedule (:func:`balanced_loader.schedule.epoch_steps`)."""
+    from balanced_loader.data.mixture import MixtureSource
+    from balanced_loader.schedule import epoch_steps, weight_schedule
+
+    if isinstance(source, MixtureSource):
+        parts, weights, by = source.sources, source.weights, source.by
+    else:
+        parts, weights, by = (source,), weight_schedule({"data": 1.0}, ["data"]), "tokens"
+    tokens = [float(s.num_tokens) for s in parts]
+    if by == "docs":  # a step holds about budget / (mean doc tokens) docs
+        docs = [float(s.num_docs) for s in parts]
+        unit = sum(w * t / max(d, 1.0) for w, t, d in zip(weights.at(0), tokens, docs)) or 1.0
+        return epoch_steps(docs, weights, budget, unit=unit)
+    return epoch_steps(tokens, weights, budget)
+
+
+def check_epoch_steps(estimate: float, what: str) -> None:
+    """``plan`` without ``--steps`` plans the first epoch: say how many steps that is (stderr), and refuse more
+    than :data:`~balanced_loader.cli.options.MAX_PLAN_STEPS` in one line that names ``--steps``."""
+    import sys
+
+    from balanced_loader.cli.options import MAX_PLAN_STEPS
+
+    if estimate > MAX_PLAN_STEPS:
+        shown = f"{estimate:,.0f}" if estimate < 1e15 else f"{estimate:.3g}"
+        raise ValueError(f"{what}: without --steps, plan covers the first epoch, about {shown} steps, more than the "
+                         f"{MAX_PLAN_STEPS:,} it plans unasked; pass --steps K (e.g. --steps 100)")
+    print(f"note: no --steps: planning the first epoch, about {estimate:,.0f} step(s)", file=sys.stderr)
+
+
 def stream_batches(args: argparse.Namespace, *, max_seq_len: Any, steps: int | None) -> StreamBatches:
-    """The first ``steps`` global batches (None: to the end of the first epoch) of ``args``'s input."""
+    """The first ``steps`` global batches (None: to the end of the first epoch, stated and bounded by
+    :func:`check_epoch_steps`) of ``args``'s input. A mixture share under one token of a step is refused."""
     from balanced_loader.batches.stream import stream_for
-    from balanced_loader.schedule import schedule
+    from balanced_loader.data.mixture import MixtureSource
+    from balanced_loader.schedule import check_shares, schedule
 
     if args.global_batch_tokens is None:
         raise ValueError("a mixture (--mix) or a schedule is cut into steps: give --global-batch-tokens N "
                          "(or a schedule N@STEP,...)")
     source = open_input(args)
     limit = None if max_seq_len is None else schedule(max_seq_len, "--max-seq-len")
+    budget = schedule(args.global_batch_tokens, "--global-batch-tokens")
+    if isinstance(source, MixtureSource):
+        check_shares(source.weights, budget, where="--mix weights")
+    if steps is None:
+        check_epoch_steps(epoch_estimate(source, budget), source.describe())
     stream = stream_for(source, seed=args.seed, shuffle=args.shuffle, window=args.shuffle_window, max_seq_len=limit,
-                        global_batch_tokens=schedule(args.global_batch_tokens, "--global-batch-tokens"),
-                        long_docs=args.long_docs, epochs=1 if steps is None else None)
+                        global_batch_tokens=budget, long_docs=args.long_docs, epochs=1 if steps is None else None)
     cuts, cur = [], stream.epoch_start(0)
     while steps is None or len(cuts) < steps:
         try:

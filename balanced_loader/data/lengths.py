@@ -9,6 +9,7 @@ import gzip
 import io
 import mmap
 import os
+import re
 import warnings
 import zlib
 from typing import Any
@@ -28,9 +29,11 @@ def read_lengths(path: str | os.PathLike[str], *, check: bool = True) -> np.ndar
     ``.npy``: a 1-D integer array (or floats with integer values); int64 is memory-mapped
     (read-only; ``check=False`` leaves its values to be checked where they are read, as batching
     does, since a full check touches every page), other dtypes are converted. Anything else is text:
-    one integer per line, blank lines and ``#`` comments ignored; a name ending in ``.gz``
-    is gunzipped first. Lengths must be non-negative (0 marks an empty doc, which batching
-    skips); whether they must be positive is the caller's rule.
+    one integer per line (doc id = its line among the lengths), ``#`` comments ignored; a blank line
+    before a later length is an error naming it (it would shift the ids of every doc below it: an
+    empty doc is written ``0``); a name ending in ``.gz`` is gunzipped first. Lengths must be
+    non-negative (0 marks an empty doc, which batching skips); whether they must be positive is the
+    caller's rule.
     """
     p = os.fspath(path)
     if not os.path.exists(p):
@@ -132,6 +135,7 @@ def _read_text(p: str) -> np.ndarray:
     twice the result plus one block, never the whole file as a string."""
     parts: list[np.ndarray] = []
     lines = 0  # lines before the current block
+    blank: int | None = None  # a blank line no length has followed yet (fine at the end of the file)
     try:
         with (gzip.open(p, "rb") if p.endswith(".gz") else open(p, "rb")) as f:
             rest = b""
@@ -147,6 +151,7 @@ def _read_text(p: str) -> np.ndarray:
                     continue
                 block, rest = data[:cut], data[cut:]
                 if block:
+                    blank = _check_blank(p, block, lines, blank)
                     parts.append(_parse_block(p, block, lines))
                     lines += block.count(b"\n")
                 if not chunk:
@@ -157,6 +162,35 @@ def _read_text(p: str) -> np.ndarray:
     if not parts:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+_BLANK_LINE = re.compile(rb"(?:^|\n)[ \t\r]*(?=\n)")  # a line of nothing but spaces, ended by its newline
+_LENGTH_LINE = re.compile(rb"(?m)^[ \t\r]*[^#\s]")  # a line with something that is not a comment
+
+
+def _check_blank(p: str, block: bytes, first_line: int, pending: int | None) -> int | None:
+    """The line of a blank line no length has followed yet (``pending``: one from an earlier block);
+    ValueError naming the blank line as soon as a length follows one. Why: doc ids are lines among the
+    lengths, so skipping a blank line would silently give every doc below it its neighbour's id."""
+    if pending is None and not (b"\n\n" in block or block.startswith(b"\n")
+                                or any(c in block for c in (b" ", b"\t", b"\r"))):
+        return None
+    if pending is not None and _LENGTH_LINE.search(block):
+        raise _blank_error(p, pending)
+    if pending is None:
+        m = _BLANK_LINE.search(block)
+        if m is None:
+            return None
+        pending = first_line + block.count(b"\n", 0, m.end()) + 1
+        if _LENGTH_LINE.search(block, m.end()):
+            raise _blank_error(p, pending)
+    return pending
+
+
+def _blank_error(p: str, line: int) -> ValueError:
+    return ValueError(f"length file {p}, line {line} is blank: every line gives one doc's length (doc id = its "
+                      f"line among the lengths), so a skipped line would shift the ids of every doc below it; "
+                      f"write 0 for an empty doc or remove the line")
 
 
 def _parse_block(p: str, block: bytes, first_line: int) -> np.ndarray:

@@ -195,11 +195,13 @@ class _Part:
         if not self.store.exists(name):
             return None
         import io
+        import tokenize
 
         where = self.store.path(name)
         try:
             arr = np.load(io.BytesIO(self.store.fetch(name)), allow_pickle=False)
-        except (OSError, ValueError) as e:
+        # a damaged .npy header fails in numpy's header parser: tokenize / literal_eval errors, not only ValueError
+        except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError, KeyError, TypeError) as e:
             raise ValueError(f"checksum file {where} cannot be read ({e}); rewrite it ({CHECKSUM_HINT})") from None
         if arr.dtype != np.uint32 or arr.shape != (self.header.sequences,):
             raise ValueError(f"checksum file {where} holds {arr.shape} {arr.dtype}, not one uint32 per sequence of "

@@ -48,6 +48,7 @@ import numpy as np
 
 from balanced_loader.cost import CostModel, ShapeCost, floor_level
 from balanced_loader.plan import Group, StepPlan
+from balanced_loader.schedule import MAX_TOKENS
 
 DEFAULT_COST = "hydra-gpt7b-a100"  # FlexSP GPT-7B on A100 coefficients, its cap replaced by max_seq_len_per_rank
 ESCALATE = 2  # a sample may take a block up to 2**ESCALATE times its target degree
@@ -70,14 +71,28 @@ def allowed_block(first: int, size: int, world_size: int) -> bool:
 
 def _normalize(sample_id_seqlens: Any) -> tuple[list[Any], np.ndarray]:
     """``(ids, [n] int64 lengths)`` of ``[(id, seqlen), ...]`` (ints, numpy or torch scalars)."""
+    import operator
+
     ids, lens = [], []
-    for k, pair in enumerate(sample_id_seqlens):
+    try:
+        pairs = list(sample_id_seqlens)
+    except TypeError:
+        raise ValueError(f"sample_id_seqlens must be a list of (sample id, sequence length) pairs, got "
+                         f"{type(sample_id_seqlens).__name__}") from None
+    if not pairs:
+        raise ValueError("sample_id_seqlens is empty: a step needs at least one sample")
+    for k, pair in enumerate(pairs):
         try:
             sid, s = pair
-            s = int(s)
+            if isinstance(s, (bool, np.bool_, str, bytes)):
+                raise TypeError
+            s = operator.index(s)  # an integer (int, numpy or torch integer scalar): 1.5 or "10" is not a length
             sid = int(sid) if not isinstance(sid, (str, bytes)) else sid
         except (TypeError, ValueError):
-            raise ValueError(f"sample_id_seqlens[{k}] is {pair!r}, not a (sample id, sequence length) pair") from None
+            raise ValueError(f"sample_id_seqlens[{k}] is {pair!r}, not a (sample id, sequence length) pair of "
+                             f"integers") from None
+        if s > MAX_TOKENS:
+            raise ValueError(f"sample {sid} has length {s}, over {MAX_TOKENS:,} tokens")
         if s <= 0:
             raise ValueError(f"sample {sid} has length {s}; every sub-sample must have tokens (Megatron's "
                              f"HybridCPDataLoaderWrapper drops empty ones)")

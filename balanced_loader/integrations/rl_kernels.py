@@ -7,9 +7,18 @@
 * :func:`microbatch_kernel`: each rank's items into microbatches under a token cap:
   first-fit-decreasing to find the counts, then (with equal counts, the largest count on every
   rank) longest first into the microbatch of least work with room.
+* :func:`lpt_kernel`: heaviest first onto the least loaded rank (the exchanges' first start).
 
 :func:`balance_kernel` chains them (one call, no Python between the steps); the tests compare every
 kernel with its ``*_reference`` on random inputs, and ``balance_kernel`` with the chain of those.
+
+**Cost.** Near-linear in the rollouts and the ranks, so 10^7 rollouts or 10^5 ranks plan in
+seconds (``docs/results/reliability3.md``): binary heaps of (load, rank) instead of scans over the
+ranks (LPT, and each exchange round's heaviest and next lightest rank); each rank's members in a
+growable flat pool (memory ``O(n + rounds)``, never ``ranks x (items + rounds)``); first-fit as
+a descent of a max segment tree over a rank's bins; "least work with room" as a heap of the bins
+with room for the current item (items come longest first, so a bin with room stays eligible) and
+a heap by room of the others. Every choice and tie is the reference's.
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from balanced_loader.integrations.rl_kk import grouped_kk_kernel
-from balanced_loader.planning.kernels.order import argsort_stable, order_desc
-from balanced_loader.planning.kernels.place import block_place_kernel
+from balanced_loader.integrations.rl_heaps import heap_pop, heap_push, pop2, push2, sift_down2
+from balanced_loader.integrations.rl_kk import grouped_kk_kernel, sort_order
+from balanced_loader.planning.kernels.order import order_desc
+
+SCAN_RANKS = 256  # up to this many ranks an exchange round scans them (heaps beyond: O(log k) a step)
 
 # ------------------------------------------------------------------------------------------
 # pairwise exchange
@@ -35,39 +46,46 @@ from balanced_loader.planning.kernels.place import block_place_kernel
 
 
 @njit(cache=True)
-def _best_exchange(work, items_h, items_l, sorted_l, gap):
-    """(score, i, j) of the best move (j = -1) or swap; score = |d - gap/2|, inf when none."""
+def _lower_bound(ws, m, want):
+    """First position of the ascending ``ws[:m]`` with a value >= ``want`` (``m`` when none)."""
+    lo, hi = 0, m
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ws[mid] < want:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True)
+def _best_exchange(items_h, wh, js, ws, gap):
+    """(score, i, j) of the best move (j = -1) or swap; score = |d - gap/2|, inf when none. ``items_h`` (ascending)
+    and ``wh``: the heavy rank's items and their works; ``js`` and ``ws``: the light rank's items sorted by work
+    (ties by item) and their works (contiguous: the binary searches read no scattered memory)."""
     half = gap / 2.0
     best = np.inf
     bi = -1
     bj = -1
     for t in range(items_h.shape[0]):  # moves (items_h ascending: the first of equal scores is the lowest i)
-        i = items_h[t]
-        d = work[i]
+        d = wh[t]
         if 0.0 < d < gap:
             s = abs(d - half)
             if s < best:
-                best, bi, bj = s, i, -1
-    m = sorted_l.shape[0]
+                best, bi, bj = s, items_h[t], -1
+    m = js.shape[0]
     for t in range(items_h.shape[0]):  # swaps: for item i, the j of l with w_j nearest w_i - gap/2
         i = items_h[t]
-        want = work[i] - half
-        lo, hi = 0, m
-        while lo < hi:  # first position with work >= want
-            mid = (lo + hi) // 2
-            if work[items_l[sorted_l[mid]]] < want:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = _lower_bound(ws, m, wh[t] - half)  # first position with work >= want
         below = lo - 1
         # why: equal works sort by index, and a tie goes to the lower j: take the first of the run below
-        while below > 0 and work[items_l[sorted_l[below - 1]]] == work[items_l[sorted_l[below]]]:
-            below -= 1
+        if below > 0 and ws[below - 1] == ws[below]:
+            below = _lower_bound(ws, below, ws[below])
         for p in (below, lo):
             if p < 0 or p >= m:
                 continue
-            j = items_l[sorted_l[p]]
-            d = work[i] - work[j]
+            j = js[p]
+            d = wh[t] - ws[p]
             if 0.0 < d < gap:
                 s = abs(d - half)
                 if s < best or (s == best and bj >= 0 and (i < bi or (i == bi and j < bj))):
@@ -76,27 +94,40 @@ def _best_exchange(work, items_h, items_l, sorted_l, gap):
 
 
 @njit(cache=True)
-def _drop(members, count, r, item):
+def _drop(pool, mstart, mcount, r, item):
     """Remove ``item`` from rank ``r``'s member list, keeping the list ascending."""
-    c = count[r]
+    a = mstart[r]
+    c = mcount[r]
     p = 0
-    while members[r, p] != item:
+    while pool[a + p] != item:
         p += 1
     for q in range(p, c - 1):
-        members[r, q] = members[r, q + 1]
-    count[r] = c - 1
+        pool[a + q] = pool[a + q + 1]
+    mcount[r] = c - 1
 
 
 @njit(cache=True)
-def _add(members, count, r, item):
-    """Insert ``item`` into rank ``r``'s ascending member list."""
-    c = count[r]
+def _add(pool, end, mstart, mcap, mcount, r, item):
+    """Insert ``item`` into rank ``r``'s ascending member list; a full list moves to the pool's end with twice
+    the room (the pool doubles when that runs out). Returns ``(pool, end)``."""
+    c = mcount[r]
+    if c == mcap[r]:
+        want = 2 * mcap[r] + 4
+        if end + want > pool.shape[0]:
+            bigger = np.empty(max(2 * pool.shape[0], end + want), np.int64)
+            bigger[:end] = pool[:end]
+            pool = bigger
+        pool[end:end + c] = pool[mstart[r]:mstart[r] + c]
+        mstart[r], mcap[r] = end, want
+        end += want
+    a = mstart[r]
     p = c
-    while p > 0 and members[r, p - 1] > item:
-        members[r, p] = members[r, p - 1]
+    while p > 0 and pool[a + p - 1] > item:
+        pool[a + p] = pool[a + p - 1]
         p -= 1
-    members[r, p] = item
-    count[r] = c + 1
+    pool[a + p] = item
+    mcount[r] = c + 1
+    return pool, end
 
 
 @njit(cache=True)
@@ -105,65 +136,128 @@ def exchange_kernel(work, part, k, max_rounds):
     n = work.shape[0]
     part = part.copy()
     load = np.zeros(k)
-    count = np.zeros(k, np.int64)
+    mcount = np.zeros(k, np.int64)
     for i in range(n):
         load[part[i]] += work[i]
-        count[part[i]] += 1
-    # why member lists: a round looks at two ranks' items, O(n / k) each, instead of scanning all n;
-    # a round moves at most one item onto a rank, so rows of the largest count + max_rounds never overflow
-    width = min(n, count.max() + max(max_rounds, 0))
-    members = np.empty((k, width), np.int64)  # [k][width] each rank's items, ascending (the first count[r])
-    fill = np.zeros(k, np.int64)
+        mcount[part[i]] += 1
+    # each rank's members, ascending, in a flat pool (a round looks at two ranks' items, O(n / k) each)
+    mcap = mcount + 2
+    mstart = np.zeros(k, np.int64)
+    for r in range(1, k):
+        mstart[r] = mstart[r - 1] + mcap[r - 1]
+    end = mstart[k - 1] + mcap[k - 1] if k > 0 else 0
+    pool = np.empty(max(end, 1), np.int64)
+    fill = mstart.copy()
     for i in range(n):
         r = part[i]
-        members[r, fill[r]] = i
+        pool[fill[r]] = i
         fill[r] += 1
-    wl = np.empty(n)
-    tried = np.zeros(k, np.bool_)
+    # the heaviest rank and the lighter ones in ascending order: scans over the ranks when they are few (cheaper
+    # than heaps there), else heaps of (load, rank) with a version per rank (an entry whose version is old is
+    # stale): the heaviest (key -load: ties to the lower index) and the lightest (key load)
+    scan = k <= SCAN_RANKS
+    ver = np.zeros(k, np.int64)
+    room = 1 if scan else k + 2 * max(max_rounds, 0) + 2
+    xk, xi, xv = np.empty(room), np.empty(room, np.int64), np.empty(room, np.int64)
+    nk_, ni, nv = np.empty(room), np.empty(room, np.int64), np.empty(room, np.int64)
+    xs = 0
+    ns = 0
+    if not scan:
+        for r in range(k):
+            xs = heap_push(xk, xi, xv, xs, -load[r], r, 0)
+            ns = heap_push(nk_, ni, nv, ns, load[r], r, 0)
+    tried = np.zeros(k if scan else 1, np.bool_)
+    held_k = np.empty(1 if scan else k)  # entries popped from the light heap during a round, pushed back after it
+    held_i = np.empty(1 if scan else k, np.int64)
+    held_v = np.empty(1 if scan else k, np.int64)
+    wl = np.empty(max(n, 1))
+    js = np.empty(max(n, 1), np.int64)
+    ws = np.empty(max(n, 1))
     rounds = 0
     while rounds < max_rounds:
-        h = 0
-        for r in range(1, k):
-            if load[r] > load[h]:
-                h = r
-        items_h = members[h, :count[h]].copy()
-        tried[:] = False
-        tried[h] = True
+        if scan:
+            h = 0
+            for r in range(1, k):
+                if load[r] > load[h]:
+                    h = r
+            tried[:] = False
+            tried[h] = True
+        else:
+            while xv[0] != ver[xi[0]]:
+                xs = heap_pop(xk, xi, xv, xs)
+            h = xi[0]
+        items_h = pool[mstart[h]:mstart[h] + mcount[h]].copy()
+        wh = np.empty(items_h.shape[0])
+        for t in range(items_h.shape[0]):
+            wh[t] = work[items_h[t]]
         done = False
-        for _ in range(k - 1):
-            # the next lightest untried rank (ties: lower index); usually the first one takes an exchange,
-            # so this beats sorting all k loads every round
-            lr = -1
-            for r in range(k):
-                if not tried[r] and (lr < 0 or load[r] < load[lr]):
-                    lr = r
-            tried[lr] = True
+        nh = 0
+        while True:
+            # the next lightest rank (ties: lower index); usually the first one takes an exchange
+            if scan:
+                lr = -1
+                for r in range(k):
+                    if not tried[r] and (lr < 0 or load[r] < load[lr]):
+                        lr = r
+                if lr < 0:
+                    break
+                tried[lr] = True
+            else:
+                if ns == 0:
+                    break
+                ek, ei, ev = nk_[0], ni[0], nv[0]
+                ns = heap_pop(nk_, ni, nv, ns)
+                if ev != ver[ei]:
+                    continue
+                held_k[nh], held_i[nh], held_v[nh] = ek, ei, ev
+                nh += 1
+                lr = ei
+                if lr == h:
+                    continue
             if not load[lr] < load[h]:
                 break
             gap = load[h] - load[lr]
-            nl = count[lr]
-            items_l = members[lr, :nl]
+            nl = mcount[lr]
+            items_l = pool[mstart[lr]:mstart[lr] + nl]
             for p in range(nl):
                 wl[p] = work[items_l[p]]
-            sorted_l = argsort_stable(wl[:nl])
-            _, bi, bj = _best_exchange(work, items_h, items_l, sorted_l, gap)
+            sorted_l = sort_order(wl[:nl], False)  # ascending, ties by position (= by item: the list is ascending)
+            for p in range(nl):
+                js[p] = items_l[sorted_l[p]]
+                ws[p] = wl[sorted_l[p]]
+            _, bi, bj = _best_exchange(items_h, wh, js[:nl], ws[:nl], gap)
             if bi < 0:
                 continue
             d = work[bi] - (work[bj] if bj >= 0 else 0.0)
             part[bi] = lr
-            _drop(members, count, h, bi)
-            _add(members, count, lr, bi)
+            _drop(pool, mstart, mcount, h, bi)
+            pool, end = _add(pool, end, mstart, mcap, mcount, lr, bi)
             if bj >= 0:
                 part[bj] = h
-                _drop(members, count, lr, bj)
-                _add(members, count, h, bj)
+                _drop(pool, mstart, mcount, lr, bj)
+                pool, end = _add(pool, end, mstart, mcap, mcount, h, bj)
             load[h] -= d
             load[lr] += d
+            if not scan:
+                for r in (h, lr):
+                    ver[r] += 1
+                    xs = heap_push(xk, xi, xv, xs, -load[r], r, ver[r])
+                    ns = heap_push(nk_, ni, nv, ns, load[r], r, ver[r])
             done = True
             break
+        for t in range(nh):  # the rest keep their place (those of h and lr are stale now)
+            if held_v[t] == ver[held_i[t]]:
+                ns = heap_push(nk_, ni, nv, ns, held_k[t], held_i[t], held_v[t])
         rounds += 1
         if not done:
             break
+        if not scan and (xs > room - 4 or ns > room - 4):  # compact: rebuild both heaps from the current loads
+            xs = 0
+            ns = 0
+            for r in range(k):
+                ver[r] += 1
+                xs = heap_push(xk, xi, xv, xs, -load[r], r, ver[r])
+                ns = heap_push(nk_, ni, nv, ns, load[r], r, ver[r])
     return part, load, rounds
 
 
@@ -221,78 +315,161 @@ def microbatch_kernel(lengths, work, part, k, cap, equal_counts):
     item goes to its rank's microbatch of least work (ties: lower index) with room. A rank where
     that runs out of room keeps its FFD microbatches (``f_r`` <= its count) and fills the empty ones
     by moving the longest item of the microbatch with the most items (ties: lower index) while it
-    has two or more.
+    has two or more. (How it is fast: the module docstring; ranks are independent, so each is done
+    whole before the next, its tree and heaps warm in the cache.)
     """
     n = lengths.shape[0]
     order = order_desc(lengths)  # [n]
-    per = np.zeros(k, np.int64)
+    # each rank's items in the longest-first order, rank after rank (a counting sort by rank)
+    rstart = np.zeros(k + 1, np.int64)
     for i in range(n):
-        per[part[i]] += 1
-    width = 1
+        rstart[part[i] + 1] += 1
     for r in range(k):
-        width = max(width, per[r])
-    room = np.full((k, width), cap, np.int64)  # [k][width] FFD rooms
-    ffd = np.empty(n, np.int64)
-    used = np.zeros(k, np.int64)
+        rstart[r + 1] += rstart[r]
+    seq = np.empty(n, np.int64)
+    fill = rstart[:-1].copy()
     for t in range(n):
         i = order[t]
-        r = part[i]
-        b = 0
-        while b < used[r] and room[r, b] < lengths[i]:
-            b += 1
-        if b == used[r]:
-            used[r] += 1
-        room[r, b] -= lengths[i]
-        ffd[i] = b
+        seq[fill[part[i]]] = i
+        fill[part[i]] += 1
+    # first fit: a max segment tree over the rank's bins (a new bin has room cap, so the leftmost bin with
+    # room is an open one or the first unopened); First Fit leaves at most one bin half full or less, so a
+    # rank of T tokens opens at most 2 T / cap + 1 bins: the tree needs no more leaves
+    ffd = np.empty(n, np.int64)
+    used = np.zeros(k, np.int64)
+    tree = np.empty(2, np.int64)
+    for r in range(k):
+        a, b = rstart[r], rstart[r + 1]
+        if a == b:
+            continue
+        tokens = 0
+        for t in range(a, b):
+            tokens += lengths[seq[t]]
+        bins = min(b - a, 2 * ((tokens + cap - 1) // cap) + 1)
+        sz = 1
+        while sz < bins:
+            sz *= 2
+        if tree.shape[0] < 2 * sz:
+            tree = np.empty(2 * sz, np.int64)
+        tree[:2 * sz] = cap
+        for t in range(a, b):
+            i = seq[t]
+            s = lengths[i]
+            node = 1
+            while node < sz:  # the leftmost child with room (branch-free: the direction is unpredictable)
+                node = 2 * node + (tree[2 * node] < s)
+            tree[node] -= s
+            ffd[i] = node - sz
+            node >>= 1
+            while node >= 1:  # up while the maximum changes
+                v = max(tree[2 * node], tree[2 * node + 1])
+                if tree[node] == v:
+                    break
+                tree[node] = v
+                node >>= 1
+            if ffd[i] + 1 > used[r]:
+                used[r] = ffd[i] + 1
     counts = np.empty(k, np.int64)
     top = 1
     for r in range(k):
         top = max(top, used[r])
     for r in range(k):
         counts[r] = top if equal_counts else max(used[r], 1)
-    load = np.zeros((k, top))
-    room2 = np.full((k, top), cap, np.int64)
+    # least work with room: a min-heap (load, bin) of the bins with room for the current item and a heap
+    # (-room, bin) of the others (items come longest first, so a bin with room keeps it for the next)
+    width = 1
+    for r in range(k):
+        width = max(width, counts[r])
+    load = np.empty(width)
+    room = np.empty(width, np.int64)
+    ehk, ehi = np.empty(width), np.empty(width, np.int64)
+    ihk, ihi = np.empty(width), np.empty(width, np.int64)
     mb = np.empty(n, np.int64)
     failed = np.zeros(k, np.bool_)
+    for r in range(k):
+        c = counts[r]
+        for b in range(c):  # every bin empty: load 0, in index order (already a heap)
+            load[b], room[b] = 0.0, cap
+            ehk[b], ehi[b] = 0.0, b
+        esz, isz = c, 0
+        for t in range(rstart[r], rstart[r + 1]):
+            i = seq[t]
+            s = lengths[i]
+            while isz > 0 and -ihk[0] >= s:  # bins with room again for this (shorter) item
+                b = ihi[0]
+                isz = pop2(ihk, ihi, isz)
+                esz = push2(ehk, ehi, esz, load[b], b)
+            if esz == 0:
+                failed[r] = True
+                break
+            best = ehi[0]
+            mb[i] = best
+            load[best] += work[i]
+            room[best] -= s
+            if room[best] >= s:  # still eligible: its key grew, sift it down from the top
+                sift_down2(ehk, ehi, esz, 0, load[best], best)
+            else:
+                esz = pop2(ehk, ehi, esz)
+                isz = push2(ihk, ihi, isz, -float(room[best]), best)
+    if failed.any():
+        coff = np.zeros(k + 1, np.int64)
+        for r in range(k):
+            coff[r + 1] = coff[r] + counts[r]
+        _fill_failed(lengths, part, order, ffd, used, counts, coff, failed, mb)
+    return mb, counts
+
+
+@njit(cache=True)
+def _fill_failed(lengths, part, order, ffd, used, counts, coff, failed, mb):
+    """The fallback of :func:`microbatch_kernel` for the ranks in ``failed``: FFD bins, then each empty bin
+    takes the longest item of the bin with the most items (ties: lower index) while that has two or more.
+    Per bin its items longest first (a bucket list), the bins by (most items, lower index) in a heap."""
+    n = lengths.shape[0]
+    slots = coff[-1]
+    sizes = np.zeros(slots, np.int64)
     for t in range(n):
         i = order[t]
         r = part[i]
         if failed[r]:
-            continue
-        best = -1
-        for b in range(counts[r]):
-            if room2[r, b] >= lengths[i] and (best < 0 or load[r, b] < load[r, best]):
-                best = b
-        if best < 0:
-            failed[r] = True
-            continue
-        mb[i] = best
-        load[r, best] += work[i]
-        room2[r, best] -= lengths[i]
-    for r in range(k):
+            mb[i] = ffd[i]
+            sizes[coff[r] + ffd[i]] += 1
+    start = np.zeros(slots + 1, np.int64)  # bucket of each bin: its items in the longest-first order
+    for b in range(slots):
+        start[b + 1] = start[b] + sizes[b]
+    items = np.empty(start[slots], np.int64)
+    fill = start[:-1].copy()
+    for t in range(n):
+        i = order[t]
+        r = part[i]
+        if failed[r]:
+            items[fill[coff[r] + ffd[i]]] = i
+            fill[coff[r] + ffd[i]] += 1
+    head = start[:-1].copy()
+    for r in range(failed.shape[0]):
         if not failed[r]:
             continue
-        sizes = np.zeros(counts[r], np.int64)
-        for t in range(n):
-            i = order[t]
-            if part[i] == r:
-                mb[i] = ffd[i]
-                sizes[ffd[i]] += 1
-        for b in range(used[r], counts[r]):
-            donor = 0
-            for c in range(counts[r]):
-                if sizes[c] > sizes[donor]:
-                    donor = c
-            if sizes[donor] < 2:
+        o, c = coff[r], counts[r]
+        hk, hi, hv = np.empty(c + used[r] + 1), np.empty(c + used[r] + 1, np.int64), \
+            np.empty(c + used[r] + 1, np.int64)
+        size = 0
+        ver = np.zeros(c, np.int64)
+        for b in range(used[r]):
+            size = heap_push(hk, hi, hv, size, -float(sizes[o + b]), b, 0)
+        for b in range(used[r], c):
+            while size > 0 and hv[0] != ver[hi[0]]:
+                size = heap_pop(hk, hi, hv, size)
+            if size == 0:
                 break
-            for t in range(n):  # the donor's longest item: the first of it in the longest-first order
-                i = order[t]
-                if part[i] == r and mb[i] == donor:
-                    mb[i] = b
-                    sizes[donor] -= 1
-                    sizes[b] += 1
-                    break
-    return mb, counts
+            donor = hi[0]
+            if sizes[o + donor] < 2:
+                break
+            i = items[head[o + donor]]  # the donor's longest item
+            head[o + donor] += 1
+            mb[i] = b
+            sizes[o + donor] -= 1
+            sizes[o + b] += 1
+            ver[donor] += 1
+            size = heap_push(hk, hi, hv, size, -float(sizes[o + donor]), donor, ver[donor])
 
 
 def microbatch_reference(lengths, work, part, k: int, cap: int, equal_counts: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -347,14 +524,35 @@ def microbatch_reference(lengths, work, part, k: int, cap: int, equal_counts: bo
 
 
 @njit(cache=True)
+def lpt_kernel(work, k):
+    """Rank of every item ``[n]``: heaviest first (ties: lower index) onto the least loaded of ``k`` ranks (ties:
+    lower index), as ``planning.packing.lpt`` on one-lane blocks; a heap of (load, rank), O(n log k)."""
+    n = work.shape[0]
+    order = sort_order(work, True)  # [n] heaviest first, ties by index
+    ws = np.empty(n)  # [n] the works in that order (one gather, then the loop reads in sequence)
+    for t in range(n):
+        ws[t] = work[order[t]]
+    hk, hi = np.zeros(k), np.arange(k)  # all loads 0, in index order: a heap
+    lane = np.empty(n, np.int64)
+    for t in range(n):
+        r = hi[0]
+        lane[t] = r
+        sift_down2(hk, hi, k, 0, hk[0] + ws[t], r)  # the least loaded rank's load grew: a replace-top
+    out = np.empty(n, np.int64)
+    for t in range(n):
+        out[order[t]] = lane[t]
+    return out
+
+
+@njit(cache=True)
 def balance_kernel(lengths, work, k, cap, equal_counts, rounds):
     """(rank ``[n]``, microbatch ``[n]``, counts ``[k]``, items ``[n]``, bounds ``[sum(counts) + 1]``) of
     :func:`balanced_loader.balance`: ``items[bounds[s]:bounds[s + 1]]`` are the indices (ascending) of
     slot ``s``, the rank-major, microbatch-minor numbering of all microbatches.
 
-    Ranks: longest-processing-time (``block_place_kernel`` on one-lane blocks, heaviest first, ties
-    by index) then :func:`exchange_kernel`, kept when its heaviest rank is no heavier than verl's
-    partition (:func:`grouped_kk_kernel`); else that partition improved by :func:`exchange_kernel`.
+    Ranks: longest-processing-time (:func:`lpt_kernel`, heaviest first, ties by index) then
+    :func:`exchange_kernel`, kept when its heaviest rank is no heavier than verl's partition
+    (:func:`grouped_kk_kernel`); else that partition improved by :func:`exchange_kernel`.
     Then :func:`microbatch_kernel`.
     """
     n = work.shape[0]
@@ -363,14 +561,7 @@ def balance_kernel(lengths, work, k, cap, equal_counts, rounds):
         verl_load = np.zeros(k)
         for i in range(n):
             verl_load[verl[i]] += work[i]
-        order = argsort_stable(-work)  # [n] heaviest first (ties: lower index)
-        times = np.empty((n, 1))  # [n][1] one-lane blocks only
-        for t in range(n):
-            times[t, 0] = work[order[t]]
-        lanes = block_place_kernel(times, np.zeros(n, np.int64), np.zeros(k), np.zeros(k, np.int64), np.inf)[1]
-        start = np.empty(n, np.int64)
-        for t in range(n):
-            start[order[t]] = lanes[t]
+        start = lpt_kernel(work, k)
         part, load, _ = exchange_kernel(work, start, k, rounds)
         if load.max() > verl_load.max():
             part = exchange_kernel(work, verl, k, rounds)[0]

@@ -16,7 +16,7 @@ from numba import njit
 
 from balanced_loader.planning.kernels.order import argsort_stable
 
-__all__ = ["grouped_kk_kernel", "verl_kk_reference"]
+__all__ = ["grouped_kk_kernel", "sort_order", "verl_kk_reference"]
 
 # ------------------------------------------------------------------------------------------
 # grouped Karmarkar-Karp (verl's equal_size start, with its exact order and ties)
@@ -92,7 +92,8 @@ def _sift_up(heap, end, pos, sums, cnt, heads, nxt, work, k):
 
 @njit(cache=True)
 def _sort_sets(s, sums, cnt, heads, tails, nxt, work, k):
-    """Sets of state s in descending (sum, size, items) order, equal ones in place (insertion sort)."""
+    """Sets of state s in descending (sum, size, items) order, equal ones in place (insertion sort: O(k) when
+    they are in order already, as a new state's are)."""
     for a in range(1, k):
         j = a
         while j > 0 and _set_greater(sums, cnt, heads, nxt, work, s, j, s, j - 1):
@@ -101,6 +102,79 @@ def _sort_sets(s, sums, cnt, heads, tails, nxt, work, k):
             heads[s, j], heads[s, j - 1] = heads[s, j - 1], heads[s, j]
             tails[s, j], tails[s, j - 1] = tails[s, j - 1], tails[s, j]
             j -= 1
+
+
+@njit(cache=True)
+def _merge_sort_sets(s, sums, cnt, heads, tails, nxt, work, k, perm, tmp):
+    """:func:`_sort_sets` for a merged state (sets in any order): a stable merge sort of the set positions,
+    O(k log k) comparisons (each O(1): two different sets differ in their first item), then one permutation."""
+    for j in range(k):
+        perm[j] = j
+    width = 1
+    while width < k:
+        for lo in range(0, k, 2 * width):
+            mid = min(lo + width, k)
+            hi = min(lo + 2 * width, k)
+            i, j, o = lo, mid, lo
+            while i < mid and j < hi:
+                if _set_greater(sums, cnt, heads, nxt, work, s, perm[j], s, perm[i]):  # strictly: stable
+                    tmp[o] = perm[j]
+                    j += 1
+                else:
+                    tmp[o] = perm[i]
+                    i += 1
+                o += 1
+            while i < mid:
+                tmp[o] = perm[i]
+                i += 1
+                o += 1
+            while j < hi:
+                tmp[o] = perm[j]
+                j += 1
+                o += 1
+        for j in range(k):
+            perm[j] = tmp[j]
+        width *= 2
+    a_sum = sums[s, :].copy()
+    a_cnt = cnt[s, :].copy()
+    a_head = heads[s, :].copy()
+    a_tail = tails[s, :].copy()
+    for j in range(k):
+        sums[s, j], cnt[s, j], heads[s, j], tails[s, j] = a_sum[perm[j]], a_cnt[perm[j]], a_head[perm[j]], \
+            a_tail[perm[j]]
+
+
+@njit(cache=True)
+def sort_order(keys, descending):
+    """Stable argsort of non-negative float64 ``keys`` (``[n]`` indices; equal keys by index): an LSD radix
+    sort on the keys' bits (their order as unsigned integers is their order as numbers), four passes of 16
+    bits, O(n); a merge sort below 65,536 keys."""
+    n = keys.shape[0]
+    if n < 65536:
+        return argsort_stable(-keys if descending else keys)
+    ka = keys.view(np.uint64).copy()  # [n] the keys' bits, moved along with their indices
+    if descending:
+        ka = ~ka
+    kb = np.empty(n, np.uint64)
+    a = np.arange(n)
+    b = np.empty(n, np.int64)
+    count = np.empty(65537, np.int64)
+    for shift in range(0, 64, 16):
+        sh = np.uint64(shift)
+        count[:] = 0
+        for t in range(n):
+            count[((ka[t] >> sh) & np.uint64(0xFFFF)) + 1] += 1
+        for d in range(65536):
+            count[d + 1] += count[d]
+        for t in range(n):
+            d = (ka[t] >> sh) & np.uint64(0xFFFF)
+            p = count[d]
+            kb[p] = ka[t]
+            b[p] = a[t]
+            count[d] = p + 1
+        a, b = b, a
+        ka, kb = kb, ka
+    return a
 
 
 @njit(cache=True)
@@ -116,25 +190,27 @@ def grouped_kk_kernel(work, k):
     if n == 0 or k <= 1:
         return part
     g = (n + k - 1) // k
-    asc = argsort_stable(work)  # [n] ascending, ties by index: sorted((value, index))
+    asc = sort_order(work, False)  # [n] ascending, ties by index: sorted((value, index))
     sums = np.zeros((g, k))  # [g][k] set sums, descending within a state
     cnt = np.zeros((g, k), np.int64)
     heads = np.full((g, k), -1, np.int64)
     tails = np.full((g, k), -1, np.int64)
     nxt = np.full(n, -1, np.int64)  # [n] next item of the same set, in insertion order
     heap = np.empty(g, np.int64)
+    perm = np.empty(k, np.int64)  # merge sort scratch
+    tmp = np.empty(k, np.int64)
     size = 0
     for s in range(g):
-        for j in range(k):
-            # slot j takes the group's (k-1-j)-th item: descending sums, equal ones by descending index,
-            # which is verl's set order already (the sort below then only checks it, O(k))
-            p = s * k + (k - 1 - j)
-            if p < n:
-                it = asc[p]
-                sums[s, j] = work[it]
-                cnt[s, j] = 1
-                heads[s, j] = it
-                tails[s, j] = it
+        r = min(k, n - s * k)  # items of this group (the last one may have fewer: its other sets stay empty)
+        for j in range(r):
+            # slot j takes the group's (r-1-j)-th item: descending sums, equal ones by descending index, then
+            # the empty sets, which is verl's set order already (the sort below then only checks it, O(k))
+            p = s * k + (r - 1 - j)
+            it = asc[p]
+            sums[s, j] = work[it]
+            cnt[s, j] = 1
+            heads[s, j] = it
+            tails[s, j] = it
         _sort_sets(s, sums, cnt, heads, tails, nxt, work, k)
         heap[size] = s
         _sift_down(heap, 0, size, sums, cnt, heads, nxt, work, k)
@@ -162,7 +238,7 @@ def grouped_kk_kernel(work, k):
             tails[a, j] = tails[b, y]
             sums[a, j] += sums[b, y]
             cnt[a, j] += cnt[b, y]
-        _sort_sets(a, sums, cnt, heads, tails, nxt, work, k)
+        _merge_sort_sets(a, sums, cnt, heads, tails, nxt, work, k, perm, tmp)
         heap[size] = a
         _sift_down(heap, 0, size, sums, cnt, heads, nxt, work, k)
         size += 1

@@ -15,7 +15,11 @@ What it changes in the Trainer, and why:
   once per step, on the last microbatch (``accelerator.no_sync`` before it).
 * **Checkpoints**: ``_save_checkpoint`` writes the loader state (``balanced_loader_state.json``)
   into each Trainer checkpoint; ``train(resume_from_checkpoint=...)`` restores it, so the run
-  continues with the same batches (``ignore_data_skip`` is set: nothing is read and dropped).
+  continues with the same batches (``ignore_data_skip`` is set: nothing is read and dropped). A
+  damaged state file is one line naming it.
+* **Vocabulary**: the data's token ids must be below the model's ``vocab_size``, checked before the
+  first step (the largest id a source records; samples as they are read, through ``wrap``) and in
+  every step before its forward: one line naming the doc and the id, never the embedding's ``IndexError``.
 * **Attention**: packed docs must not attend to each other. transformers separates them from the
   restarting ``position_ids`` only for the implementations in :data:`PACKED_ATTENTION` and only
   without an ``attention_mask`` and without a KV cache; :func:`check_packed_attention` refuses
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 from transformers import Trainer
 
+from balanced_loader.data.vocab import check_step_ids, check_vocab
 from balanced_loader.loader import BalancedLoader, StepBatch
 from balanced_loader.materialize import Microbatch
 from balanced_loader.outputs.files import write_text
@@ -179,12 +184,28 @@ class BalancedTrainerMixin:
         named = isinstance(source, (str, os.PathLike)) or (
             isinstance(source, (list, tuple)) and source and all(isinstance(x, (str, os.PathLike)) for x in source))
         # a folder, file or URL (or several): open_source; samples (a list of token sequences, a torch or
-        # datasets Dataset, a Source): wrap
-        loader = BalancedLoader(source, **kw) if named else wrap(source, **kw)
-        if self._bl_resume is not None:
-            with open(os.path.join(self._bl_resume, LOADER_STATE_NAME)) as f:
-                loader.load_state_dict(json.load(f))
+        # datasets Dataset, a Source): wrap, which checks each sample's ids against the model's vocabulary
+        vocab = self._bl_vocab()
+        loader = BalancedLoader(source, **kw) if named else wrap(source, vocab_size=vocab, **kw)
+        try:
+            if vocab is not None:
+                check_vocab(loader.source, vocab, "the model's vocab_size", fix="or tokenize the data for this model")
+            if self._bl_resume is not None:
+                path = os.path.join(self._bl_resume, LOADER_STATE_NAME)
+                try:
+                    loader.load_state_dict(read_loader_state(path))
+                except ValueError as e:
+                    raise ValueError(str(e) if path in str(e) else f"the loader state {path}: {e}") from None
+        except BaseException:
+            loader.close()
+            raise
         return loader
+
+    def _bl_vocab(self) -> int | None:
+        """The model's vocabulary size (its config's ``vocab_size``), or None when it has none."""
+        cfg = getattr(getattr(self.model, "module", self.model), "config", None)
+        v = getattr(cfg, "vocab_size", None)
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     def get_train_dataloader(self) -> _StepStream:
         if self.bl_loader is not None:
@@ -206,6 +227,9 @@ class BalancedTrainerMixin:
         if batch is None:  # not one of our steps (a caller's own batch): the Trainer's behaviour
             return super().training_step(model, inputs, num_items_in_batch)
         n = len(batch.microbatches)  # the same on every rank (cp=1)
+        vocab = self._bl_vocab()
+        if vocab is not None:  # before any forward of the step: one line naming the doc, not an IndexError
+            check_step_ids(batch, vocab, "the model's vocab_size", fix="or tokenize the data for this model")
         total = None
         for i, mb in enumerate(batch.microbatches):
             # one gradient all-reduce per step: on the last microbatch, whose index is the same everywhere
@@ -240,6 +264,24 @@ class BalancedTrainerMixin:
         finally:
             if self.bl_loader is not None:
                 self.bl_loader.close()
+
+
+def read_loader_state(path: str) -> dict[str, Any]:
+    """A checkpoint's ``balanced_loader_state.json``; a damaged or truncated file is one ``ValueError`` naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read the loader state {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ValueError(f"the loader state {path} is damaged: not JSON{where}; resume from another checkpoint or "
+                         f"start the data over") from None
+    except RecursionError:
+        raise ValueError(f"the loader state {path} is damaged: nested too deeply to be a loader state") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"the loader state {path} is damaged: a JSON {type(state).__name__}, not a mapping")
+    return state
 
 
 class BalancedTrainer(BalancedTrainerMixin, Trainer):

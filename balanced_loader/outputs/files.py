@@ -6,6 +6,13 @@ it: the bytes land in a hidden temporary file in the same folder, are flushed to
 temporary file is renamed over ``path`` only when everything was written. A failed write (disk
 full, an exception in the caller's block, Ctrl-C) removes the temporary file and leaves an
 existing ``path`` untouched.
+
+Outputs are never clobbered: :func:`check_output` refuses, in one line, an output path that is one
+of the command's inputs or that is not a regular file (or folder) it may replace: a device, a pipe,
+a socket, a link to one, anything under ``/dev`` or ``/proc`` (``--out /dev/full`` as root would
+otherwise have its device node renamed over). A symbolic link to a regular file is written through
+(the link stays, its target is replaced). :func:`undo_folders` removes the folders a command made
+for its outputs when it fails before writing into them.
 """
 
 from __future__ import annotations
@@ -13,7 +20,11 @@ from __future__ import annotations
 import contextlib
 import errno as errno_
 import os
+import re
+import socket
+import stat
 import tempfile
+import zlib
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -40,6 +51,100 @@ def write_error(path: str, e: OSError) -> OSError:
     return OSError(e.errno if e.errno is not None else errno_.EIO, f"cannot write {path}: {cause}")
 
 
+_KINDS = ((stat.S_ISREG, "a file"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a pipe (FIFO)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+_SYSTEM = ("/dev/", "/proc/", "/sys/")  # paths that name devices and processes, never an output file
+
+
+def _kind(st: os.stat_result) -> str:
+    return next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+
+
+def check_output(path: str | os.PathLike[str], what: str = "--out", *, inputs: Any = (), folder: bool = False,
+                 names: Any = ()) -> None:
+    """Refuse (one ``ValueError`` line) an output ``path`` this command may not replace (module docstring):
+    it must be a regular file (``folder``: a folder) or absent, not under ``/dev``, ``/proc`` or ``/sys``
+    (itself or through a link), and not one of ``inputs`` (paths the command reads; missing ones are
+    skipped). ``names``: the files a folder output writes into it, each of which must not be an input."""
+    path = os.fspath(path)
+    real = os.path.realpath(path)
+    if any(p.startswith(_SYSTEM) or p.rstrip("/") in ("/dev", "/proc", "/sys")
+           for p in (os.path.abspath(path), real)):
+        raise ValueError(f"{what} {path} names a device or process file ({real}), not a "
+                         f"{'folder' if folder else 'file'} to write; give a path on a disk")
+    try:
+        st = os.stat(path)  # through links
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise ValueError(f"{what} {path} cannot be checked: {e.strerror}") from None
+    if st is not None:
+        ok = stat.S_ISDIR(st.st_mode) if folder else stat.S_ISREG(st.st_mode)
+        if not ok:
+            want = "a folder (or a new path)" if folder else "a regular file (or a new path)"
+            raise ValueError(f"{what} {path} is {_kind(st)}, not {want} it may replace; give another path")
+    targets = [path] + [os.path.join(path, n) for n in names] if folder else [path]
+    for t in targets:
+        for src in (inputs if isinstance(inputs, (list, tuple, set)) else [inputs]):
+            if src is not None and _same_file(t, src):
+                named = "" if t == path else f" (its {os.path.basename(t)})"
+                raise ValueError(f"{what} {path}{named} is also an input of this command ({os.fspath(src)}); "
+                                 f"writing it would destroy what it reads: give another {what}")
+
+
+def _same_file(a: Any, b: Any) -> bool:
+    try:
+        return os.path.exists(a) and os.path.samefile(a, os.fspath(b))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _target(path: str) -> str:
+    """The file an output replaces: ``path``, or a symbolic link's target (written through, the link kept);
+    refused when that exists and is not a regular file (:func:`check_output`)."""
+    if os.path.islink(path) or any(os.path.abspath(path).startswith(p) for p in _SYSTEM):
+        check_output(path, "output")
+        return os.path.realpath(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    if not stat.S_ISREG(st.st_mode):
+        check_output(path, "output")
+    return path
+
+
+def _temp_file(folder: str, base: str, suffix: str) -> tuple[int, str]:
+    """A new hidden temporary file for output ``base`` in ``folder``: ``.BASE.pPID-HOST.XXXXXXXX.tmp``. Its
+    name says which process made it, so a run first removes the ones of dead processes of this host (what a
+    ``kill -9`` left: the output itself was never touched, only this file stayed behind)."""
+    tag = f"p{os.getpid()}-{_HOST}"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            m = _TEMP.match(name)
+            # base's own temporaries, and those of a writer that wrote atomically into one of base's (a chart
+            # into an OutputSet's temporary file: '..BASE.pPID-HOST.X.tmp.png.pPID-HOST.Y.tmp')
+            mine = m is not None and (m.group(1) == base or m.group(1).startswith(f".{base}.p"))
+            if mine and m.group(3) == _HOST and int(m.group(2)) != os.getpid() and not _alive(int(m.group(2))):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(folder, name))
+    return tempfile.mkstemp(prefix=f".{base}.{tag}.", suffix=suffix, dir=folder)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+_TEMP = re.compile(r"^\.(.+)\.p(\d+)-([0-9a-f]{8})\.[^.]+\.tmp")
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = None
                  ) -> Iterator[IO[Any]]:
@@ -52,10 +157,10 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", *, encoding: str
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', got {mode!r}")
-    path = os.fspath(path)
+    path = _target(os.fspath(path))
     folder = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        fd, tmp = _temp_file(folder, os.path.basename(path), ".tmp")
     except OSError as e:
         raise write_error(path, e) from None
     ok = False
@@ -110,10 +215,10 @@ class AtomicFile:
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
     """A temporary path next to ``path`` for a writer that needs a file name (a download); on success
     the file is synced and renamed to ``path``, on failure removed (``path`` is left as it was)."""
-    path = os.fspath(path)
+    path = _target(os.fspath(path))
     folder = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        fd, tmp = _temp_file(folder, os.path.basename(path), ".tmp")
         os.close(fd)
     except OSError as e:
         raise write_error(path, e) from None
@@ -233,26 +338,29 @@ def remove_partials(target: str | os.PathLike[str]) -> None:
 
 
 class OutputSet:
-    """Several files of one output (``compare.json`` and its charts) published as a set.
+    """Several files of one output (``compare.json`` and its charts; a trace and its Gantt chart) published
+    as a set.
 
     :meth:`path` gives a temporary name next to each final file for the writer to fill (through
     :func:`atomic_write` or any writer); :meth:`commit` renames every one into place only after all
-    of them were written, so a failure (a full disk on the last chart) leaves the folder's previous
-    set as it was: never a new ``compare.json`` beside old charts. A context manager: commit on
-    success, remove the temporary files on any exception.
+    of them were written, so a failure (a full disk on the last chart) leaves the previous set as it
+    was: never a new ``compare.json`` beside old charts, never a new trace without its chart. A context
+    manager: commit on success, remove the temporary files on any exception. ``folder``: where names
+    are (None: each name is a path of its own, in any folder).
     """
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
-        self.folder = os.fspath(folder)
+    def __init__(self, folder: str | os.PathLike[str] | None = None) -> None:
+        self.folder = None if folder is None else os.fspath(folder)
         self._tmp: dict[str, str] = {}  # final path -> temporary path
 
     def path(self, name: str) -> str:
-        final = os.path.join(self.folder, name)
+        final = _target(self.final(name))
         if final not in self._tmp:
+            base = os.path.basename(final)
             try:
                 # the final extension last: writers that pick a format by extension (charts) still see it
-                fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=f".tmp{os.path.splitext(name)[1]}",
-                                           dir=self.folder)
+                fd, tmp = _temp_file(os.path.dirname(os.path.abspath(final)), base,
+                                     f".tmp{os.path.splitext(base)[1]}")
                 os.close(fd)
             except OSError as e:
                 raise write_error(final, e) from None
@@ -260,17 +368,24 @@ class OutputSet:
         return self._tmp[final]
 
     def final(self, name: str) -> str:
-        return os.path.join(self.folder, name)
+        return name if self.folder is None else os.path.join(self.folder, name)
 
     def commit(self) -> None:
-        for final, tmp in list(self._tmp.items()):
-            try:
-                os.chmod(tmp, 0o666 & ~_umask())
-                os.replace(tmp, final)
-            except OSError as e:
-                raise write_error(final, e) from None
-            del self._tmp[final]
-        fsync_dir(self.folder)
+        """Rename every file into place, holding the set's publish lock (:func:`publish_lock`): two runs that
+        publish the same set at once leave one run's set whole, never one's JSON beside the other's charts."""
+        if not self._tmp:
+            return
+        folders = {os.path.dirname(os.path.abspath(f)) for f in self._tmp}
+        with publish_lock(min(self._tmp)):
+            for final, tmp in list(self._tmp.items()):
+                try:
+                    os.chmod(tmp, 0o666 & ~_umask())
+                    os.replace(tmp, final)
+                except OSError as e:
+                    raise write_error(final, e) from None
+                del self._tmp[final]
+            for folder in sorted(folders):
+                fsync_dir(folder)
 
     def discard(self) -> None:
         for tmp in self._tmp.values():
@@ -294,4 +409,68 @@ class OutputSet:
             msg = str(exc.strerror or exc)
             for final, tmp in names.items():
                 msg = msg.replace(tmp, final)
-            raise OSError(exc.errno, f"{msg} (the folder's previous files were kept)") from None
+            kept = "the folder's previous files were kept" if self.folder is not None else "previous files were kept"
+            raise OSError(exc.errno, f"{msg} ({kept})") from None
+
+
+@contextlib.contextmanager
+def publish_lock(path: str) -> Iterator[None]:
+    """An exclusive ``fcntl.flock`` (waited for) on ``.NAME.publish`` beside ``path`` for the block; the file is
+    removed on release. Why the inode check: a waiter may lock a file its holder removed in the meantime, and
+    must then lock the one that is there now (as :class:`balanced_loader.outputs.locks.OutputLock` does)."""
+    import fcntl
+
+    lock = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.publish")
+    for _ in range(1000):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # a folder we cannot add a file to: publish without it (the renames are still atomic)
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except OSError:
+            same = False
+        if same:
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(lock)  # while holding it: a waiter on this inode retries on a fresh file
+                os.close(fd)
+            return
+        os.close(fd)
+    yield  # the lock file kept changing (a thousand publishers?): the renames alone
+
+
+@contextlib.contextmanager
+def undo_folders(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Note which of ``path`` and its parents do not exist yet; when the block fails, remove those the block
+    created that are still empty (deepest first; never a file, never a folder that holds one): an error found
+    after a command made its ``--out`` leaves no empty folder behind."""
+    missing = missing_folders(path)
+    try:
+        yield
+    except BaseException:
+        remove_empty(missing)
+        raise
+
+
+def missing_folders(path: str | os.PathLike[str]) -> list[str]:
+    """``path`` and those of its parents that do not exist, deepest first."""
+    missing = []
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        missing.append(p)
+        p = os.path.dirname(p)
+    return missing
+
+
+def remove_empty(folders: Any) -> None:
+    """``rmdir`` each of ``folders`` in order while it is an empty folder (stop at the first that is not)."""
+    for d in folders:
+        try:
+            os.rmdir(d)
+        except OSError:
+            break

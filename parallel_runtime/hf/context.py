@@ -8,9 +8,22 @@ lanes the loader's default (hydra) plans may use (:class:`parallel_runtime.group
 Then, for each microbatch of a :class:`~balanced_loader.BalancedLoader` (default plans: CP groups
 of several lanes, a different degree per microbatch)::
 
-    with bind(mb):                                   # this microbatch's group and engine
-        out = model(**mb.to_hf(), num_items_in_batch=batch.num_valid_tokens)
-        accelerator.backward(out.loss * accelerator.num_processes)
+    mbs = bind.microbatches(batch)                   # this rank's, at least one
+    for i, mb in enumerate(mbs):                     # all-reduce once, after the rank's last microbatch
+        sync = contextlib.nullcontext() if i == len(mbs) - 1 else accelerator.no_sync(model)
+        with sync, bind(mb, plan=batch.plan):        # this microbatch's group and engine
+            out = model(**mb.to_hf(), num_items_in_batch=batch.num_valid_tokens)
+            accelerator.backward(out.loss * accelerator.num_processes)
+
+**No silent deadlock.** The ranks of a step may run different numbers of microbatches (a CP group
+of 4 lanes is one microbatch on each of them, a lane of its own may run three). Under DDP a loop
+that all-reduces after every microbatch (``batch.microbatches`` without ``no_sync``, as with
+``cp=1``) then waits forever on every rank. So when a forward runs under DDP with its gradient
+all-reduce on (``require_backward_grad_sync``), the binding checks it against the step's plan
+(identical on every rank: no collective): an all-reduce before this rank's last microbatch, or a
+step whose ranks run different counts without ``bind.microbatches`` (which gives a rank without
+a microbatch its one padding backward), or no plan to check against, is refused in one line
+naming ``bind.microbatches`` and ``no_sync``, on every rank at its first forward of the step.
 
 ``mb.to_hf()`` of a CP lane shard holds the lane's tokens in the CP layout, their true
 ``position_ids`` and ``shift_labels`` (the next token, shifted before sharding: a lane's tokens are
@@ -56,6 +69,10 @@ class ContextParallelBinding:
         self.world_size = world_size
         self.impl = impl
         self._attn = None  # the bound engine of the microbatch in flight
+        self._sync: tuple[Any, ...] | None = None  # (mb, plan, index, count, listed) of the microbatch in flight
+        # bind.microbatches' last (plan, {id(mb): index}, count, the microbatches: kept, so no id is reused)
+        self._listed: tuple[Any, dict[int, int], int, tuple] | None = None
+        self._counts: tuple[Any, dict[int, int]] | None = None  # (plan, microbatches per rank) of the last plan
         self._previous = model.config._attn_implementation
         self._hook = model.register_forward_pre_hook(self._inject, with_kwargs=True)
 
@@ -68,8 +85,54 @@ class ContextParallelBinding:
                              "the microbatch; pass mb.to_hf() (no mask)")
         if kwargs.get("use_cache", getattr(module.config, "use_cache", False)):
             raise ValueError("use_cache=True with enable_context_parallel: pass use_cache=False (mb.to_hf() does)")
+        ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)  # set in DDP's forward
+        if ddp is not None and torch.is_grad_enabled() and getattr(ddp, "require_backward_grad_sync", False):
+            self._check_sync()
         kwargs[BOUND_KWARG] = self._attn
         return args, kwargs
+
+    def _rank_counts(self, plan: StepPlan) -> dict[int, int]:
+        """Microbatches of every rank in ``plan`` (the groups its lane is in; 0 for a rank in none)."""
+        if self._counts is not None and self._counts[0] is plan:
+            return self._counts[1]
+        counts = dict.fromkeys(range(plan.world_size), 0)
+        for pool in plan.pools:
+            per_lane: dict[int, int] = {}
+            for mb in pool.microbatches:
+                for g in mb:
+                    for lane in g.lanes:
+                        per_lane[lane] = per_lane.get(lane, 0) + 1
+            for lane, c in per_lane.items():
+                for stage in pool.ranks:
+                    for t in range(pool.tp):
+                        counts[stage[lane * pool.tp + t]] = c
+        self._counts = (plan, counts)
+        return counts
+
+    def _check_sync(self) -> None:
+        """Refuse a DDP all-reduce that some rank would never match (module docstring: no silent deadlock)."""
+        mb, plan, index, count, listed = self._sync  # type: ignore[misc]
+        fix = ("iterate bind.microbatches(batch) and run every microbatch but the rank's last under no_sync "
+               "(accelerator.no_sync(model) or model.no_sync()), so that each rank all-reduces once per step")
+        if plan is None:
+            raise ValueError(f"microbatch {mb.k}: a DDP gradient all-reduce with no plan to check it against (ranks "
+                             f"may run different numbers of microbatches, and a mismatch waits forever): pass "
+                             f"bind(mb, plan=batch.plan) and {fix}")
+        if index < count - 1:
+            raise ValueError(f"step {plan.step}: rank {self.rank} would all-reduce its gradients after microbatch "
+                             f"{index} of its {count}, while ranks run {self._spread(plan)} microbatches: DDP's "
+                             f"all-reduces would never match (a hang); {fix}")
+        counts = self._rank_counts(plan)
+        if not listed and len(set(counts.values())) > 1:
+            raise ValueError(f"step {plan.step}: ranks run {self._spread(plan)} microbatches and this loop does not "
+                             f"take them from bind.microbatches (a rank with none would never all-reduce: a hang); "
+                             f"{fix}")
+
+    def _spread(self, plan: StepPlan) -> str:
+        counts = self._rank_counts(plan)
+        lo, hi = min(counts.values()), max(counts.values())
+        return f"{lo}" if lo == hi else f"{lo} to {hi} (rank {min(counts, key=counts.get)}: {lo}, rank " \
+                                        f"{max(counts, key=counts.get)}: {hi})"
 
     def _cp_ranks(self, mb: Microbatch, plan: StepPlan | None) -> tuple[int, ...]:
         if plan is None:
@@ -93,7 +156,19 @@ class ContextParallelBinding:
                              f"enable_context_parallel runs whole models on tp=1, pp=1 lanes only")
         if self._attn is not None:
             raise ValueError("bind(mb) is already active for this model: one microbatch at a time")
+        listed = self._listed is not None and id(mb) in self._listed[1]
+        if plan is None and listed:
+            plan = self._listed[0]  # type: ignore[index]
         ranks = self._cp_ranks(mb, plan)
+        if listed:
+            index, count = self._listed[1][id(mb)], self._listed[2]  # type: ignore[index]
+        elif plan is not None:
+            mine = [k for k, groups in enumerate(plan.pools[mb.pool].microbatches) if any(mb.lane in g.lanes
+                                                                                          for g in groups)]
+            index, count = (mine.index(mb.k) if mb.k in mine else 0), len(mine)
+        else:
+            index, count = 0, 1
+        self._sync = (mb, plan, index, count, listed)
         if len(ranks) == 1:
             engine = LocalAttention(impl=self.impl)  # whole docs on this rank: varlen attention over them
         else:
@@ -106,14 +181,19 @@ class ContextParallelBinding:
             yield
         finally:
             self._attn = None
+            self._sync = None
 
     def microbatches(self, batch: Any) -> tuple[Microbatch, ...]:
         """``batch.microbatches``, or one padding microbatch when this rank has none in the step, so that a
         DDP loop runs at least one backward (its gradient all-reduce) on every rank."""
         if batch.microbatches:
-            return tuple(batch.microbatches)
-        place = rank_place(batch.plan, batch.rank)
-        return (padding_microbatch(place, lane=place.lane),)
+            out = tuple(batch.microbatches)
+        else:
+            place = rank_place(batch.plan, batch.rank)
+            out = (padding_microbatch(place, lane=place.lane),)
+        # remembered: a forward of one of these under DDP knows its place and the step's plan
+        self._listed = (batch.plan, {id(mb): i for i, mb in enumerate(out)}, len(out), out)
+        return out
 
     def disable(self) -> None:
         """Remove the binding: the model's own attention implementation again."""

@@ -1,5 +1,9 @@
 """What a run checks before its first step, so that a mistake is one line and no output is half written.
 
+* **``--out`` is a folder of its own** (:func:`check_out`): never the recipe, a data source, the stdlib
+  corpus folder or the cost file it reads, never a device or a link to one (one line); a run refused
+  after rank 0 made ``--out`` removes the folders it made while they are still empty
+  (:func:`release_lock_on_error`), so a refusal leaves nothing behind.
 * **One writer per ``--out``** (:func:`lock_out`): rank 0 (the process that writes ``metrics.jsonl``)
   holds an exclusive lock on ``--out`` for the whole run
   (:class:`balanced_loader.outputs.locks.OutputLock`); a second run on it fails at once, naming the
@@ -21,6 +25,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from balanced_loader.data.vocab import check_step_ids as step_ids_check
+from balanced_loader.data.vocab import check_vocab as vocab_check
+from balanced_loader.outputs.files import check_output, missing_folders, remove_empty
 from balanced_loader.outputs.locks import OutputLock
 
 
@@ -32,17 +39,30 @@ def lock_out(out_dir: str, rank: int) -> OutputLock | None:
     return OutputLock(out_dir, "--out").acquire()
 
 
+def check_out(recipe: Any, out_dir: str) -> None:
+    """``--out`` must be a folder (or a new path) that is none of the run's inputs (module doc)."""
+    d = recipe.data
+    inputs = [recipe.path, recipe.resolve(d.shards_dir)] if recipe.path else [d.shards_dir]
+    inputs += [recipe.resolve(p) for p in (d.source, *(e.source for e in (d.mixture or ())), recipe.cost.file) if p]
+    check_output(out_dir, "--out", inputs=inputs, folder=True)
+
+
 def release_lock_on_error(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap an ``__init__`` that takes ``self._out_lock``: a failure after it releases the lock at once."""
+    """Wrap ``Trainer.__init__(self, recipe, out_dir, ...)``, which takes ``self._out_lock``: ``--out`` is checked
+    first (:func:`check_out`), and a failure after the lock releases it at once and removes the folders the
+    run made for ``--out`` (on the rank that holds the lock, while they are still empty)."""
 
     @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+    def wrapper(self: Any, recipe: Any, out_dir: str, *args: Any, **kwargs: Any) -> None:
+        check_out(recipe, out_dir)
+        made = missing_folders(out_dir)
         try:
-            init(self, *args, **kwargs)
+            init(self, recipe, out_dir, *args, **kwargs)
         except BaseException:
             lock = getattr(self, "_out_lock", None)
             if lock is not None:
                 lock.release()
+                remove_empty(made)
             raise
 
     return wrapper
@@ -81,26 +101,10 @@ def model_vocab(recipe: Any) -> tuple[int, str]:
 
 
 def check_vocab(source: Any, vocab: int, key: str) -> None:
-    """The data's token ids must be embeddable: its recorded largest id, else its tokenizer's vocabulary."""
-    top = getattr(source, "max_token_id", None)
-    if top is not None:
-        if top >= vocab:
-            raise ValueError(f"{key} is {vocab} but {source.describe()} holds token id {top} (recorded in its index); "
-                             f"set {key} to at least {top + 1} (e.g. --set {key}={top + 1})")
-        return
-    data_vocab = getattr(source, "vocab_size", None)
-    if data_vocab is not None and int(data_vocab) > vocab:
-        raise ValueError(f"{key} is {vocab} but {source.describe()} was tokenized with a vocabulary of "
-                         f"{int(data_vocab)} ids; set {key} to at least {int(data_vocab)} (e.g. --set "
-                         f"{key}={int(data_vocab)})")
+    """The data's token ids must be embeddable (:func:`balanced_loader.data.vocab.check_vocab`)."""
+    vocab_check(source, vocab, key, fix=f"e.g. --set {key}={{n}}")
 
 
 def check_step_ids(batch: Any, vocab: int, key: str) -> None:
-    """Every token id of this rank's microbatches is below ``vocab`` (a source that records no largest id)."""
-    for mb in batch.microbatches:
-        ids = mb.input_ids
-        if ids.size and int(ids.max()) >= vocab:
-            bad = int(ids.max())
-            docs = sorted({int(d) for d, _, _ in mb.segments if d >= 0})[:3]
-            raise ValueError(f"step {batch.step}: token id {bad} (docs {docs} ...) is outside {key} {vocab}; set "
-                             f"{key} to at least {bad + 1}, or check the data's tokenizer")
+    """Every token id of this rank's microbatches is below ``vocab``, else one line naming the doc and the id."""
+    step_ids_check(batch, vocab, key, fix=f"e.g. --set {key}={{n}}")

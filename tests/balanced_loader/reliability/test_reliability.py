@@ -33,9 +33,9 @@ COST_YAML = GOOD_COST  # the one small cost file of the CLI tests
 def files(tmp_path):
     (tmp_path / "cost.yaml").write_text(COST_YAML)
     (tmp_path / "l.txt").write_text("10\n20\n30\n")
-    (tmp_path / "huge.txt").write_text("# lengths\n5\n\n9223372036854775808\n")
-    (tmp_path / "badline.txt").write_text("# header\n10\n\n20  # a comment\nx\n")
-    (tmp_path / "zero.txt").write_text("# header\n\n5\n0\n")
+    (tmp_path / "huge.txt").write_text("# lengths\n5\n# more\n9223372036854775808\n")
+    (tmp_path / "badline.txt").write_text("# header\n10\n# note\n20  # a comment\nx\n")
+    (tmp_path / "zero.txt").write_text("# header\n# more\n5\n0\n")
     pool = Pool(tp=1, pp=1, ranks=((0, 1),), microbatches=((Group(lanes=(0,), segments=((0, 0, 10),)),),))
     good = json.loads(Plan(policy="hand", world_size=2,
                            steps=(StepPlan(step=0, world_size=2, pools=(pool,)),)).dumps())
@@ -142,7 +142,7 @@ def test_length_files_parse_the_same_in_any_block_size(tmp_path, monkeypatch, bl
     lines = []
     for v in rng.integers(0, 100_000, size=500):
         r = rng.random()
-        lines.append(f"{v}" if r < 0.7 else f"  {v} # note" if r < 0.8 else "" if r < 0.9 else f"# c {v}\r")
+        lines.append(f"{v}" if r < 0.7 else f"  {v} # note" if r < 0.8 else "#" if r < 0.9 else f"# c {v}\r")
     text = "\n".join(lines) + "\n"
     (tmp_path / "a.txt").write_text(text)
     with gzip.open(tmp_path / "a.txt.gz", "wt") as f:
@@ -158,7 +158,8 @@ def test_length_files_parse_the_same_in_any_block_size(tmp_path, monkeypatch, bl
 @pytest.mark.parametrize("block", [16, 1 << 22])
 def test_length_file_errors_name_the_right_line(tmp_path, monkeypatch, block):
     monkeypatch.setattr(lengths_mod, "_BLOCK", block)
-    head = "# generated\n\n" + "".join(f"{i}\n" if i % 7 else "# every 7th a comment\n" for i in range(1, 200))
+    head = "# generated\n# by a test\n" + "".join(f"{i}\n" if i % 7 else "# every 7th a comment\n"
+                                                  for i in range(1, 200))
     line = head.count("\n") + 1
     for bad, msg in (("12x", "'12x' is not an integer length"), ("-5", "negative length -5"),
                      (str(MAX_DOC_TOKENS + 1), r"length \d+ is over the limit"),
