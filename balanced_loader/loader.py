@@ -372,12 +372,14 @@ class BalancedLoader:
         """Plan with ``cost`` from the first step not planned yet (returned, the same on every rank)."""
         return self.costs.set(cost, self.step + self.prefetch_steps)
 
-    def observe(self, step: Any, samples: Any, *, gathered: bool = False, agree: Any = None) -> Any:
+    def observe(self, step: Any, samples: Any, *, comm: Any = None, gathered: bool = False, agree: Any = None) -> Any:
         """Measured microbatches of a step (``calibrate=True``): every few steps a fitted cost model with
         lane speeds plans the steps not planned yet (:meth:`balanced_loader.calibration.CostSchedule.observe`);
-        returns the fit's :class:`~balanced_loader.calibration.Update` or None."""
+        returns the fit's :class:`~balanced_loader.calibration.Update` or None. ``comm``: the loop's
+        collectives (``torch.distributed``) that gather every rank's samples, needed on several ranks unless
+        the samples are ``gathered`` already."""
         return self.costs.observe(getattr(step, "step", step), samples, self.step + self.prefetch_steps,
-                                  gathered=gathered, agree=agree)
+                                  gathered=gathered, agree=agree, comm=comm, world_size=self.world_size)
 
     def microbatches(self, plan: StepPlan, rank: int) -> list[Microbatch]:
         """Any rank's microbatches of a plan (a whole cluster can be materialized in one process).

@@ -20,9 +20,10 @@ What a DDP loop needs from the loader, and where it comes from:
   averages gradients over ranks: the summed gradient is then exactly the global mean's.
 
 ``--calibrate`` closes the loop: each rank times its microbatches (``bl.MicrobatchTimer``:
-thread CPU time and wall time) and ``loader.observe(batch, timer.samples())`` all-gathers them; every few
-steps the loader fits its cost model and a speed per rank, and plans with them from the first step it has
-not planned yet (the same step on every rank), so a slow or shared device gets less work.
+thread CPU time and wall time) and ``loader.observe(batch, timer.samples(), comm=torch.distributed)``
+all-gathers them; every few steps the loader fits its cost model and a speed per rank, and plans with
+them from the first step it has not planned yet (the same step on every rank), so a slow or shared
+device gets less work.
 
 ``--out DIR`` writes ``rank{r}.json`` (losses, microbatch counts, speeds) and, on rank 0, ``params.pt``.
 """
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         optimizer.zero_grad()
         if args.calibrate:  # every rank's samples all-gathered; a fit every few steps, the same on every rank
-            update = loader.observe(batch, timer.samples())
+            update = loader.observe(batch, timer.samples(), comm=torch.distributed)
             if update is not None:
                 record["speeds"].append(update.speeds)
         total = float(accelerator.reduce(step_loss, reduction="sum"))  # the step's global mean loss

@@ -237,31 +237,26 @@ class MicrobatchTimer:
         return sample_rows(self.step, self.rank, self._groups, self._compute, self._wall)
 
 
-def gather_samples(mine: Samples) -> Samples:
-    """Every rank's samples, the same on every rank: one ``all_gather_object`` over the initialized default
-    process group (a DDP / accelerate loop); ``mine`` alone when there is none or one process."""
-    import sys
-
-    # never imported for this (balanced_loader does not depend on torch.distributed): a DDP loop has it already
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+def gather_samples(mine: Samples, comm: Any = None) -> Samples:
+    """Every rank's samples, the same on every rank: one ``all_gather_object`` through ``comm`` (what the
+    caller's loop uses for collectives: ``torch.distributed`` in a DDP / accelerate loop; passed in, never
+    imported here: ``balanced_loader`` has no route to ``torch.distributed``); ``mine`` alone without one or
+    in a world of one process."""
+    if comm is None or comm.get_world_size() == 1:
         return mine
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine.rows())
+    out: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(out, mine.rows())
     return Samples.concat([Samples.from_rows(r) for r in out])
 
 
-def agree_cost(cost: Any) -> Any:
-    """Rank 0's cost model on every rank (one ``broadcast_object_list`` when a default process group of
-    several processes is initialized): fits on identical data may still differ in their last bits on
-    different hardware, and plans must not."""
-    import sys
-
+def agree_cost(cost: Any, comm: Any = None) -> Any:
+    """Rank 0's cost model on every rank (one ``broadcast_object_list`` through ``comm``, as
+    :func:`gather_samples`): fits on identical data may still differ in their last bits on different hardware,
+    and plans must not."""
     from balanced_loader.cost import CostModel
 
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if comm is None or comm.get_world_size() == 1:
         return cost
     box = [cost.to_dict()]
-    dist.broadcast_object_list(box, src=0)
+    comm.broadcast_object_list(box, src=0)
     return CostModel.from_dict(box[0], where="calibrated cost from rank 0")

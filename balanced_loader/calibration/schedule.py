@@ -43,22 +43,28 @@ class CostSchedule:
         return int(from_step)
 
     def observe(self, step: int, samples: Samples, from_step: int, *, gathered: bool,
-                agree: Callable[[CostModel], CostModel] | None = None) -> Update | None:
+                agree: Callable[[CostModel], CostModel] | None = None, comm: Any = None,
+                world_size: int = 1) -> Update | None:
         """One step's samples into the calibrator; a new cost model from ``from_step`` when it fits.
 
         ``gathered``: ``samples`` already hold every rank's (the same on every rank); else this rank's,
-        all-gathered here over the initialized default process group (a DDP loop), and the fit of
-        rank 0 is the one every rank uses (``agree``, default :func:`agree_cost`)."""
+        all-gathered here through ``comm`` (the loop's collectives, e.g. ``torch.distributed``; needed when
+        ``world_size`` > 1), and the fit of rank 0 is the one every rank uses (``agree``, default
+        :func:`agree_cost` through ``comm``)."""
+        if not gathered and comm is None and world_size > 1:
+            raise ValueError(f"observe() on {world_size} ranks needs every rank's samples: pass comm=torch.distributed "
+                             f"(or the samples all-gathered, with gathered=True); each rank fitting its own would "
+                             f"plan differently")
         if self.calibrator is None:
             raise ValueError("observe() feeds the closed loop: create the loader with calibrate=True "
                              "(or a mapping of calibration options)")
         if not isinstance(samples, Samples):
             raise ValueError(f"observe() needs Samples (e.g. MicrobatchTimer.samples()), got "
                              f"{type(samples).__name__}")
-        up = self.calibrator.observe(int(step), samples if gathered else gather_samples(samples))
+        up = self.calibrator.observe(int(step), samples if gathered else gather_samples(samples, comm))
         if up is None:
             return None
-        cost = (agree or (lambda c: c if gathered else agree_cost(c)))(up.cost)
+        cost = (agree or (lambda c: c if gathered else agree_cost(c, comm)))(up.cost)
         self.calibrator.cost = cost
         self.set(cost, from_step)
         return up

@@ -182,3 +182,22 @@ def test_observe_needs_calibrate_and_set_cost_needs_a_cost_model():
         _loaders(world=1, calibrate="yes", max_seq_len=64)
     with pytest.raises(ValueError, match="'every' must be an integer"):
         _loaders(world=1, calibrate={"every": 0}, max_seq_len=64)
+
+
+def test_observe_on_several_ranks_needs_the_loops_collectives():
+    """``balanced_loader`` never reaches ``torch.distributed`` itself: on several ranks ``observe`` gathers
+    through the ``comm`` it is given, and without one it refuses (each rank fitting its own would plan apart)."""
+    loaders = _loaders()
+    batches = [next(ld) for ld in loaders]
+    mine = _samples(batches, speed=[1.0] * WORLD)
+    with pytest.raises(ValueError, match="pass comm=torch.distributed"):
+        loaders[0].observe(batches[0].step, mine)
+
+    class OneProcess:  # a comm of one process: the samples are everyone's
+        @staticmethod
+        def get_world_size() -> int:
+            return 1
+
+    (solo,) = _loaders(world=1, max_seq_len=64)
+    b = next(solo)
+    assert solo.observe(b.step, _samples([b], speed=[1.0]), comm=OneProcess) is None  # one step: no fit yet
