@@ -8,8 +8,11 @@ step, microbatch cap 1,024, hydra, 2 gloo ranks of 1 thread). Two worlds, one af
 * the plain loop: the same Llama through torch DDP (what ``accelerator.prepare`` wraps it in) on the
   same loader with ``cp=1``, the same steps.
 
-Prints the profiled ops' self CPU milliseconds per step, both side by side, sorted by how much more
-the runtime spends on them, then the step's phases from the runtime's ``time_ms`` record.
+Prints the profiled ops' self CPU milliseconds per step, both side by side: summed per phase of the
+step (the runtime's ``time_ms`` phases, the loop's data / forward-backward / optimizer; each split into
+forward, F, and what autograd runs in backward, B), then per op and per phase and op, the largest
+differences first; then the runtime's ``time_ms`` record. The self time of a ``phase:`` range is the
+Python between the ops.
 
     python tools/profile_runtime.py --model native --steps 2
     python tools/profile_runtime.py --model hf --set train.overlap=false
@@ -24,39 +27,71 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+COST_FILE = REPO / "recipes" / "cost-cpu-tiny.yaml"
 
 
-def _bench_module():
-    """tools/bench_runtime_vs_ddp.py, loaded by path (tools/ is not a package: no import path edits)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_runtime_vs_ddp", REPO / "tools" / "bench_runtime_vs_ddp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+PHASE = "phase:"  # torch.profiler ranges around the step's phases (runtime: StepTimes; loop: PlainLoop.step)
+BACKWARD = "autograd::engine::evaluate_function"
 
 
-_BENCH = _bench_module()
-LLAMA, recipe_text = _BENCH.LLAMA, _BENCH.recipe_text
+def _place(e, memo: dict) -> tuple[str, str]:
+    """``(phase, F|B)`` of a profiled event: its innermost phase range, B when autograd runs it."""
+    key = id(e)
+    if key not in memo:
+        parent = e.cpu_parent
+        phase, kind = ("other", "F") if parent is None else _place(parent, memo)
+        if e.name.startswith(PHASE) and phase == "other":
+            phase = e.name[len(PHASE):]
+        if e.name.startswith(BACKWARD):
+            kind = "B"
+        memo[key] = (phase, kind)
+    return memo[key]
 
 
-def _profile(fn, steps: int):
-    """Run ``fn()`` ``steps`` times under torch.profiler; ``{op: self CPU ms per step}``."""
+def _profile(fn, steps: int) -> dict[str, float]:
+    """Run ``fn()`` ``steps`` times under torch.profiler: ``{"phase|F or B|op": self CPU ms per step}``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             fn()
-    return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+    out: dict[str, float] = {}
+    memo: dict[int, tuple[str, str]] = {}
+    for e in prof.events():
+        phase, kind = _place(e, memo)
+        k = f"{phase}|{kind}|{e.name}"
+        out[k] = out.get(k, 0.0) + e.self_cpu_time_total / 1e3 / steps
+    return out
+
+
+def _annotated(phase):
+    """``StepTimes.phase`` that also opens a profiler range named after the phase."""
+    from torch.profiler import record_function
+
+    @contextlib.contextmanager
+    def wrapped(name: str):
+        with record_function(PHASE + name), phase(name):
+            yield
+
+    return wrapped
 
 
 def _runtime(recipe: str, sets: list[str], out: str):
     """The runtime's trainer on the recipe: ``(trainer, step function returning the step's metrics)``."""
+    from torch.profiler import record_function
+
     from parallel_runtime.config import load_recipe
     from parallel_runtime.training.trainer import Trainer
 
     t = Trainer(load_recipe(recipe, sets), out)
-    return t, lambda: t.train_step(t.next_batch(t.loader))
+    t.times.phase = _annotated(t.times.phase)  # this tool's trainer only: its phases become profiler ranges
+
+    def step():
+        with record_function(PHASE + "data_wait"):
+            batch = t.next_batch(t.loader)
+        return t.train_step(batch)
+
+    return t, step
 
 
 def runtime_rank(rank: int, world: int, recipe: str, sets: list[str], out: str, warmup: int, steps: int) -> dict:
@@ -73,51 +108,22 @@ def runtime_rank(rank: int, world: int, recipe: str, sets: list[str], out: str, 
 
 
 def _loop(rank: int, world: int, recipe: str):
-    """The plain DDP loop of the Llama on the recipe's loader with ``cp=1``: ``(step function, loader)``."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The plain DDP loop of the Llama on the recipe's loader with ``cp=1``: ``(step function, loop)``."""
+    from parallel_runtime.diagnostics.ddp_loop import PlainLoop
 
-    import balanced_loader as bl
-    from parallel_runtime.config import load_recipe
-
-    r = load_recipe(recipe)
-    d, o = r.data, r.optimizer
-    loader = bl.BalancedLoader(bl.open_source(d.shards_dir), policy=r.policy.name, cost=r.cost_model(), cp=1,
-                               world_size=world, rank=rank, global_batch_tokens=d.global_batch_tokens, seed=r.seed,
-                               max_seq_len=d.max_seq_len, long_docs=d.long_docs, epochs=None)
-    spec = dict(LLAMA)
-    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(r.seed)
-    model = DDP(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    it = iter(loader)
-
-    def step() -> None:
-        batch = next(it)
-        n = len(batch.microbatches)
-        for i, mb in enumerate(batch.microbatches):
-            hf = mb.to_hf()
-            with contextlib.nullcontext() if i == n - 1 else model.no_sync():
-                loss = model(input_ids=hf["input_ids"], position_ids=hf["position_ids"], labels=hf["labels"],
-                             num_items_in_batch=batch.num_valid_tokens, use_cache=False).loss
-                (loss * world).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, loader
+    loop = PlainLoop.with_ddp(recipe, rank=rank, world=world)
+    return loop.step, loop
 
 
 def loop_rank(rank: int, world: int, recipe: str, warmup: int, steps: int) -> dict:
-    step, loader = _loop(rank, world, recipe)
+    step, loop = _loop(rank, world, recipe)
     for _ in range(warmup):
         step()
     ops = _profile(step, steps) if rank == 0 else None
     if rank != 0:
         for _ in range(steps):
             step()
-    loader.close()
+    loop.close()
     return {"ops": ops}
 
 
@@ -129,7 +135,7 @@ def interleaved_rank(rank: int, world: int, recipe: str, sets: list[str], out: s
     import torch.distributed as dist
 
     t, runtime_step = _runtime(recipe, sets, out)
-    loop_step, loader = _loop(rank, world, recipe)
+    loop_step, loop = _loop(rank, world, recipe)
     runs = {"runtime": runtime_step, "loop": loop_step}
     for _ in range(warmup):
         for fn in runs.values():
@@ -143,19 +149,24 @@ def interleaved_rank(rank: int, world: int, recipe: str, sets: list[str], out: s
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
     t.close()
-    loader.close()
+    loop.close()
     return times
 
 
-def print_pairs(times: dict[str, list[float]], what: str) -> None:
-    """Per pair the loop's step over the runtime's (the runtime's tokens/s over the loop's: same tokens), medians."""
-    import statistics
-
-    ratios = [lo / rt for rt, lo in zip(times["runtime"], times["loop"], strict=True)]
-    print(f"interleaved, {what}: runtime steps {[round(x, 2) for x in times['runtime']]}")
-    print(f"{' ' * (len(what) + 14)}loop steps    {[round(x, 2) for x in times['loop']]}")
-    print(f"tokens/s runtime / loop per pair {[round(x, 3) for x in ratios]}; median {statistics.median(ratios):.3f} "
-          f"(step medians {statistics.median(times['runtime']):.2f} s / {statistics.median(times['loop']):.2f} s)")
+def print_table(title: str, ops_rt: dict[str, float], ops_loop: dict[str, float], group, top: int | None) -> None:
+    """Both profiles summed by ``group(key)``, the largest differences first (``top`` rows; None: all)."""
+    rt: dict[str, float] = {}
+    lo: dict[str, float] = {}
+    for src, dst in ((ops_rt, rt), (ops_loop, lo)):
+        for k, v in src.items():
+            g = group(k)
+            dst[g] = dst.get(g, 0.0) + v
+    names = sorted(set(rt) | set(lo), key=lambda k: -abs(rt.get(k, 0.0) - lo.get(k, 0.0)))
+    print(f"\n{title}\n{'':<66} {'runtime':>9} {'loop':>9} {'more':>9}")
+    for k in names[:top]:
+        x, y = rt.get(k, 0.0), lo.get(k, 0.0)
+        print(f"{k[:66]:<66} {x:9.1f} {y:9.1f} {x - y:9.1f}")
+    print(f"{'all':<66} {sum(rt.values()):9.1f} {sum(lo.values()):9.1f} {sum(rt.values()) - sum(lo.values()):9.1f}")
 
 
 def main() -> None:
@@ -171,6 +182,7 @@ def main() -> None:
                     help="instead of profiling: time PAIRS runtime and loop steps alternately in the same processes")
     a = ap.parse_args()
     from balanced_loader.build.corpus import stdlib_shards
+    from parallel_runtime.diagnostics.ddp_loop import format_pairs, recipe_text
     from parallel_runtime.launch import spawn_world
 
     work = Path(a.work)
@@ -178,13 +190,13 @@ def main() -> None:
     shards = str(work / "stdlib-shards")
     stdlib_shards(shards)
     recipe = work / f"{a.model}.json"
-    recipe.write_text(recipe_text(steps=10**6, shards=shards, hf=a.model == "hf", tokens=8192, cap=1024))
+    recipe.write_text(recipe_text(steps=10**6, shards=shards, hf=a.model == "hf", cost_file=str(COST_FILE)))
     limit = 3600.0
     if a.interleave:
         with tempfile.TemporaryDirectory(dir=work) as out:
             times = spawn_world(interleaved_rank, 2, str(recipe), a.sets, out, a.warmup, a.interleave,
                                 timeout_s=limit)[0]
-        print_pairs(times, f"{a.model} {' '.join(a.sets)}".strip())
+        print(format_pairs(times, f"{a.model} {' '.join(a.sets)}".strip()))
         if a.json:
             Path(a.json).write_text(json.dumps(times, indent=1))
         return
@@ -194,14 +206,11 @@ def main() -> None:
     ops_rt, ops_loop = rt["ops"], loop["ops"]
     if a.json:
         Path(a.json).write_text(json.dumps({"runtime": rt, "loop": loop}, indent=1))
-    names = sorted(set(ops_rt) | set(ops_loop), key=lambda k: ops_loop.get(k, 0.0) - ops_rt.get(k, 0.0))
     print(f"self CPU ms per step, rank 0 ({a.model} runtime {' '.join(a.sets)} vs the DDP loop)")
-    print(f"{'op':<58} {'runtime':>9} {'loop':>9} {'more':>9}")
-    for k in names[:a.top]:
-        x, y = ops_rt.get(k, 0.0), ops_loop.get(k, 0.0)
-        print(f"{k[:58]:<58} {x:9.1f} {y:9.1f} {x - y:9.1f}")
-    print(f"{'all ops':<58} {sum(ops_rt.values()):9.1f} {sum(ops_loop.values()):9.1f} "
-          f"{sum(ops_rt.values()) - sum(ops_loop.values()):9.1f}")
+    print_table("by phase (F: forward and everything outside autograd, B: backward)", ops_rt, ops_loop,
+                lambda k: "|".join(k.split("|")[:2]), top=None)
+    print_table("by op, all phases", ops_rt, ops_loop, lambda k: k.split("|", 2)[2], top=a.top)
+    print_table("by phase and op", ops_rt, ops_loop, lambda k: k, top=a.top)
     print("runtime step phases, ms by rank:")
     for rec, ms in zip(rt["time_ms"], rt["step_ms"]):
         print(f"  step {ms:.0f} ms: " + ", ".join(f"{k} {v}" for k, v in rec.items()))
