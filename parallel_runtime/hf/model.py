@@ -9,7 +9,8 @@
   the meta one on the run's device and dtype, uninitialized: the step's pull fills it.
 * :class:`HFCausalLM` is the stage-model adapter :class:`~parallel_runtime.engines.pipeline.PipelineStage`
   and the reference run call, with the native model's pieces: ``embed_tokens`` -> ``run_layers``
-  -> ``head_loss`` (and ``forward`` for the whole pass). ``run_layers`` runs the HF decoder on one
+  -> ``head_loss`` (and ``forward`` for the whole pass), its MLPs and norms keeping fewer activations
+  for backward (:mod:`parallel_runtime.hf.lean`). ``run_layers`` runs the HF decoder on one
   packed sequence with the microbatch's ``position_ids`` (each lane's true positions in the CP
   layout, so RoPE sees them) and passes the microbatch's bound attention to every layer through
   the registered ``bl_cp`` attention (:mod:`parallel_runtime.hf.attention`). ``head_loss`` makes the
@@ -39,6 +40,7 @@ from torch import nn
 from parallel_runtime.engines.tensor import IGNORE_INDEX
 from parallel_runtime.hf.attention import BOUND_KWARG, NAME, register
 from parallel_runtime.hf.config import PRETRAINED, check_hf_recompute, hf_config
+from parallel_runtime.hf.lean import install as install_lean
 from parallel_runtime.model import chunked_loss_sum
 from parallel_runtime.topology import Topology
 from parallel_runtime.training.optimizer import LocalParam, ParamSpec
@@ -58,11 +60,14 @@ class HFCausalLM(nn.Module):
     first_stage = True
     last_stage = True
 
-    def __init__(self, hf: nn.Module) -> None:
+    def __init__(self, hf: nn.Module, *, lean: bool = True) -> None:
+        """``lean``: the MLPs and norms keep fewer activations for backward (:mod:`parallel_runtime.hf.lean`;
+        the same gradients bit for bit), except under ``recompute``."""
         super().__init__()
         self.hf = hf
         self.config = StageShape(hidden=int(hf.config.hidden_size))
         self._recompute = False
+        self.lean_modules = install_lean(hf, lambda: not self._recompute) if lean else 0
 
     @property
     def recompute(self) -> bool:
@@ -159,10 +164,11 @@ class HFModel:
                 yield n, params[n].detach()
             del module, params
 
-    def build(self, device: torch.device, dtype: torch.dtype, *, values: bool = True) -> HFCausalLM:
+    def build(self, device: torch.device, dtype: torch.dtype, *, values: bool = True, lean: bool = True) -> HFCausalLM:
         """A working model on ``device`` in ``dtype``, its buffers (RoPE tables) computed; with ``values``
         its parameters hold :meth:`init_params`, else they are uninitialized (the runtime pulls them from
-        the optimizer shards before any use, so it never makes the initial values twice)."""
+        the optimizer shards before any use, so it never makes the initial values twice); ``lean``: see
+        :class:`HFCausalLM`."""
         model = copy.deepcopy(self._meta)
         materialize(model, device, dtype)
         with torch.no_grad():
@@ -173,7 +179,7 @@ class HFModel:
                 params = dict(model.named_parameters())
                 for n, t in self.init_params():
                     params[n].copy_(t)
-        return HFCausalLM(model.train())
+        return HFCausalLM(model.train(), lean=lean)
 
 
 def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

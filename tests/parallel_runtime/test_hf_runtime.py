@@ -92,6 +92,31 @@ def test_recompute_gives_the_same_loss_and_gradients_and_saves_less(model_type: 
     assert not again.hf.is_activation_checkpointing
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_lean_activations_give_the_same_gradients_and_keep_less(model_type: str) -> None:
+    """SwiGLU keeping gate and up only, norms checkpointed (parallel_runtime.hf.lean): bit for bit the same."""
+    spec = {"model_type": model_type, **TINY, "initializer_range": 0.2}
+    b = {k: torch.from_numpy(v) for k, v in _packed().items()}
+    nvt = int((b["labels"] != -100).sum())
+    hf = HFModel(spec, seed=1)
+    runs = {}
+    for lean in (False, True):
+        model = hf.build(torch.device("cpu"), torch.float32, lean=lean)
+        assert model.lean_modules == (0 if not lean else 3 * TINY["num_hidden_layers"] + 1 + 2 * TINY[
+            "num_hidden_layers"] * (model_type == "qwen3"))  # MLP and 2 norms per layer, the final norm (+ q/k norms)
+        saved = SavedActivations(exclude=list(model.parameters()))
+        with saved.hooks():
+            loss = model(b["input_ids"], b["position_ids"], b["labels"], attn=local_attention(b["cu_seqlens"], "loop"),
+                         num_valid_tokens=nvt)
+        loss.backward()
+        runs[lean] = float(loss.detach()), [p.grad for p in model.parameters()], saved.peak
+    (loss, grads, peak), (loss_lean, grads_lean, peak_lean) = runs[False], runs[True]
+    assert loss_lean == loss and all(torch.equal(g, h) for g, h in zip(grads, grads_lean, strict=True))
+    t, layers, hidden, mlp = len(b["input_ids"]), TINY["num_hidden_layers"], TINY["hidden_size"], \
+        TINY["intermediate_size"]
+    assert peak - peak_lean >= 4 * t * (layers * (mlp + 2 * hidden) + hidden)  # silu(gate), each norm's normalized
+
+
 def test_recompute_of_a_model_without_checkpointing_fails_with_one_line() -> None:
     from transformers import CTRLConfig, CTRLLMHeadModel  # a real causal LM class without activation checkpointing
 

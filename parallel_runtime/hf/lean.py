@@ -1,0 +1,86 @@
+"""Fewer saved activations for the transformers models the runtime trains: the same math, the same gradients.
+
+What autograd keeps for backward per token of a Llama-family decoder layer (hidden ``H``, MLP width ``I``,
+fp32): each RMSNorm keeps its input, its normalized input and (through the projection that reads it) its
+weighted output; the SwiGLU MLP keeps ``gate``, ``silu(gate)``, ``up`` and (through ``down_proj``) their
+product. Two of these are made again cheaply in backward:
+
+* **SwiGLU**: ``silu(gate) * up`` as one autograd function (:class:`SiluMul`) keeping ``gate`` and ``up``
+  only; backward makes ``silu(gate)`` again and runs the ops autograd would (``silu_backward`` of
+  ``grad * up``, ``grad * silu(gate)``): ``I`` floats per token and layer fewer, the same gradients.
+* **RMSNorm**: each norm runs under non-reentrant activation checkpointing of its own forward: it keeps
+  its input only and makes its normalized input again in backward (its weighted output is kept by the
+  projections anyway): ``H`` floats per token and norm fewer.
+
+On the benchmark's 27.5M Llama (``H`` 512, ``I`` 1,536, 8 layers) a 1,024-token microbatch keeps 375.8 MB
+for backward, 293.8 MB with both (-22%), for ~1% more CPU (``docs/results/hf_runtime.md``). Under
+``train.recompute`` the model's own forwards run: a recomputed layer keeps its input only anyway.
+
+The MLP is replaced only in the classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
+with a SiLU (:data:`SWIGLU_MLPS`); norms are checkpointed whatever their formula (any module whose class
+name holds ``RMSNorm``), which is exact for any forward.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# transformers' SwiGLU MLP classes of the supported model types (parallel_runtime.hf.config.SUPPORTED)
+SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+
+
+class SiluMul(torch.autograd.Function):
+    """``silu(gate) * up`` keeping ``gate`` and ``up`` for backward (not ``silu(gate)``)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        # what autograd runs for F.silu(gate) * up: MulBackward0, then SiluBackward0
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
+def _is_silu(act: nn.Module) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def install(model: nn.Module, active: Callable[[], bool]) -> int:
+    """Make ``model``'s SwiGLU MLPs and RMSNorms keep fewer activations while ``active()`` and autograd records
+    (their instance ``forward``; hooks on the modules still run); returns how many modules changed."""
+    n = 0
+    for mod in model.modules():
+        if type(mod).__name__ in SWIGLU_MLPS and _is_silu(getattr(mod, "act_fn", None)):
+            mod.forward = types.MethodType(_swiglu_forward(mod.forward, active), mod)
+            n += 1
+        elif "RMSNorm" in type(mod).__name__:
+            mod.forward = _checkpointed(mod.forward, active)
+            n += 1
+    return n
+
+
+def _swiglu_forward(own: Callable, active: Callable[[], bool]) -> Callable:
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not (active() and torch.is_grad_enabled()):
+            return own(x)
+        return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+    return forward
+
+
+def _checkpointed(own: Callable, active: Callable[[], bool]) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not (active() and torch.is_grad_enabled()):
+            return own(x)
+        return checkpoint(own, x, use_reentrant=False, preserve_rng_state=False)
+
+    return forward
