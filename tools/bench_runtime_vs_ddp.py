@@ -198,6 +198,31 @@ def summarize(got: dict[str, list[dict]], base: str) -> str:
     return "\n".join(lines)
 
 
+def figures(got: dict[str, list[dict]]) -> list:
+    """The record's figures (native and HF against the loop), where ``got`` has the plain ddp, native and hf runs."""
+    from balanced_loader.outputs.records import Figure
+
+    base = got["ddp"]
+    out = []
+    setting = ("27.5M decoder 512x8, stdlib corpus, 8,192 tokens per step, microbatch cap 1,024, hydra, 2 gloo ranks "
+               f"of 1 thread, {len(base)} rounds of alternated launches")
+    for name, what in (("native", "the native decoder"), ("hf", "the same Llama through model.hf")):
+        runs = got[name]
+        per = [x["step_s"] / r["step_s"] for x, r in zip(base, runs)]  # same tokens: tokens/s ratio
+        cpu = statistics.median(x["cpu_s"] for x in base) / statistics.median(r["cpu_s"] for r in runs)
+        rss, rss_base = (statistics.median(r["rss_mb"] for r in rr) for rr in (runs, base))
+        for kind, figure, target, value in (
+                ("speed", f"tokens/s of the runtime with {what} / the plain accelerate DDP loop, {setting}",
+                 ">= 0.98 (median of rounds), no round under 0.93",
+                 f"**{statistics.median(per):.3f}** (rounds {', '.join(f'{v:.2f}' for v in per)}); CPU per step, "
+                 f"the loop's / the runtime's {cpu:.3f}"),
+                ("memory", f"peak RSS of the largest process, the runtime with {what} / the loop, same runs",
+                 "<= 0.75", f"**{rss / rss_base:.3f}** ({rss:,.0f} MB against {rss_base:,.0f})")):
+            out.append(Figure(id=f"runtime_vs_ddp.{kind}_{name}", area="runtime", figure=figure, target=target,
+                              value=value))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the configurations (default 3)")
@@ -209,6 +234,8 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=1024, help="tokens per microbatch and lane (default 1024)")
     ap.add_argument("--work", default="/tmp/bench_runtime_vs_ddp", help="recipes, runs and the corpus")
     ap.add_argument("--json", help="also write every run's figures to this file")
+    ap.add_argument("--record", help="write the results record here (docs/results/records/runtime_vs_ddp.json; "
+                                     "needs the configurations ddp, native and hf)")
     a = ap.parse_args()
     if a.warmup < 1 or a.steps <= a.warmup:
         raise SystemExit("bench_runtime_vs_ddp: need --steps > --warmup >= 1")
@@ -219,6 +246,8 @@ def main() -> None:
 
     stdlib_shards(shards)  # built once, before any timed run
     configs = a.configs.split(",")
+    if a.record and not {"ddp", "native", "hf"} <= set(configs):
+        raise SystemExit("bench_runtime_vs_ddp: --record needs --configs with ddp, native and hf")
     got: dict[str, list[dict]] = {c: [] for c in configs}
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()}", flush=True)
     for r in range(a.rounds):
@@ -231,6 +260,13 @@ def main() -> None:
                   f"peak RSS {res['rss_mb']:.0f} MB (VmHWM {res['hwm_mb']:.0f}), load {res['load']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(got, indent=1))
+    if a.record:
+        from balanced_loader.outputs.records import make_record, write_record
+
+        cmd = f"python tools/bench_runtime_vs_ddp.py --rounds {a.rounds} --steps {a.steps} --warmup {a.warmup} " \
+              f"--configs {a.configs} --record {a.record}"
+        write_record(a.record, make_record("runtime_vs_ddp", figures(got), command=cmd, details=got, repo=str(REPO)))
+        print(f"wrote {a.record}; then: python -m balanced_loader.outputs.records")
     print(summarize(got, configs[0] if "ddp" not in configs else "ddp"))
     print(f"machine load after: {os.getloadavg()}")
 
