@@ -33,7 +33,7 @@ BL_FLOORS: dict[str, set[str]] = {
     "loader": {"batches", "calibration", "cost", "data", "loader_args", "materialize", "plan", "planning", "presets",
                "schedule", "dataset_view", "strict"},
     "wrapping": {"data", "loader", "loader_args"},
-    "diagnostics": {"cost", "data", "plan", "simulate", "outputs", "strict"},
+    "diagnostics": {"cost", "data", "plan", "simulate", "outputs", "strict", "planning", "batches", "build", "presets"},
     "integrations": {"cost", "data", "loader", "loader_args", "materialize", "planning", "plan", "wrapping",
                      "outputs", "presets", "schedule", "simulate", "strict", "batches"},
     "cli": {"batches", "build", "cost", "data", "diagnostics", "loader", "loader_args", "materialize", "outputs",

@@ -95,7 +95,7 @@ def many_sources(k: int, steps: int = 6) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--corpora", default="gcloud,vimdoc,man,lines,headers,licenses")
+    ap.add_argument("--corpora", default="gcloud,vimdoc,man,lines,c_headers,license_texts")
     ap.add_argument("--mix", default="gcloud,man,lines", help="three corpora, weights 0.6 / 0.3 / 0.1")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--mix-steps", type=int, default=60)

@@ -192,20 +192,23 @@ def test_streamed_batches_equal_the_whole_array_cut(lengths, budget, max_len, mo
 
 @given(lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=60), window=st.integers(1, 50),
        seed=st.integers(0, 3), shuffle=st.booleans(), points=st.lists(st.integers(8, 400), min_size=1, max_size=3),
-       budget=st.integers(400, 3000))
-def test_a_max_seq_len_schedule_tiles_every_doc_once(lengths, window, seed, shuffle, points, budget):
-    """Under a schedule, pieces of the largest limit are read as sequences of each step's limit."""
+       budgets=st.lists(st.integers(400, 3000), min_size=1, max_size=3))
+def test_schedules_of_max_seq_len_and_budget_tile_every_doc_once_in_steps_of_their_size(lengths, window, seed, shuffle,
+                                                                                      points, budgets):
+    """Under a schedule, pieces of the largest limit are read as sequences of each step's limit, and every
+    step but the run's last holds between its budget minus its limit and its budget."""
     ln = np.asarray(lengths, dtype=np.int64)
     limit = schedule([(3 * i, v) for i, v in enumerate(points)], "max_seq_len")
+    budget = schedule([(2 * i + 1, v) for i, v in enumerate(budgets)], "global_batch_tokens")
     st_ = stream_for(LengthArray(lengths=ln, shard_bounds=None), seed=seed, shuffle=shuffle, window=window,
-                     max_seq_len=limit, global_batch_tokens=schedule(budget, "B"), long_docs="split", epochs=1)
+                     max_seq_len=limit, global_batch_tokens=budget, long_docs="split", epochs=1)
     cur, cov = st_.epoch_start(0), {}
     for _ in range(10_000):
         c = st_.cut(cur)
-        L = limit.at(cur.step)
-        assert (c.items.lengths <= L).all() and c.tokens <= budget
+        L, B = limit.at(cur.step), budget.at(cur.step)
+        assert (c.items.lengths <= L).all() and c.tokens <= B
         if c.end.epoch == 0:
-            assert c.tokens >= budget - L
+            assert c.tokens >= B - L
         for d, a, n in zip(c.items.doc_ids.tolist(), c.items.starts.tolist(), c.items.lengths.tolist()):
             cov.setdefault(d, []).append((a, n))
         if c.end.epoch:

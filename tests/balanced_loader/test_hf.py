@@ -136,7 +136,7 @@ def test_plan_cli_cp1_for_every_policy(policy, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("policy, flag, value", [("hydraulis", "tp", 2), ("hydraulis", "pp", 2),
-                                                 ("hydraulis", "cp", 2), ("pools", "tp", 2),
+                                                 ("hydraulis", "cp", 3), ("pools", "tp", 2),
                                                  ("hydra", "cp", 3), ("mcore-dcp", "cp", 8)])
 def test_a_flag_a_policy_cannot_honour_is_one_clear_error(policy, flag, value):
     items = BatchItems.from_lengths(np.minimum(LENGTHS, 64))

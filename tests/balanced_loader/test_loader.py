@@ -223,7 +223,7 @@ def test_default_max_seq_len_from_cost():
     ("static-sp", 6, 2 * 1000),
     ("token-kk", 8, 8 * 1000),
     ("hydra", 12, 8 * 1000),  # aligned power-of-two blocks
-    ("hydraulis", 8, 3000),  # one lane per pool: the largest shape's cap
+    ("hydraulis", 8, 4 * 3000),  # CP over the 4 replicas of tp 2 (one pool per shape)
 ])
 def test_default_max_seq_len_is_what_the_policy_can_plan(policy, world, limit):
     cost = CostModel.from_dict({"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0,

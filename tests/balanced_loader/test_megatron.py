@@ -365,8 +365,8 @@ def test_verify_counts_in_index_json_and_names_a_length_file(tmp_path, capsys):
     """`verify` on a shard folder whose index.json num_tokens was raised by 7 reports it (it said 'no
     problems'); `verify lengths.txt` says what the file is and what verify takes (it said 'shard folder
     does not exist')."""
-    from balanced_loader.data.index import INDEX_FILE
     from balanced_loader.build.writer import write_shards
+    from balanced_loader.data.index import INDEX_FILE
 
     folder = str(tmp_path / "shards")
     write_shards([np.arange(n, dtype=np.uint16) for n in (5, 9, 300)], folder)

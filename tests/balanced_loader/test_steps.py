@@ -52,7 +52,7 @@ def make(source, rank=0, world=4, **kw):
     return BalancedLoader(source, **args)
 
 
-@pytest.mark.parametrize("name", ["stdlib", "lines", "headers", "man", "licenses"])
+@pytest.mark.parametrize("name", ["stdlib", "lines", "c_headers", "man", "license_texts"])
 @pytest.mark.parametrize("long_docs", ["split", "truncate", "drop"])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_every_step_but_the_last_holds_between_budget_minus_a_sequence_and_the_budget(name, long_docs, shuffle):
@@ -82,16 +82,16 @@ def test_the_loader_on_a_code_corpus_with_docs_hundreds_of_times_the_context(cod
         mine = batch.sequences.lengths[batch.sequences.doc_ids == longest].sum()
         steps_with_longest += bool(mine)
         share = max(share, mine / sizes[-1])
-        starts = set(zip(batch.sequences.doc_ids.tolist(), batch.sequences.starts.tolist()))
+        seqs = batch.sequences
+        ends = set(zip(seqs.doc_ids.tolist(), (seqs.starts + seqs.lengths).tolist()))
         for b in [batch, *obs]:
             for mb in b.microbatches:
-                labels = mb.to_hf()["labels"][0]
                 o = 0
                 for d, a, n in mb.segments:
                     if d >= 0:
                         assert np.array_equal(mb.input_ids[o:o + n], code_shards.tokens(d)[a:a + n])
-                        if (d, a) in starts:  # a sequence's first token (a piece of a long doc too): no target
-                            assert labels[o].item() == IGNORE_INDEX
+                        if (d, a + n) in ends:  # a sequence's last token (a piece of a long doc too): no target
+                            assert mb.labels[o + n - 1] == IGNORE_INDEX
                         pieces.setdefault(d, []).append((a, n))
                     o += n
     sizes = np.asarray(sizes)
@@ -103,6 +103,24 @@ def test_the_loader_on_a_code_corpus_with_docs_hundreds_of_times_the_context(cod
             pos += k
         assert pos == n
     assert steps_with_longest > 0.9 * len(sizes) and share < 0.75  # it is 38% of the tokens (unshuffled: 100%)
+
+
+def test_to_hf_gives_no_target_to_the_first_token_of_every_sequence_pieces_included(code_shards):
+    """cp=1 (a DDP loop over a transformers model): unshifted labels, -100 at each sequence's first token."""
+    ld = make(code_shards, cp=1, epochs=1, shuffle_window=1 << 16)
+    checked = 0
+    for _, batch in zip(range(12), ld):
+        starts = set(zip(batch.sequences.doc_ids.tolist(), batch.sequences.starts.tolist()))
+        for r in range(ld.world_size):
+            for mb in ld.microbatches(batch.plan, r):
+                labels, o = mb.to_hf()["labels"][0], 0
+                for d, a, n in mb.segments:
+                    if d >= 0 and (d, a) in starts:
+                        assert labels[o].item() == IGNORE_INDEX
+                        checked += a > 0
+                    o += n
+    ld.close()
+    assert checked > 10  # pieces of long docs (start > 0) among them
 
 
 def test_resume_between_two_pieces_of_one_doc_exactly_at_another_world_size(code_shards):
