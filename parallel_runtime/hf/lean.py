@@ -5,15 +5,18 @@ fp32): each RMSNorm keeps its input, its normalized input and (through the proje
 weighted output; the SwiGLU MLP keeps ``gate``, ``silu(gate)``, ``up`` and (through ``down_proj``) their
 product. Two of these are made again cheaply in backward:
 
-* **SwiGLU**: ``silu(gate) * up`` as one autograd function (:class:`SiluMul`) keeping ``gate`` and ``up``
-  only; backward makes ``silu(gate)`` again and runs the ops autograd would (``silu_backward`` of
-  ``grad * up``, ``grad * silu(gate)``): ``I`` floats per token and layer fewer, the same gradients.
+* **SwiGLU**: ``down_proj(silu(gate) * up)`` as one autograd function (:class:`SwiGLUDown`) keeping
+  ``gate`` and ``up`` only; backward makes ``silu(gate)`` and the product again (elementwise, no matmul)
+  and runs the ops autograd would (``down_proj``'s two ``mm``, then ``silu_backward`` of ``grad * up``,
+  ``grad * silu(gate)``): ``2 I`` floats per token and layer fewer (``silu(gate)`` and the product
+  ``down_proj`` would keep), the same gradients.
 * **RMSNorm**: each norm runs under non-reentrant activation checkpointing of its own forward: it keeps
   its input only and makes its normalized input again in backward (its weighted output is kept by the
   projections anyway): ``H`` floats per token and norm fewer.
 
 On the benchmark's 27.5M Llama (``H`` 512, ``I`` 1,536, 8 layers) a 1,024-token microbatch keeps 375.8 MB
-for backward, 293.8 MB with both (-22%), for ~1% more CPU (``docs/results/hf_runtime.md``). Under
+for backward, 245.8 MB with both (-35%; 293.8 MB when the product was still kept), for ~1% more CPU
+(``docs/results/hf_speed.md``). Under
 ``train.recompute`` the model's own forwards run: a recomputed layer keeps its input only anyway.
 
 The MLP is replaced only in the classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
@@ -35,19 +38,29 @@ from torch.utils.checkpoint import checkpoint
 SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 
 
-class SiluMul(torch.autograd.Function):
-    """``silu(gate) * up`` keeping ``gate`` and ``up`` for backward (not ``silu(gate)``)."""
+class SwiGLUDown(torch.autograd.Function):
+    """``F.linear(silu(gate) * up, weight, bias)`` keeping ``gate``, ``up`` and the weight for backward (not
+    ``silu(gate)`` nor the product): ``gate, up [..., I]``, ``weight [H, I]`` -> ``[..., H]``."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(F.silu(gate) * up, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up = ctx.saved_tensors
-        # what autograd runs for F.silu(gate) * up: MulBackward0, then SiluBackward0
-        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+    def backward(ctx, grad: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        silu = F.silu(gate)
+        act = (silu * up).reshape(-1, up.shape[-1])  # [T, I], made again
+        g2 = grad.reshape(-1, grad.shape[-1])  # [T, H]
+        # what autograd runs for linear (matmul folded to mm) and then MulBackward0 and SiluBackward0
+        grad_act = g2.mm(weight).view(up.shape) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
+        grad_w = g2.t().mm(act) if ctx.needs_input_grad[2] else None  # [H, I], as mm_mat2_backward makes it
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        if grad_act is None:
+            return None, None, grad_w, grad_b
+        return torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu, grad_w, grad_b
 
 
 def _is_silu(act: nn.Module) -> bool:
@@ -72,7 +85,8 @@ def _swiglu_forward(own: Callable, active: Callable[[], bool]) -> Callable:
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not (active() and torch.is_grad_enabled()):
             return own(x)
-        return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+        down = self.down_proj
+        return SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), down.weight, down.bias)
 
     return forward
 
