@@ -69,7 +69,8 @@ def _is_silu(act: nn.Module) -> bool:
 
 def install(model: nn.Module, active: Callable[[], bool]) -> int:
     """Make ``model``'s SwiGLU MLPs and RMSNorms keep fewer activations while ``active()`` and autograd records
-    (their instance ``forward``; hooks on the modules still run); returns how many modules changed."""
+    (their instance ``forward``; hooks on these modules still run, forward hooks on ``down_proj`` do not: its
+    weight is used directly); returns how many modules changed."""
     n = 0
     for mod in model.modules():
         if type(mod).__name__ in SWIGLU_MLPS and _is_silu(getattr(mod, "act_fn", None)):
