@@ -69,12 +69,14 @@ def _is_silu(act: nn.Module) -> bool:
 
 def install(model: nn.Module, active: Callable[[], bool]) -> int:
     """Make ``model``'s SwiGLU MLPs and RMSNorms keep fewer activations while ``active()`` and autograd records
-    (their instance ``forward``; hooks on these modules still run, forward hooks on ``down_proj`` do not: its
-    weight is used directly); returns how many modules changed."""
+    (their instance ``forward``; every module is still called as a module, so its hooks run: the overlap's wait
+    for a pulled weight, the peak sampler); returns how many modules changed."""
     n = 0
     for mod in model.modules():
         if type(mod).__name__ in SWIGLU_MLPS and _is_silu(getattr(mod, "act_fn", None)):
             mod.forward = types.MethodType(_swiglu_forward(mod.forward, active), mod)
+            down = mod.down_proj
+            down.forward = types.MethodType(_down_forward(down.forward), down)
             n += 1
         elif "RMSNorm" in type(mod).__name__:
             mod.forward = _checkpointed(mod.forward, active)
@@ -86,8 +88,18 @@ def _swiglu_forward(own: Callable, active: Callable[[], bool]) -> Callable:
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not (active() and torch.is_grad_enabled()):
             return own(x)
-        down = self.down_proj
-        return SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), down.weight, down.bias)
+        return self.down_proj(self.gate_proj(x), self.up_proj(x))  # called as a module: its hooks run
+
+    return forward
+
+
+def _down_forward(own: Callable) -> Callable:
+    """``down_proj``'s forward: its own on one input, :class:`SwiGLUDown` on ``(gate, up)``."""
+
+    def forward(self: nn.Module, x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        if up is None:
+            return own(x)
+        return SwiGLUDown.apply(x, up, self.weight, self.bias)
 
     return forward
 

@@ -105,14 +105,19 @@ def test_lean_activations_give_the_same_gradients_and_keep_less(model_type: str)
         model = hf.build(torch.device("cpu"), torch.float32, lean=lean)
         assert model.lean_modules == (0 if not lean else 3 * TINY["num_hidden_layers"] + 1 + 2 * TINY[
             "num_hidden_layers"] * (model_type == "qwen3"))  # MLP and 2 norms per layer, the final norm (+ q/k norms)
+        called: list[str] = []  # modules with parameters, as their forward pre-hooks see them (the overlap's wait)
+        for name, m in model.named_modules():
+            if next(m.parameters(recurse=False), None) is not None:
+                m.register_forward_pre_hook(lambda *_, name=name, called=called: called.append(name))
         saved = SavedActivations(exclude=list(model.parameters()))
         with saved.hooks():
             loss = model(b["input_ids"], b["position_ids"], b["labels"], attn=local_attention(b["cu_seqlens"], "loop"),
                          num_valid_tokens=nvt)
         loss.backward()
-        runs[lean] = float(loss.detach()), [p.grad for p in model.parameters()], saved.peak
-    (loss, grads, peak), (loss_lean, grads_lean, peak_lean) = runs[False], runs[True]
+        runs[lean] = float(loss.detach()), [p.grad for p in model.parameters()], saved.peak, called
+    (loss, grads, peak, called), (loss_lean, grads_lean, peak_lean, called_lean) = runs[False], runs[True]
     assert loss_lean == loss and all(torch.equal(g, h) for g, h in zip(grads, grads_lean, strict=True))
+    assert called_lean == called and any(n.endswith("down_proj") for n in called)  # every module still called
     t, layers, hidden, mlp = len(b["input_ids"]), TINY["num_hidden_layers"], TINY["hidden_size"], \
         TINY["intermediate_size"]
     # silu(gate) and silu(gate) * up (down_proj's input), each norm's normalized input
