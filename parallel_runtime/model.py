@@ -267,23 +267,57 @@ class Transformer(nn.Module):
         """``[T, hidden] -> [T, vocab/tp]`` this rank's vocab shard of the logits (last stage)."""
         if self.norm is None:
             raise ValueError("logits/head_loss need a last-stage model (last_stage=True)")
-        h = self.norm(h)
+        return self._project(self.norm(h))
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        """The head on normed ``h [T, hidden]``: ``[T, vocab/tp]``."""
         if self.head is not None:
             return self.head(h)
         return F.linear(copy_to_tp(h, self.tp), self.embed.weight)
 
+    def _token_loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(self._project(h), labels, self.tp).sum()
+
     def head_loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens: int) -> torch.Tensor:
-        """Sum of token losses divided by the step's global number of valid tokens."""
+        """Sum of token losses divided by the step's global number of valid tokens; the logits are made
+        (and reduced in fp32) a chunk of tokens at a time (:func:`chunked_loss_sum`)."""
         if num_valid_tokens < 1:
             raise ValueError(f"num_valid_tokens must be >= 1, got {num_valid_tokens}")
-        losses = vocab_parallel_cross_entropy(self.logits(h), labels, self.tp)
-        return losses.sum() / num_valid_tokens
+        if self.norm is None:
+            raise ValueError("logits/head_loss need a last-stage model (last_stage=True)")
+        vocab = self.config.vocab_size // self.tp.size
+        return chunked_loss_sum(self._token_loss_sum, self.norm(h), labels, vocab) / num_valid_tokens
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, *,
                 attn: Attn, num_valid_tokens: int) -> torch.Tensor:
         """Loss of a whole-model pass (first and last stage)."""
         h = self.run_layers(self.embed_tokens(input_ids), position_ids, attn)
         return self.head_loss(h, labels, num_valid_tokens)
+
+
+LOSS_CHUNK_BYTES = 256 << 20  # fp32 logits of one chunk of the loss head: [tokens, vocab / tp] x 4 bytes
+
+
+def chunked_loss_sum(loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], h: torch.Tensor,
+                     labels: torch.Tensor, vocab: int, chunk_bytes: int | None = None) -> torch.Tensor:
+    """``loss_sum(h, labels)`` (the head and the sum of its token losses on ``h [T, hidden]``, ``labels [T]``)
+    over chunks of tokens whose fp32 logits ``[C, vocab]`` fit ``chunk_bytes``, added up.
+
+    Why: the head's logits are ``[T, vocab]``, reduced in fp32: at 16K tokens and a 128K vocabulary 8 GiB
+    for the upcast alone, and as much again kept for backward. Chunk by chunk only one chunk's logits
+    live at a time: each chunk runs under non-reentrant activation checkpointing (it keeps its slice of
+    ``h`` only and makes its logits again in backward: one more head matmul per chunk, its collectives,
+    a TP head's included, replayed in the same order on every rank). The autograd graph is the one of
+    the unchunked head, so every parameter's gradient is still accumulated once per backward. Where all
+    ``T`` tokens fit one chunk (small vocabularies, short microbatches) it is the plain call, no recompute.
+    ``chunk_bytes``: default :data:`LOSS_CHUNK_BYTES` (read at the call)."""
+    per = max(1, (LOSS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * vocab))  # tokens per chunk
+    if h.shape[0] <= per:
+        return loss_sum(h, labels)
+    run = partial(checkpoint, loss_sum, use_reentrant=False, preserve_rng_state=False) \
+        if torch.is_grad_enabled() else loss_sum
+    parts = [run(hc, lc) for hc, lc in zip(h.split(per), labels.split(per), strict=True)]
+    return torch.stack(parts).sum()
 
 
 def local_attention(cu_seqlens: torch.Tensor, impl: str = "auto") -> Attn:

@@ -4,8 +4,9 @@ Same model (the 27.5M-parameter decoder 512x8: the native decoder, or the same s
 ``LlamaForCausalLM`` through ``model.hf``), same data (the stdlib corpus, byte tokens, docs truncated to
 1,024), the same global batches (8,192 tokens per step), the same loader (hydra; the loop's with ``cp=1``
 and ``mb.to_hf()``, microbatches capped at 1,024 tokens), 2 gloo ranks with 1 torch thread each. The
-loop is what examples/hf_accelerate.py does: ``sdpa`` attention, DDP's gradient all-reduce on the last
-microbatch (``no_sync`` before), ``clip_grad_norm_`` and torch's ``AdamW`` with its defaults.
+loop is what examples/hf_accelerate.py does (``parallel_runtime.diagnostics.ddp_loop``, launched as
+``accelerate launch -m parallel_runtime.diagnostics.ddp_loop``): ``sdpa`` attention, DDP's gradient
+all-reduce on the last microbatch (``no_sync`` before), ``clip_grad_norm_`` and torch's ``AdamW``.
 
     python tools/bench_runtime_vs_ddp.py --rounds 3          # native, hf, ddp; 2 warm-up + 4 timed steps each
 
@@ -44,83 +45,11 @@ import threading
 import time
 from pathlib import Path
 
+from parallel_runtime.diagnostics.ddp_loop import recipe_text
+
 REPO = Path(__file__).resolve().parents[1]
+COST_FILE = REPO / "recipes" / "cost-cpu-tiny.yaml"
 STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss\s+\S+\s+tokens\s+(\d+)")
-
-NATIVE = {"vocab_size": 256, "hidden": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 8, "ffn_hidden": 1536}
-# the same decoder as a transformers Llama (RMSNorm eps, untied head; RoPE theta 1e4 is transformers' default)
-LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 512, "intermediate_size": 1536,
-         "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
-         "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
-         "tie_word_embeddings": False}
-
-
-def recipe_text(*, steps: int, shards: str, hf: bool, tokens: int, cap: int) -> str:
-    """The benchmark's recipe (JSON is YAML): both models, the loader settings the loop reuses."""
-    rec = {"seed": 0, "steps": steps,
-           "data": {"source": "stdlib", "shards_dir": shards, "global_batch_tokens": tokens, "max_seq_len": 1024,
-                    "long_docs": "truncate"},
-           "model": {"hf": LLAMA} if hf else NATIVE,
-           "policy": {"name": "hydra"},
-           "cost": {"file": str(REPO / "recipes" / "cost-cpu-tiny.yaml"), "lane_caps": {"1x1": cap}},
-           "world": {"size": 2, "device": "cpu", "threads": 1, "timeout_s": 600},
-           "optimizer": {"lr": 3e-3, "max_grad_norm": 1.0},
-           "train": {"attention": "auto"}}
-    return json.dumps(rec, indent=1)
-
-
-# ---- the plain loop (runs under accelerate launch) -------------------------------------------------
-
-
-def ddp_loop(recipe_path: str, steps: int) -> None:
-    """A plain accelerate DDP loop over the recipe's loader with ``cp=1``; prints one line per step (rank 0)."""
-    import contextlib
-
-    import torch
-    from accelerate import Accelerator
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import balanced_loader as bl
-    from parallel_runtime.config import load_recipe
-
-    torch.set_num_threads(1)
-    r = load_recipe(recipe_path)
-    d = r.data
-    accelerator = Accelerator(cpu=True)
-    loader = bl.BalancedLoader(bl.open_source(d.shards_dir), policy=r.policy.name, cost=r.cost_model(), cp=1,
-                               global_batch_tokens=d.global_batch_tokens, seed=r.seed, max_seq_len=d.max_seq_len,
-                               long_docs=d.long_docs, epochs=None)
-    spec = dict(LLAMA)
-    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(r.seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    o = r.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.train()
-    for batch in loader:
-        if batch.step >= steps:
-            break
-        n = len(batch.microbatches)
-        loss_sum = torch.zeros(())
-        for i, mb in enumerate(batch.microbatches):
-            hf = mb.to_hf()
-            sync = contextlib.nullcontext() if i == n - 1 else accelerator.no_sync(model)
-            with sync:
-                # transformers' own loss: the token sum over num_items_in_batch (the step's global targets);
-                # x processes because DDP averages the gradients over ranks
-                loss = model(input_ids=hf["input_ids"], position_ids=hf["position_ids"], labels=hf["labels"],
-                             num_items_in_batch=batch.num_valid_tokens, use_cache=False).loss
-                accelerator.backward(loss * accelerator.num_processes)
-            loss_sum += loss.detach()
-        accelerator.clip_grad_norm_(model.parameters(), o.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        total = float(accelerator.reduce(loss_sum, reduction="sum"))
-        if accelerator.is_main_process:
-            print(f"step {batch.step:4d}  loss {total:.5f}  tokens {batch.plan.tokens:6d}", flush=True)
-    loader.close()
-    accelerator.wait_for_everyone()
 
 
 # ---- measuring one run from outside --------------------------------------------------------------
@@ -193,7 +122,8 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
     if name not in ("ddp", "native", "hf"):
         raise SystemExit(f"bench_runtime_vs_ddp: unknown configuration '{name}' (ddp, native, hf)")
     recipe = work / f"{name}.json"
-    recipe.write_text(recipe_text(steps=steps, shards=shards, hf=name == "hf", tokens=tokens, cap=cap))
+    recipe.write_text(recipe_text(steps=steps, shards=shards, hf=name == "hf", cost_file=str(COST_FILE), tokens=tokens,
+                                  cap=cap))
     out = work / tag
     shutil.rmtree(out, ignore_errors=True)  # a folder with a checkpoint would resume instead of training
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -202,7 +132,7 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
     if name == "ddp":
         if sets:
             raise SystemExit("bench_runtime_vs_ddp: the ddp loop takes no recipe overrides (env:NAME=VALUE only)")
-        cmd = [*launch, __file__, "--ddp-child", str(recipe), "--steps", str(steps)]
+        cmd = [*launch, "-m", "parallel_runtime.diagnostics.ddp_loop", "--recipe", str(recipe), "--steps", str(steps)]
     else:
         cmd = [*launch, "-m", "parallel_runtime", "--recipe", str(recipe), "--out", str(out)]
         for s in sets:
@@ -268,6 +198,31 @@ def summarize(got: dict[str, list[dict]], base: str) -> str:
     return "\n".join(lines)
 
 
+def figures(got: dict[str, list[dict]]) -> list:
+    """The record's figures (native and HF against the loop), where ``got`` has the plain ddp, native and hf runs."""
+    from balanced_loader.outputs.records import Figure
+
+    base = got["ddp"]
+    out = []
+    setting = ("27.5M decoder 512x8, stdlib corpus, 8,192 tokens per step, microbatch cap 1,024, hydra, 2 gloo ranks "
+               f"of 1 thread, {len(base)} rounds of alternated launches")
+    for name, what in (("native", "the native decoder"), ("hf", "the same Llama through model.hf")):
+        runs = got[name]
+        per = [x["step_s"] / r["step_s"] for x, r in zip(base, runs)]  # same tokens: tokens/s ratio
+        cpu = statistics.median(x["cpu_s"] for x in base) / statistics.median(r["cpu_s"] for r in runs)
+        rss, rss_base = (statistics.median(r["rss_mb"] for r in rr) for rr in (runs, base))
+        for kind, figure, target, value in (
+                ("speed", f"tokens/s of the runtime with {what} / the plain accelerate DDP loop, {setting}",
+                 ">= 0.98 (median of rounds), no round under 0.93",
+                 f"**{statistics.median(per):.3f}** (rounds {', '.join(f'{v:.2f}' for v in per)}); CPU per step, "
+                 f"the loop's / the runtime's {cpu:.3f}"),
+                ("memory", f"peak RSS of the largest process, the runtime with {what} / the loop, same runs",
+                 "<= 0.75", f"**{rss / rss_base:.3f}** ({rss:,.0f} MB against {rss_base:,.0f})")):
+            out.append(Figure(id=f"runtime_vs_ddp.{kind}_{name}", area="runtime", figure=figure, target=target,
+                              value=value))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the configurations (default 3)")
@@ -279,11 +234,9 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=1024, help="tokens per microbatch and lane (default 1024)")
     ap.add_argument("--work", default="/tmp/bench_runtime_vs_ddp", help="recipes, runs and the corpus")
     ap.add_argument("--json", help="also write every run's figures to this file")
-    ap.add_argument("--ddp-child", help=argparse.SUPPRESS)
+    ap.add_argument("--record", help="write the results record here (docs/results/records/runtime_vs_ddp.json; "
+                                     "needs the configurations ddp, native and hf)")
     a = ap.parse_args()
-    if a.ddp_child:
-        ddp_loop(a.ddp_child, a.steps)
-        return
     if a.warmup < 1 or a.steps <= a.warmup:
         raise SystemExit("bench_runtime_vs_ddp: need --steps > --warmup >= 1")
     work = Path(a.work)
@@ -293,6 +246,8 @@ def main() -> None:
 
     stdlib_shards(shards)  # built once, before any timed run
     configs = a.configs.split(",")
+    if a.record and not {"ddp", "native", "hf"} <= set(configs):
+        raise SystemExit("bench_runtime_vs_ddp: --record needs --configs with ddp, native and hf")
     got: dict[str, list[dict]] = {c: [] for c in configs}
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()}", flush=True)
     for r in range(a.rounds):
@@ -305,6 +260,13 @@ def main() -> None:
                   f"peak RSS {res['rss_mb']:.0f} MB (VmHWM {res['hwm_mb']:.0f}), load {res['load']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(got, indent=1))
+    if a.record:
+        from balanced_loader.outputs.records import make_record, write_record
+
+        cmd = f"python tools/bench_runtime_vs_ddp.py --rounds {a.rounds} --steps {a.steps} --warmup {a.warmup} " \
+              f"--configs {a.configs} --record {a.record}"
+        write_record(a.record, make_record("runtime_vs_ddp", figures(got), command=cmd, details=got, repo=str(REPO)))
+        print(f"wrote {a.record}; then: python -m balanced_loader.outputs.records")
     print(summarize(got, configs[0] if "ddp" not in configs else "ddp"))
     print(f"machine load after: {os.getloadavg()}")
 

@@ -1,20 +1,24 @@
 """A transformers causal LM as the runtime's model: built from ``model.hf``, trained on DP and dynamic CP.
 
-* :class:`HFModel` builds the model once per process (a config mapping: random init from the
-  recipe's seed, the same on every rank; a pretrained folder: its weights), lists its
-  parameters as :class:`~parallel_runtime.training.optimizer.ParamSpec`\\ s (names as in the
-  model's ``named_parameters``, every one replicated: ``tp_dim`` None; no weight decay on 1-D
-  tensors: norms and biases) and yields their initial values for the fixed optimizer shards.
+* :class:`HFModel` builds the model on the meta device (shapes, no memory), lists its parameters as
+  :class:`~parallel_runtime.training.optimizer.ParamSpec`\\ s (names as in the model's
+  ``named_parameters``, every one replicated: ``tp_dim`` None; no weight decay on 1-D tensors: norms
+  and biases) and yields their initial values one piece of the model at a time for the fixed optimizer
+  shards (a config: random init per piece from (recipe seed, piece name), the same on every rank; a
+  pretrained folder: its safetensors read tensor by tensor). The working model is materialized from
+  the meta one on the run's device and dtype, uninitialized: the step's pull fills it.
 * :class:`HFCausalLM` is the stage-model adapter :class:`~parallel_runtime.engines.pipeline.PipelineStage`
   and the reference run call, with the native model's pieces: ``embed_tokens`` -> ``run_layers``
-  -> ``head_loss`` (and ``forward`` for the whole pass). ``run_layers`` runs the HF decoder on one
+  -> ``head_loss`` (and ``forward`` for the whole pass), its MLPs and norms keeping fewer activations
+  for backward (:mod:`parallel_runtime.hf.lean`). ``run_layers`` runs the HF decoder on one
   packed sequence with the microbatch's ``position_ids`` (each lane's true positions in the CP
   layout, so RoPE sees them) and passes the microbatch's bound attention to every layer through
-  the registered ``bl_cp`` attention (:mod:`parallel_runtime.hf.attention`). Setting its
-  ``recompute`` (the trainer does, from ``train.recompute``) turns on transformers' activation
-  checkpointing of every decoder layer, non-reentrant: a layer keeps its input only and runs again
-  in backward, its attention's CP collectives included (every rank of a CP group replays its layers
-  in the same reverse order, so the collectives pair up as in the forward).
+  the registered ``bl_cp`` attention (:mod:`parallel_runtime.hf.attention`). ``head_loss`` makes the
+  logits a chunk of tokens at a time (:func:`parallel_runtime.model.chunked_loss_sum`: no ``[T, vocab]``
+  fp32 copy). Setting its ``recompute`` (the trainer does, from ``train.recompute``) turns on
+  transformers' activation checkpointing of every decoder layer, non-reentrant: a layer keeps its
+  input only and runs again in backward, its attention's CP collectives included (every rank of a
+  CP group replays its layers in the same reverse order, so the collectives pair up as in the forward).
 * :class:`HFRuntime` is the :class:`~parallel_runtime.training.runtime.Runtime` of an HF model:
   one whole model per rank (pools must be tp=1, pp=1; the recipe check says so first).
 """
@@ -22,15 +26,22 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel_runtime.engines.tensor import IGNORE_INDEX
 from parallel_runtime.hf.attention import BOUND_KWARG, NAME, register
 from parallel_runtime.hf.config import PRETRAINED, check_hf_recompute, hf_config
+from parallel_runtime.hf.lean import install as install_lean
+from parallel_runtime.model import chunked_loss_sum
 from parallel_runtime.topology import Topology
 from parallel_runtime.training.optimizer import LocalParam, ParamSpec
 from parallel_runtime.training.runtime import Runtime, StageModel
@@ -49,11 +60,14 @@ class HFCausalLM(nn.Module):
     first_stage = True
     last_stage = True
 
-    def __init__(self, hf: nn.Module) -> None:
+    def __init__(self, hf: nn.Module, *, lean: bool = True) -> None:
+        """``lean``: the MLPs and norms keep fewer activations for backward (:mod:`parallel_runtime.hf.lean`;
+        the same gradients bit for bit), except under ``recompute``."""
         super().__init__()
         self.hf = hf
         self.config = StageShape(hidden=int(hf.config.hidden_size))
         self._recompute = False
+        self.lean_modules = install_lean(hf, lambda: not self._recompute) if lean else 0
 
     @property
     def recompute(self) -> bool:
@@ -86,11 +100,16 @@ class HFCausalLM(nn.Module):
         return out.last_hidden_state[0]
 
     def head_loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens: int) -> torch.Tensor:
-        """Sum of token losses (labels -100 skipped) divided by the step's global number of valid tokens."""
+        """Sum of token losses (labels -100 skipped) divided by the step's global number of valid tokens;
+        the logits are made (and reduced in fp32) a chunk of tokens at a time (:func:`chunked_loss_sum`)."""
         if num_valid_tokens < 1:
             raise ValueError(f"num_valid_tokens must be >= 1, got {num_valid_tokens}")
+        vocab = int(self.hf.get_output_embeddings().weight.shape[0])
+        return chunked_loss_sum(self._token_loss_sum, h, labels, vocab) / num_valid_tokens
+
+    def _token_loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.hf.get_output_embeddings()(h)  # [T, vocab]
-        return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / num_valid_tokens
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, *, attn,
                 num_valid_tokens: int) -> torch.Tensor:
@@ -104,37 +123,137 @@ class HFCausalLM(nn.Module):
 
 
 class HFModel:
-    """The recipe's HF model: its parameter specs, initial values and working copies."""
+    """The recipe's HF model: its parameter specs, initial values and working copies.
+
+    The model itself is built on the meta device (shapes only: no parameter memory at all). Its
+    initial values come one piece at a time (:meth:`init_params`: the embedding, each decoder layer,
+    the final norm, the head), so a process never holds a whole fp32 copy besides its working model
+    and its optimizer shard: at 7B the old whole-model build took 28 GB of host memory per rank.
+    """
 
     def __init__(self, spec: dict, *, seed: int) -> None:
         from transformers import AutoModelForCausalLM  # heavy optional dependency (the hf extra)
 
         register()
+        self.spec = spec
+        self.seed = seed
         cfg = copy.deepcopy(hf_config(spec))  # the cached config stays untouched
-        with torch.random.fork_rng(devices=[]):  # the same random init on every rank, the caller's RNG untouched
-            torch.manual_seed(seed)
-            if PRETRAINED in spec:
-                model = AutoModelForCausalLM.from_pretrained(spec[PRETRAINED], config=cfg, local_files_only=True,
-                                                             attn_implementation=NAME, dtype=torch.float32)
-            else:
-                model = AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME, dtype=torch.float32)
-        self._model: nn.Module | None = model.train()
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the caller's RNG untouched
+            self._meta = AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME, dtype=torch.float32)
+        self._meta.train()
         self.specs = [ParamSpec(name=n, shape=tuple(p.shape), tp_dim=None, decay=p.dim() >= 2)
-                      for n, p in model.named_parameters()]
+                      for n, p in self._meta.named_parameters()]
 
     def init_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, full fp32 tensor)`` of every parameter (call before :meth:`build`)."""
-        assert self._model is not None, "init_params after build: the initial values were handed over"
-        for n, p in self._model.named_parameters():
-            yield n, p.detach()
+        """``(name, full fp32 tensor)`` of every parameter, one piece of the model at a time: a pretrained
+        folder's tensors read one by one (:func:`read_pretrained`); a config's random init piece by piece,
+        each a function of (seed, piece name) through the model's own ``_init_weights``, the same on
+        every rank and in any order."""
+        if PRETRAINED in self.spec:
+            yield from read_pretrained(self.spec[PRETRAINED], self._meta, [s.name for s in self.specs])
+            return
+        for piece, names in model_pieces(self._meta, [s.name for s in self.specs]):
+            module = copy.deepcopy(self._meta.get_submodule(piece))  # piece "": parameters of the model's root
+            materialize(module, torch.device("cpu"), torch.float32)
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed((zlib.crc32(piece.encode()) + 1_000_003 * self.seed) % 2**63)
+                for sub in module.modules():
+                    self._meta._init_weights(sub)
+            params = dict(module.named_parameters(prefix=piece))
+            for n in names:
+                yield n, params[n].detach()
+            del module, params
 
-    def build(self, device: torch.device, dtype: torch.dtype) -> HFCausalLM:
-        """The working model (its values are pulled from the optimizer shards before use): the initial
-        model itself, moved, so a process holds one copy; call once, after :meth:`init_params`."""
-        if self._model is None:
-            raise ValueError("HFModel.build: one working model per HFModel (the runtime caches it)")
-        model, self._model = self._model, None
-        return HFCausalLM(model.to(device=device, dtype=dtype))
+    def build(self, device: torch.device, dtype: torch.dtype, *, values: bool = True, lean: bool = True) -> HFCausalLM:
+        """A working model on ``device`` in ``dtype``, its buffers (RoPE tables) computed; with ``values``
+        its parameters hold :meth:`init_params`, else they are uninitialized (the runtime pulls them from
+        the optimizer shards before any use, so it never makes the initial values twice); ``lean``: see
+        :class:`HFCausalLM`."""
+        model = copy.deepcopy(self._meta)
+        materialize(model, device, dtype)
+        with torch.no_grad():
+            for sub in model.modules():
+                if next(sub.buffers(recurse=False), None) is not None:
+                    model._init_weights(sub)  # buffers are not parameters: computed here (rotary inv_freq)
+            if values:
+                params = dict(model.named_parameters())
+                for n, t in self.init_params():
+                    params[n].copy_(t)
+        return HFCausalLM(model.train(), lean=lean)
+
+
+def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every parameter (floating ones in ``dtype``) and buffer (in its own dtype: RoPE's ``inv_freq``
+    stays fp32 in a bf16 model, as transformers keeps it) of a meta ``module`` uninitialized storage on
+    ``device``, in place. A parameter shared by two modules (tied embeddings) stays one parameter:
+    ``Module.to_empty`` would make two."""
+    made: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for key, p in mod._parameters.items():
+            if p is not None:
+                if id(p) not in made:
+                    t = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device=device)
+                    made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                mod._parameters[key] = made[id(p)]
+        for key, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[key] = made.setdefault(id(b), torch.empty(b.shape, dtype=b.dtype, device=device))
+
+
+def model_pieces(model: nn.Module, names: list[str]) -> list[tuple[str, list[str]]]:
+    """``[(piece, its parameter names)]`` in ``names``' order: a piece is an element of a module list (a
+    decoder layer) or else the module owning the parameter (the embedding, the final norm, the head)."""
+    elements = {f"{n}.{i}" for n, m in model.named_modules() if isinstance(m, nn.ModuleList) for i in range(len(m))}
+    pieces: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        owner = ".".join(parts[:-1])
+        piece = next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in elements), owner)
+        pieces.setdefault(piece, []).append(name)
+    return list(pieces.items())
+
+
+def read_pretrained(folder: str, meta: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, fp32 tensor)`` of every parameter of a local pretrained folder, read one tensor at a time from
+    its safetensors files (``model.safetensors`` or the shards its index names). A folder whose files do not
+    hold every parameter under the model's own names (``.bin`` weights, renamed keys) is loaded whole by
+    transformers once, as before (its whole model in fp32 in host memory while it is read)."""
+    files = _safetensors_files(folder)
+    if files is not None and all(n in files for n in names):
+        from safetensors import safe_open  # transformers' own dependency
+
+        handles: dict[str, Any] = {}
+        try:
+            for n in names:
+                f = files[n]
+                if f not in handles:
+                    handles[f] = safe_open(os.path.join(folder, f), framework="pt", device="cpu")
+                yield n, handles[f].get_tensor(n).to(torch.float32)
+        finally:
+            handles.clear()
+        return
+    from transformers import AutoModelForCausalLM  # heavy optional dependency (the hf extra)
+
+    model = AutoModelForCausalLM.from_pretrained(folder, config=copy.deepcopy(meta.config), local_files_only=True,
+                                                 attn_implementation=NAME, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    for n in names:
+        yield n, params[n].detach()
+
+
+def _safetensors_files(folder: str) -> dict[str, str] | None:
+    """``{tensor name: file}`` of a folder's safetensors weights, or None when it has none."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return dict(json.load(f)["weight_map"])
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open  # transformers' own dependency
+
+        with safe_open(single, framework="pt", device="cpu") as f:
+            return dict.fromkeys(f.keys(), "model.safetensors")
+    return None
 
 
 class HFRuntime(Runtime):
@@ -152,7 +271,7 @@ class HFRuntime(Runtime):
             raise ValueError(f"a pool of tp={pool.tp}, pp={pool.pp}: model.hf runs on tp=1, pp=1 lanes only")
         sm = self._models.get(())
         if sm is None:
-            model = self.hf_model.build(self.device, self.dtype)
+            model = self.hf_model.build(self.device, self.dtype, values=False)  # values: the step's pull
             sm = self._stage(model, model.local_params(self.specs))
             self._models[()] = sm
         return sm

@@ -1,8 +1,8 @@
-"""The measuring tools of issue 23 (tools/thread_times.py, profile_runtime's pair summary) on small inputs."""
+"""The measuring tools of issue 23 (tools/thread_times.py, the pair summary of the interleaved runtime / loop
+steps, tools/bench_heap.py's settings) on small inputs."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -29,24 +29,18 @@ def test_thread_times_needs_a_command() -> None:
     assert r.returncode != 0 and "usage" in r.stderr
 
 
-def test_pair_summary_is_the_loop_over_the_runtime(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("profile_runtime", TOOLS / "profile_runtime.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.print_pairs({"runtime": [2.0, 1.0, 4.0], "loop": [1.0, 1.0, 5.0]}, "native")
-    last = capsys.readouterr().out.splitlines()[-1]
-    assert "[0.5, 1.0, 1.25]" in last and "median 1.000" in last  # tokens/s ratio = loop time / runtime time
+def test_pair_summary_is_the_loop_over_the_runtime() -> None:
+    from parallel_runtime.diagnostics.ddp_loop import format_pairs, pair_ratios
+
+    times = {"runtime": [2.0, 1.0, 4.0], "loop": [1.0, 1.0, 5.0]}
+    assert pair_ratios(times) == [0.5, 1.0, 1.25]  # tokens/s ratio = loop time / runtime time
+    last = format_pairs(times, "native").splitlines()[-1]
+    assert "[0.5, 1.0, 1.25]" in last and "median 1.000" in last
 
 
 def test_bench_heap_settings_parse_and_refuse_in_one_line() -> None:
-    spec = importlib.util.spec_from_file_location("bench_heap", TOOLS / "bench_heap.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.parse_setting("0") == (0, "", 0)
-    assert mod.parse_setting("1024t") == (1024, "t", 0)
-    assert mod.parse_setting("0sr64") == (0, "s", 64)
-    with pytest.raises(ValueError, match="setting 'x1'"):
-        mod.parse_setting("x1")
-    r = subprocess.run([sys.executable, str(TOOLS / "bench_heap.py"), "--settings", "0,64q"], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 2 and "setting '64q'" in r.stderr and "Traceback" not in r.stderr
+    """Settings are parsed in order before any child runs: the first bad one is the one line, exit 2."""
+    for settings, bad in (("0,64q", "64q"), ("0,1024t,0s,0r64,1024tsr32,x1", "x1")):
+        r = subprocess.run([sys.executable, str(TOOLS / "bench_heap.py"), "--settings", settings], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and f"setting '{bad}'" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -92,6 +92,38 @@ def test_recompute_gives_the_same_loss_and_gradients_and_saves_less(model_type: 
     assert not again.hf.is_activation_checkpointing
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_lean_activations_give_the_same_gradients_and_keep_less(model_type: str) -> None:
+    """SwiGLU (with down_proj) keeping gate and up only, norms checkpointed (parallel_runtime.hf.lean): bit for bit
+    the same."""
+    spec = {"model_type": model_type, **TINY, "initializer_range": 0.2}
+    b = {k: torch.from_numpy(v) for k, v in _packed().items()}
+    nvt = int((b["labels"] != -100).sum())
+    hf = HFModel(spec, seed=1)
+    runs = {}
+    for lean in (False, True):
+        model = hf.build(torch.device("cpu"), torch.float32, lean=lean)
+        assert model.lean_modules == (0 if not lean else 3 * TINY["num_hidden_layers"] + 1 + 2 * TINY[
+            "num_hidden_layers"] * (model_type == "qwen3"))  # MLP and 2 norms per layer, the final norm (+ q/k norms)
+        called: list[str] = []  # modules with parameters, as their forward pre-hooks see them (the overlap's wait)
+        for name, m in model.named_modules():
+            if next(m.parameters(recurse=False), None) is not None:
+                m.register_forward_pre_hook(lambda *_, name=name, called=called: called.append(name))
+        saved = SavedActivations(exclude=list(model.parameters()))
+        with saved.hooks():
+            loss = model(b["input_ids"], b["position_ids"], b["labels"], attn=local_attention(b["cu_seqlens"], "loop"),
+                         num_valid_tokens=nvt)
+        loss.backward()
+        runs[lean] = float(loss.detach()), [p.grad for p in model.parameters()], saved.peak, called
+    (loss, grads, peak, called), (loss_lean, grads_lean, peak_lean, called_lean) = runs[False], runs[True]
+    assert loss_lean == loss and all(torch.equal(g, h) for g, h in zip(grads, grads_lean, strict=True))
+    assert called_lean == called and any(n.endswith("down_proj") for n in called)  # every module still called
+    t, layers, hidden, mlp = len(b["input_ids"]), TINY["num_hidden_layers"], TINY["hidden_size"], \
+        TINY["intermediate_size"]
+    # silu(gate) and silu(gate) * up (down_proj's input), each norm's normalized input
+    assert peak - peak_lean >= 4 * t * (layers * (2 * mlp + 2 * hidden) + hidden)
+
+
 def test_recompute_of_a_model_without_checkpointing_fails_with_one_line() -> None:
     from transformers import CTRLConfig, CTRLLMHeadModel  # a real causal LM class without activation checkpointing
 
@@ -146,6 +178,68 @@ def test_a_pretrained_folder_loads_its_weights(tmp_path) -> None:
     assert all(s.tp_dim is None and s.decay == (len(s.shape) >= 2) for s in hf.specs)
     with pytest.raises(ValueError, match="a pretrained folder takes no other keys"):
         load_recipe(RECIPE, [f"model.hf={{pretrained: {tmp_path / 'tiny'}, hidden_size: 8}}", "world.cp_engine=ring"])
+
+
+def test_the_model_is_built_on_meta_and_initialised_piece_by_piece() -> None:
+    from parallel_runtime.hf.model import model_pieces
+
+    spec = {"model_type": "qwen2", **TINY, "num_hidden_layers": 3, "tie_word_embeddings": True}
+    hf = HFModel(spec, seed=4)
+    assert all(p.device.type == "meta" for p in hf._meta.parameters())  # no parameter memory at all
+    names = [s.name for s in hf.specs]
+    assert "lm_head.weight" not in names  # tied: one parameter
+    assert [p for p, _ in model_pieces(hf._meta, names)] == ["model.embed_tokens", "model.layers.0", "model.layers.1",
+                                                             "model.layers.2", "model.norm"]
+    init = dict(hf.init_params())
+    assert list(init) == names and all(torch.equal(init[n], t) for n, t in hf.init_params())  # deterministic
+    # a piece's values are a function of (seed, piece name): a 2-layer model shares them, another seed does not
+    two = dict(HFModel({**spec, "num_hidden_layers": 2}, seed=4).init_params())
+    assert all(torch.equal(two[n], init[n]) for n in two)
+    other = dict(HFModel(spec, seed=5).init_params())
+    assert not torch.equal(other["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
+    for n, t in init.items():  # transformers' own init rules: normal(0, 0.02) matrices, zero biases, unit norms
+        if n.endswith("norm.weight"):
+            assert torch.equal(t, torch.ones_like(t)), n
+        elif n.endswith("bias"):
+            assert torch.equal(t, torch.zeros_like(t)), n
+        else:
+            assert 0.015 < float(t.std()) < 0.025, n
+    model = hf.build(torch.device("cpu"), torch.bfloat16)
+    assert model.hf.lm_head.weight is model.hf.model.embed_tokens.weight  # still tied once materialized
+    assert all(torch.equal(p, init[n].to(torch.bfloat16)) for n, p in model.hf.named_parameters())
+    rope = model.hf.model.rotary_emb  # RoPE's tables stay fp32 in a bf16 model (a bf16 inv_freq is off by 1e-3)
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    want_freq = 1.0 / model.hf.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    assert rope.inv_freq.dtype == torch.float32 and torch.allclose(rope.inv_freq, want_freq, rtol=1e-6)
+    empty = hf.build(torch.device("cpu"), torch.float32, values=False)  # what the runtime builds: the pull fills it
+    assert [n for n, _ in empty.hf.named_parameters()] == names
+    assert torch.equal(empty.hf.model.rotary_emb.inv_freq, rope.inv_freq)
+
+
+def test_a_sharded_pretrained_folder_is_read_tensor_by_tensor(tmp_path, monkeypatch) -> None:
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(6)
+    saved = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY))
+    saved.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    want = {n: p.detach().clone() for n, p in saved.named_parameters()}
+
+    def whole(*args, **kwargs):
+        raise AssertionError("the whole model was loaded")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoModelForCausalLM, "from_pretrained", whole)
+        hf = HFModel({"pretrained": str(tmp_path / "sharded")}, seed=0)
+        got = dict(hf.init_params())
+    assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+    # weights the slice reader cannot name (a torch .bin file): transformers loads the folder whole, once
+    (tmp_path / "bin").mkdir()
+    saved.config.save_pretrained(tmp_path / "bin")
+    torch.save(saved.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    got = dict(HFModel({"pretrained": str(tmp_path / "bin")}, seed=0).init_params())
+    assert all(torch.equal(got[n], want[n]) for n in want)
 
 
 # ---- the shipped recipe on 4 ranks --------------------------------------------------------------
