@@ -262,7 +262,7 @@ class BalancedLoader:
             msg = (f"epoch {epoch}{part}: {st.docs} docs, {st.tokens} tokens, {ep.num_steps} steps "
                    f"(max_seq_len {self.max_seq_len}, long_docs={self.long_docs})")
             budget = int(self._stream.budget.at(self.step))
-            if ep.num_steps == 1 and 0 < st.tokens < budget - (self.max_seq_len or 0):
+            if ep.num_steps == 1 and 0 < st.tokens < budget - (self._stream.limit_at(self.step) or 0):
                 if self._said_small:
                     return c  # said once: every epoch is one such step
                 self._said_small = True
