@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_runtime.training.exchange import Bucket, ExchangePlan, plan_exchange, put, take, uncovered
-from parallel_runtime.training.layout import FlatLayout, LocalParam, ParamSpec
+from parallel_runtime.training.layout import FlatLayout, LocalParam, ParamSpec, grad_of
 
 __all__ = ["AdamWConfig", "FlatLayout", "LocalParam", "ParamSpec", "ShardedOptimizer"]
 
@@ -282,7 +282,7 @@ class ShardedOptimizer:
         rows, tensors = [], []
         for lp in local:
             spec = lp.spec
-            has_grad = lp.tensor.grad is not None if contributes is None else contributes
+            has_grad = grad_of(lp.tensor) is not None if contributes is None else contributes
             if push and (not has_grad or (spec.tp_dim is None and lp.tp_index != 0)):
                 continue  # no gradient here, or replicated inside the TP group: tp index 0 contributes it once
             p = self.layout.index.get(spec.name)
@@ -300,7 +300,7 @@ class ShardedOptimizer:
                 raise ValueError(f"{spec.name}: the working tensor has shape {tuple(lp.tensor.shape)}, its slice "
                                  f"(tp {lp.tp_index}/{lp.tp_size}) has {tuple(shape)}")
             rows.append((p, lp.tp_index, lp.tp_size))
-            tensors.append(lp.tensor.grad if push and contributes is None else lp.tensor)
+            tensors.append(grad_of(lp.tensor) if push and contributes is None else lp.tensor)
         return np.array(rows, dtype=np.int64).reshape(-1, 3), tensors
 
     def plan_for(self, rows: np.ndarray) -> ExchangePlan:

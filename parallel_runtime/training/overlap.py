@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_runtime.launch import new_group
-from parallel_runtime.training.layout import LocalParam
+from parallel_runtime.training.layout import LocalParam, grad_of
 from parallel_runtime.training.optimizer import InFlight, ShardedOptimizer
 
 DEPTH = 2  # buckets in flight at once (each a pair of reusable buffers)
@@ -212,7 +212,7 @@ class StepExchange:
                 self._complete_oldest()
                 continue
             if self._grads is None:
-                self._grads = [self.params[j].tensor.grad.reshape(-1) for j in self._push_local]
+                self._grads = [grad_of(self.params[j].tensor).reshape(-1) for j in self._push_local]
             self._start(self.push[self._push_next], self._grads, push=True)
             self._push_next -= 1
 

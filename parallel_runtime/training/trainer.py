@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -51,13 +52,15 @@ from parallel_runtime.training import metrics as M
 from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.heap import set_heap_mmap_threshold
+from parallel_runtime.training.layout import grad_of
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
 from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, exchange_group
 from parallel_runtime.training.params import init_params, local_params, param_specs
 from parallel_runtime.training.peaks import PeakProbe
 from parallel_runtime.training.plan_check import check_plan_runs_here
-from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime
-from parallel_runtime.training.step import FBResult, forward_backward, reference_forward_backward
+from parallel_runtime.training.rank_step import StepHooks, execute_step
+from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime, accumulate_in_fp32
+from parallel_runtime.training.step import FBResult, reference_forward_backward
 
 
 def open_data(recipe: Recipe, *, build: bool):
@@ -200,7 +203,7 @@ class Trainer:
         self.compare = {} if reference else {name: self._loader(name) for name in recipe.policy.compare}
         self.loop = ClosedLoop(calibrate=recipe.train.calibrate, trace=recipe.train.trace, rank=rank,
                                world_size=world, reference=reference, loader=self.loader,
-                               others=list(self.compare.values()), out_dir=out_dir)
+                               others=list(self.compare.values()), out_dir=out_dir, device=self.device)
         self._fb: FBResult | None = None  # this rank's forward/backward of the step being run
         hf = HFModel(recipe.model.hf, seed=recipe.seed) if recipe.model.hf is not None else None  # model.hf
         specs = hf.specs if hf else param_specs(recipe.model)
@@ -227,6 +230,11 @@ class Trainer:
         else:
             self.model = Transformer(recipe.model, device=self.device, dtype=self.dtype, seed=None)
             self.ref_params = local_params(self.model, {s.name: s for s in specs})
+        # a half-precision reference sums its microbatches' gradients in fp32, as the runtime does
+        self._ref_grads = None
+        if reference and self.dtype != torch.float32:
+            accumulate_in_fp32(self.ref_params)
+            self._ref_grads = GradBuffer(self.device)
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
         # samples from hooks in the models and between phases: no thread waking beside the compute
         # (heap trims below the process's high mark only with recompute: see peaks.py)
@@ -350,43 +358,13 @@ class Trainer:
         with phase(f"the plan check of step {s}", world), times.phase("plan_check"):
             topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, lengths=self.loader.validation_lengths(s),
                                                     groups=self.groups, comm_device=self.comm_device)
-        sm = self.runtime.stage_model(topo)
-        sm.model.recompute = self.recipe.train.recompute
-        self.probe.watch(sm.model)
-        if sm.flat is not None:  # a whole fp32 model: its own shard of parameters is the master from now on
-            self.optimizer.share_master(sm.flat)
-        # the step's gradients, zeroed; the optimizer's gradient shard inside them where they are laid out as
-        # its layout (a whole fp32 model), unless another policy's pass runs between push and optimizer step
-        full = self.runtime.grads.attach(sm.params, self.optimizer.layout if push and not self.compare else None)
-        if push:
-            self.optimizer.share_grad(full)
-        ex = None  # with train.overlap: the step's pull and push in flight beside forward/backward
-        with phase(f"the parameter pull of step {s}", world), times.phase("pull"):
-            if self.overlap is not None:
-                ex = self.overlap.begin(sm.model, sm.params, microbatches=len(batch.microbatches), push=push)
-            else:
-                self.optimizer.pull(sm.params)
-        self._trim()
-        saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
-        with (phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)), saved.hooks(),
-              times.phase("forward_backward")):
-            res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens,
-                                      step=s, spans=self.recipe.train.trace and push,
-                                      sync_point=ex.settle if ex is not None else None)
+        hooks = _TrainerHooks(self, topo, plan, s, push)
+        res = execute_step(self.runtime, self.optimizer, self.overlap, topo, plan, batch.microbatches,
+                           batch.num_valid_tokens, step=s, push=push, share_grad=not self.compare,
+                           recompute=self.recipe.train.recompute, spans=self.recipe.train.trace and push, hooks=hooks)
         if push:
             self._fb = res
-        if not res.microbatches:  # an idle rank contributes no gradient (and moves no bytes in the push)
-            GradBuffer.detach(sm.params)
-        self._trim()
-        with phase(f"the gradient push of step {s}", world), times.phase("push"):
-            if push:
-                self._note_memory(sm.params, saved)
-            if ex is not None:
-                ex.finish()
-            elif push:
-                self.optimizer.push(sm.params)
-            GradBuffer.detach(sm.params)
-            self._trim()
+        with phase(f"the gradient push of step {s}", world):
             stats = RankStats.of(res, batch.planner_wait_s).gather(self.comm_device)
         return stats, new_groups
 
@@ -412,6 +390,8 @@ class Trainer:
         self.model.recompute = self.recipe.train.recompute
         self.probe.watch(self.model)
         self.optimizer.pull(self.ref_params)
+        if self._ref_grads is not None:
+            self._ref_grads.attach(self.ref_params)
         saved = M.SavedActivations(exclude=[lp.tensor for lp in self.ref_params])
         with saved.hooks():
             res = reference_forward_backward(self.model, batch.plan, self.source, batch.num_valid_tokens,
@@ -425,7 +405,7 @@ class Trainer:
     def _note_memory(self, params, saved: M.SavedActivations) -> None:
         """This rank's working parameters, their gradients and the peak of saved activations, before the push."""
         self._memory = {"params_bytes": M.tensor_bytes(lp.tensor for lp in params),
-                        "grads_bytes": M.tensor_bytes(lp.tensor.grad for lp in params),
+                        "grads_bytes": M.tensor_bytes(grad_of(lp.tensor) for lp in params),
                         "activations_bytes": saved.peak}
 
     def _trim(self) -> None:
@@ -505,6 +485,38 @@ class Trainer:
             ld.close()
         if self._out_lock is not None:
             self._out_lock.release()
+
+
+class _TrainerHooks(StepHooks):
+    """The trainer around a step's pieces: failure phases (who a timeout waited on), phase times, memory probes."""
+
+    def __init__(self, trainer: Trainer, topo: Topology, plan, step: int, push: bool) -> None:
+        self.t, self.topo, self.plan, self.step, self.push = trainer, topo, plan, step, push
+        self.saved: M.SavedActivations | None = None
+
+    def phase(self, name: str) -> ExitStack:
+        t, s = self.t, self.step
+        what, peers = {"pull": (f"the parameter pull of step {s}", t._all),
+                       "push": (f"the gradient push of step {s}", t._all),
+                       "forward_backward": (f"forward/backward of step {s}",
+                                            _step_peers(self.topo, self.plan, t.info.rank))}[name]
+        stack = ExitStack()
+        stack.enter_context(phase(what, peers))
+        if name == "forward_backward":
+            stack.enter_context(self.saved.hooks())
+        stack.enter_context(t.times.phase(name))
+        return stack
+
+    def model(self, sm) -> None:
+        self.t.probe.watch(sm.model)
+        self.saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
+
+    def between(self) -> None:
+        self.t._trim()
+
+    def before_push(self, sm) -> None:
+        if self.push:
+            self.t._note_memory(sm.params, self.saved)
 
 
 def _ref_attention(recipe: Recipe) -> str:
