@@ -53,7 +53,7 @@ from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.heap import set_heap_mmap_threshold
 from parallel_runtime.training.layout import grad_of
-from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
+from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer, bucket_limit
 from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, exchange_group
 from parallel_runtime.training.params import init_params, local_params, param_specs
 from parallel_runtime.training.peaks import PeakProbe
@@ -212,7 +212,7 @@ class Trainer:
                                           hf.init_params() if hf else init_params(recipe.model, recipe.seed),
                                           recipe.optimizer, rank=rank, device=self.device,
                                           group=exchange_group(world) if overlap else None,
-                                          **({"bucket_elems": BUCKET_ELEMS} if overlap else {}))
+                                          **({"bucket_elems": bucket_limit(BUCKET_ELEMS, world)} if overlap else {}))
         self.overlap = Overlap(self.optimizer) if overlap else None  # train.overlap: buckets beside compute
         self.groups = None
         # small collectives (fingerprints, per-rank stats) on the backend's device: NCCL moves CUDA tensors only
@@ -414,6 +414,16 @@ class Trainer:
         if self.device.type == "cpu":
             self.probe.between_phases()
 
+    def _process_groups(self) -> int:
+        """Process groups this rank is in: the world, the optimizer's exchange group and the plan groups (NCCL
+        makes a communicator, with its own device buffers, for each one used)."""
+        if self.info.reference:
+            return 0
+        groups = {id(g) for g in self.groups.members()} | {id(dist.group.WORLD)}
+        if self.optimizer.group is not None:
+            groups.add(id(self.optimizer.group))
+        return len(groups)
+
     def _memory_record(self) -> dict[str, Any]:
         """Every rank's peak and parts (collective unless a reference run); keys in docs/runtime.md."""
         o = self.optimizer
@@ -421,7 +431,8 @@ class Trainer:
         mine = {"peak_bytes": peak, "base_bytes": self.probe.base, **self._memory,
                 "optimizer_bytes": o.state_bytes,  # a gradient shard inside the working gradients is in grads_bytes
                 "comm_bytes": o.buffer_bytes,  # the reusable fp32 send and receive buffers of the buckets
-                "peak_exact": int(self.probe.exact), "heap_trims": self.probe.trims}
+                "peak_exact": int(self.probe.exact), "heap_trims": self.probe.trims,
+                "process_groups": self._process_groups()}
         self._memory = {}
         rows = M.gather_values(mine, None if self.info.reference else self.comm_device)
         return {**rows, "peak_exact": [bool(x) for x in rows["peak_exact"]]}
