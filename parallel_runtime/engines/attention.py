@@ -35,6 +35,7 @@ from parallel_runtime.engines.device import on_gpu
 from parallel_runtime.engines.flash import flash_available
 
 IMPLS = ("auto", "masked", "loop", "sdpa", "flash", "tiled")
+DENSE_IMPLS = ("masked", "sdpa")  # a [T, T] mask over the whole microbatch: tests and small CPU batches only
 
 
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
