@@ -56,6 +56,8 @@ def synchronize() -> None:
 def to_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host array on ``device``: on CUDA through pinned memory without blocking the host, else as is."""
     t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+    if EMULATION is not None:
+        return t.clone()  # the device copy, a (fake) tensor of its own
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

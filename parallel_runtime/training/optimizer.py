@@ -310,33 +310,35 @@ class ShardedOptimizer:
         per call; on a miss also one of the descriptions and a MAX all-reduce of the cell loads. The key
         is every rank's (fingerprint, length), so all ranks hit or miss together."""
         fp = int.from_bytes(hashlib.blake2b(rows.tobytes(), digest_size=8).digest(), "little", signed=True)
-        meta = torch.tensor([fp, len(rows)], dtype=torch.int64, device=self.device)
-        world = self.layout.world_size
-        if self.distributed:
-            metas = [torch.empty_like(meta) for _ in range(world)]
-            t0 = time.perf_counter()
-            dist.all_gather(metas, meta, group=self.group)
-            self.comm_s += time.perf_counter() - t0
-            key = tuple(int(v) for m in metas for v in m.tolist())
-        else:
-            key = (fp, len(rows))
+        key = self._gather_key(fp, len(rows)) if self.distributed else (fp, len(rows))
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        every = [rows]
-        if self.distributed:  # the descriptions themselves, padded to the longest
-            longest = max(key[1::2])
-            mine = torch.full((longest, 3), -1, dtype=torch.int64, device=self.device)
-            mine[:len(rows)] = torch.from_numpy(rows).to(self.device)
-            got = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(got, mine, group=self.group)
-            every = [g[:n].cpu().numpy() for g, n in zip(got, key[1::2])]
+        every = self._gather_rows(rows, key) if self.distributed else [rows]
         plan = plan_exchange(self.layout, rows, every, self.rank, self.bucket_elems, self._reduce_max)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
         self.plans_built += 1
         return plan
+
+    def _gather_key(self, fp: int, n: int) -> tuple[int, ...]:
+        """Every rank's (fingerprint, rows) of its description, flat (collective)."""
+        meta = torch.tensor([fp, n], dtype=torch.int64, device=self.device)
+        metas = [torch.empty_like(meta) for _ in range(self.layout.world_size)]
+        t0 = time.perf_counter()
+        dist.all_gather(metas, meta, group=self.group)
+        self.comm_s += time.perf_counter() - t0
+        return tuple(int(v) for m in metas for v in m.tolist())
+
+    def _gather_rows(self, rows: np.ndarray, key: tuple[int, ...]) -> list[np.ndarray]:
+        """Every rank's description, padded to the longest for the all-gather (collective)."""
+        longest = max(key[1::2])
+        mine = torch.full((longest, 3), -1, dtype=torch.int64, device=self.device)
+        mine[:len(rows)] = torch.from_numpy(rows).to(self.device)
+        got = [torch.empty_like(mine) for _ in range(self.layout.world_size)]
+        dist.all_gather(got, mine, group=self.group)
+        return [g[:n].cpu().numpy() for g, n in zip(got, key[1::2])]
 
     def _reduce_max(self, load: np.ndarray) -> np.ndarray:
         if not self.distributed:
