@@ -137,6 +137,24 @@ class Hardware:
 # ---- memory: the formulas behind the analytic lane caps and the runtime's per-rank report ----------
 # (parallel_runtime reports measured figures beside these in metrics.jsonl; tests hold them within 20%)
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reserve:
+    """Device memory a rank cannot give to tensors: the CUDA context (with the kernels' libraries), NCCL's
+    buffers for every communicator the rank uses (each holds its own, per channel and peer: 0.5-3 GB were
+    measured for one, NVIDIA/nccl#864 and #1685), and the caching allocator's slack (fragmentation)."""
+
+    context_gib: float = 1.0
+    nccl_gib_per_communicator: float = 0.5
+    slack: float = 0.05  # of the device
+    communicators: int = 8  # assumed where a plan's are not known (the lane caps)
+
+    def bytes(self, device_gib: float, communicators: int | None = None) -> float:
+        n = self.communicators if communicators is None else communicators
+        return (self.context_gib + self.nccl_gib_per_communicator * n + self.slack * device_gib) * 2**30
+
+
+RESERVE = Reserve()
+
 OPTIMIZER_BYTES_PER_PARAM = 16  # fp32 master, two AdamW moments, fp32 gradient shard (4 B each; the shard lives inside
 # the working gradients on a whole-model fp32 rank, so there it is 12)
 

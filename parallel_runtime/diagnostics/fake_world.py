@@ -193,10 +193,11 @@ def recording(trace: CommTrace, labels: dict[int, str]) -> Iterator[_Recorder]:
     checks its op against c10d's). ``labels``: id(group) -> communicator label for groups that share ranks."""
     rec = _Recorder(trace, labels)
     saved = {n: (getattr(dist, n), getattr(c10d, n)) for n in _WRAPPED}
+    fns = {n: getattr(rec, n) for n in _WRAPPED}  # one object per name: batch_isend_irecv tests `op is isend`
     try:
         for n in _WRAPPED:
-            setattr(dist, n, getattr(rec, n))
-            setattr(c10d, n, getattr(rec, n))
+            setattr(dist, n, fns[n])
+            setattr(c10d, n, fns[n])
         yield rec
     finally:
         for n, (a, b) in saved.items():

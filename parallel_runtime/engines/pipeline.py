@@ -63,6 +63,11 @@ def schedule_1f1b(num_microbatches: int, pp: int, stage: int) -> list[tuple[str,
 # diagnostics.estimate's replay); never set outside tests and the estimate's demonstration.
 UNPAIRED = False
 
+# Test switch: True restores the old CUDA clock, a device synchronize around every compute block, which
+# deadlocks on NCCL with train.overlap and pp >= 2 (a stage waits there for a gradient bucket that its
+# pipeline peer joins only after this stage's next send). Never set outside tests and the estimate.
+SYNC_EACH_BLOCK = False
+
 Send = tuple[torch.Tensor, int, int]  # (tensor, global peer, tag)
 Recv = tuple[tuple[int, ...], int, int]  # (shape, global peer, tag)
 
@@ -192,6 +197,8 @@ class Clock:
 
     def __enter__(self) -> Clock:
         if self.cuda:
+            if SYNC_EACH_BLOCK:
+                synchronize()
             start, end = new_event(), new_event()
             start.record()
             self._events.append((*self._key, start, end))
@@ -205,6 +212,8 @@ class Clock:
         self._key = (-1, "")
         if self.cuda:
             self._events[-1][3].record()
+            if SYNC_EACH_BLOCK:
+                synchronize()
             return
         dt = time.thread_time() - self._t0
         self.total_s += dt

@@ -110,6 +110,10 @@ _MAX_PLANS = 64  # exchange plans kept (distinct layout sets seen); oldest dropp
 class ShardedOptimizer:
     """fp32 master shard + AdamW moments of this rank; pull/push against any local layout."""
 
+    # False only in diagnostics.estimate: its fake tensors hold no values, so the copies between slices and
+    # bucket buffers (views into buffers that exist anyway; tens of thousands of ops a step) are skipped
+    copy_slices = True
+
     def __init__(self, layout: FlatLayout, full_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                  config: AdamWConfig, *, rank: int = 0, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu", bucket_elems: int | None = None) -> None:
@@ -369,14 +373,16 @@ class ShardedOptimizer:
         ``flats`` -> owners). ``slot``: which pair of reusable buffers it uses (one per bucket in flight)."""
         mine = self._buffer(2 * slot, sum(bk.mine_n))
         if push:
-            for j, off, loc, n in bk.parts:  # gradients of local parameter j -> send buffer
+            for j, off, loc, n in bk.parts if self.copy_slices else ():  # gradients of parameter j -> send buffer
                 put(mine, off, off + n, take(flats[j], loc, loc + n), add=False)
             peer = self._buffer(2 * slot + 1, sum(bk.peer_n))
             work = self._all_to_all(peer, bk.peer_n, mine, bk.mine_n, async_op)
             self.bytes_pushed += mine.numel() * 4
             self.bytes_push_received += peer.numel() * 4
         else:
-            peer = take(self.master, bk.ps, bk.pe, out=self._buffer(2 * slot + 1, sum(bk.peer_n)))
+            peer = self._buffer(2 * slot + 1, sum(bk.peer_n))
+            if self.copy_slices:
+                peer = take(self.master, bk.ps, bk.pe, out=peer)
             work = self._all_to_all(mine, bk.mine_n, peer, bk.peer_n, async_op)
             self.bytes_pulled += mine.numel() * 4
             self.bytes_pull_sent += peer.numel() * 4
@@ -392,6 +398,8 @@ class ShardedOptimizer:
         waited = time.perf_counter() - t0
         self.comm_s += waited
         bk = f.bucket
+        if not self.copy_slices:
+            return waited
         if f.push:
             if self.grad_shared:  # the window's local gradients are in the send buffer by now: the sum goes there
                 self.grad[bk.a:bk.b].zero_()

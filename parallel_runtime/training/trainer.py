@@ -81,6 +81,20 @@ def open_data(recipe: Recipe, *, build: bool):
     return open_source(recipe.resolve(d.source), read_timeout_s=d.read_timeout_s)
 
 
+def recipe_loader(recipe: Recipe, source, policy: str, *, rank: int, cost=None, calibrate: bool = False,
+                  prefetch_steps: int | None = None) -> BalancedLoader:
+    """The loader a recipe's run plans with (the trainer's, and ``diagnostics.estimate``'s: the same plans)."""
+    r, d = recipe, recipe.data
+    return BalancedLoader(source, policy=policy, cost=cost if cost is not None else r.cost_model(),
+                          world_size=r.world.size, rank=rank, global_batch_tokens=d.global_batch_tokens, seed=r.seed,
+                          max_seq_len=d.max_seq_len, long_docs=d.long_docs, shuffle=d.shuffle,
+                          shuffle_window=d.shuffle_window, epochs=None,
+                          prefetch_steps=d.prefetch_steps if prefetch_steps is None else prefetch_steps,
+                          planner_workers=d.planner_workers, plan_config=r.plan_config(policy),
+                          cp_inner=r.loader_cp_inner(), order=d.order,
+                          calibrate=r.calibration if calibrate else False)
+
+
 DATA_BUILD_TIMEOUT_S = 3600.0  # how long ranks wait for the bundled corpus to be built (not world.timeout_s)
 
 
@@ -248,14 +262,8 @@ class Trainer:
         self._load_checkpoint(allow_changed, fresh)
 
     def _loader(self, policy: str, *, calibrate: bool = False) -> BalancedLoader:
-        r, d = self.recipe, self.recipe.data
-        return BalancedLoader(self.source, policy=policy, cost=self.cost, world_size=r.world.size,
-                              rank=self.info.rank, global_batch_tokens=d.global_batch_tokens, seed=r.seed,
-                              max_seq_len=d.max_seq_len, long_docs=d.long_docs, shuffle=d.shuffle,
-                              shuffle_window=d.shuffle_window, epochs=None, prefetch_steps=d.prefetch_steps,
-                              planner_workers=d.planner_workers, plan_config=r.plan_config(policy),
-                              cp_inner=r.loader_cp_inner(), order=d.order,
-                              calibrate=r.calibration if calibrate else False)
+        return recipe_loader(self.recipe, self.source, policy, rank=self.info.rank, cost=self.cost,
+                             calibrate=calibrate)
 
     # ---- the loop ---------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict[str, Any]]:
