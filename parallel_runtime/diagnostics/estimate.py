@@ -370,15 +370,17 @@ class _Hooks:
 
 
 def categorize(op, rank: int, topo: Topology) -> str:
+    """What an op of ``rank`` is for: ``tp``, ``pipeline``, ``cp`` (inside forward/backward, on any other group:
+    a CP group of the world's size is the world group), ``exchange`` (the optimizer's buckets) or ``world``."""
     if op.comm == "exchange":
         return "exchange"
-    if op.comm == "world" or len(op.group) == topo.world_size:
-        return "world"
     if op.kind in ("send", "recv") and set(op.group) == set(topo.pipeline_ranks(rank)):
         return "pipeline"
-    if tuple(sorted(op.group)) == tuple(sorted(topo.tp_ranks(rank))):
-        return "tp"
-    return "cp"
+    if op.phase == "forward_backward":
+        return "tp" if tuple(sorted(op.group)) == tuple(sorted(topo.tp_ranks(rank))) else "cp"
+    if op.kind == "all_to_all" and op.phase in ("pull", "push"):
+        return "exchange"
+    return "world"
 
 
 def comm_table(ops: list, rank: int, topo: Topology) -> list[dict[str, Any]]:
@@ -393,7 +395,7 @@ def comm_table(ops: list, rank: int, topo: Topology) -> list[dict[str, Any]]:
 
 def exchange_messages(ops: list) -> dict[str, Any]:
     """The optimizer's buckets in one step: collectives, bytes, and the per-peer message sizes."""
-    ex = [op for op in ops if op.kind == "all_to_all" and op.comm in ("exchange", "world")]
+    ex = [op for op in ops if op.kind == "all_to_all" and (op.comm == "exchange" or op.phase in ("pull", "push"))]
     peers = [b for op in ex for b in op.splits if b > 0]
     return {"collectives": len(ex), "bytes_sent": int(sum(op.nbytes for op in ex)),
             "per_peer_median": int(np.median(peers)) if peers else 0, "per_peer_min": int(min(peers, default=0)),
