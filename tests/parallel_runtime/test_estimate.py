@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from test_pipeline import plan_json
 
@@ -208,3 +209,15 @@ def test_the_old_h100_caps_break_the_formula() -> None:
     assert over == [(4, 1), (4, 2), (8, 1), (8, 2)]
     assert caps[(4, 1)] > 59_000 and caps[(8, 2)] < 76_000
 
+
+
+def test_fake_tensors_count_what_real_tensors_allocate() -> None:
+    """memcheck on CPU: the estimate's peak of a one-microbatch step equals the bytes the same step's real
+    tensors hold at their peak (counted by the same tracker), kind by kind summed."""
+    from parallel_runtime.config import load_recipe
+    from parallel_runtime.diagnostics.memcheck import ONE_RANK, measured, predicted
+
+    recipe = load_recipe(HETERO, [*ONE_RANK, "train.dtype=bfloat16", "train.attention=auto"])
+    pred = predicted(recipe, 512, flash=False)
+    meas = measured(recipe, 512, torch.device("cpu"))
+    assert pred["peak_bytes"] == meas["peak_bytes"] > 0
