@@ -244,6 +244,27 @@ def uncovered(buckets: tuple[Bucket, ...], size: int) -> list[tuple[int, int]]:
     return out
 
 
+def tp_group_needs(layout: FlatLayout, rows: np.ndarray, buckets: tuple[Bucket, ...]) -> list[int]:
+    """For each row (parameter, tp index, tp size): the last bucket that holds part of that parameter's slice
+    of *any* tp index of the group, -1 if none. Why: a module's forward runs TP collectives, so every rank
+    of a TP group must have waited for the same buckets before it; waiting only for its own slice's (the
+    vocab rows of tp index 3 sit in a later bucket than those of tp index 0) lets one member enter the
+    module's all-reduce while another waits for a bucket the first posts only after it: a deadlock."""
+    size = layout.shard_size
+    starts = np.array([b.a for b in buckets], dtype=np.int64)  # [buckets] ascending windows
+    out = []
+    for p, _, tsize in rows.tolist():
+        last = -1
+        for t in range(tsize):
+            s, n = _param_runs(layout, p, t, tsize)
+            e = s + n
+            # relative end of each run in its last shard, or the shard's end when it crosses a boundary
+            y = np.where(s // size == (e - 1) // size, e - (e - 1) // size * size, size)
+            last = max(last, int(np.searchsorted(starts, int(y.max()), "left")) - 1)
+        out.append(last)
+    return out
+
+
 def plan_exchange(layout: FlatLayout, rows: np.ndarray, every: list[np.ndarray], rank: int, bucket_elems: int,
                   reduce_max: Callable[[np.ndarray], np.ndarray]) -> ExchangePlan:
     """The buckets of one exchange: this rank's slices ``rows`` (``[n, 3]``: parameter, tp index, tp size),
