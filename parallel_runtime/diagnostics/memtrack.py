@@ -9,9 +9,9 @@ a *kind*: the innermost :meth:`MemoryTracker.kind` context when it was made (``p
 the total is kept with its parts by kind (what a device with the caching allocator's slack removed
 would have allocated at its worst moment), and every kind's own peak.
 
-It also counts the step's reads of device values on the host (``.item()``, ``float(t)``, ``.tolist()``:
-on a GPU each waits for the device), answering them with zeros, which the runtime only uses for
-figures it reports (a loss, a norm), never for control flow.
+It also counts the step's reads of device values on the host (``.item()``, ``float(t)``, ``.tolist()``,
+whose element reads count once: on a GPU each waits for the device), answering them with zeros, which
+the runtime only uses for figures it reports (a loss, a norm), never for control flow.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class MemoryTracker(TorchDispatchMode):
         self.peak = 0
         self.peak_parts: dict[str, int] = {}  # bytes by kind at the peak of the total
         self.kind_peaks: Counter[str] = Counter()  # each kind's own peak
-        self.host_reads = 0  # device values read on the host since reset_counts()
+        self.host_reads = 0  # reads of device values on the host (a run of element reads, as .tolist(), is one)
+        self._reading = False  # the last op was such a read
 
     # ---- kinds --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -115,8 +116,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _SCALAR:  # a device value read on the host
-            self.host_reads += 1
+            self.host_reads += not self._reading
+            self._reading = True
             return False if args[0].dtype == torch.bool else 0
+        self._reading = False
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
