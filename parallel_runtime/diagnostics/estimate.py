@@ -295,7 +295,7 @@ def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flas
         with tracker.kind("optimizer"):
             opt = ctx.optimizer_class(layout, ((s.name, torch.empty(s.shape)) for s in specs), recipe.optimizer,
                                       rank=rank, device=cpu, group=xgroup,
-                                      bucket_elems=bucket_limit(BUCKET_ELEMS, world) if t.overlap else None)
+                                      bucket_elems=bucket_limit(BUCKET_ELEMS, world, gpu=True) if t.overlap else None)
         opt.tracker = tracker
         overlap = Overlap(opt) if t.overlap else None
         rt = Runtime(recipe.model, rank=rank, device=cpu, dtype=DTYPES[t.dtype], attention=t.attention,

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from parallel_runtime.engines.device import on_gpu
 from parallel_runtime.training.exchange import Bucket, ExchangePlan, plan_exchange, put, take, uncovered
 from parallel_runtime.training.layout import FlatLayout, LocalParam, ParamSpec, grad_of
 
@@ -66,6 +67,7 @@ __all__ = ["AdamWConfig", "FlatLayout", "LocalParam", "ParamSpec", "ShardedOptim
 
 STEP_CHUNK = 1 << 20  # elements of the shard the optimizer step updates at a time (bounded temporaries)
 PEER_BYTES = 256 << 10  # a full bucket carries at least this much to (or from) each peer: see bucket_limit
+PEER_BYTES_GPU = 1 << 20  # ... on GPUs (NCCL's all-to-all: fewer, larger messages; 64 MiB buckets at 64 ranks)
 NORM_CHUNK = 1 << 16  # elements per piece of the gradient norm (fp64 copies of 512 kB)
 
 
@@ -130,7 +132,8 @@ class ShardedOptimizer:
         self.rank = rank
         self.group = group
         self.device = torch.device(device)
-        self.bucket_elems = bucket_elems if bucket_elems is not None else bucket_limit(2 << 20, layout.world_size)
+        self.bucket_elems = bucket_elems if bucket_elems is not None else bucket_limit(
+            2 << 20, layout.world_size, gpu=on_gpu(self.device))
         lo, hi = self._bounds()
         self.master = torch.zeros(layout.shard_size, dtype=torch.float32, device=self.device)  # [shard_size]
         pairs = full_params.items() if isinstance(full_params, Mapping) else full_params
@@ -490,13 +493,14 @@ class ShardedOptimizer:
             w.addcdiv_(m, denom, value=-lr / bc1)
 
 
-def bucket_limit(bucket_elems: int, world_size: int) -> int:
+def bucket_limit(bucket_elems: int, world_size: int, *, gpu: bool = False) -> int:
     """The elements of one bucket's send or receive buffer: ``bucket_elems``, or more in a large world, so that
     a rank exchanging with every peer (a whole-model rank pulls from every owner) still moves
-    :data:`PEER_BYTES` per peer per collective. Why: a fixed buffer cut ``world_size`` ways gave 32 KiB
-    messages and 2,163 all-to-alls per step at 64 ranks; 256 KiB per peer keeps the buffer at 16 MiB there
-    and changes nothing up to 8 ranks (2M / 512K element buffers)."""
-    return max(bucket_elems, world_size * PEER_BYTES // 4)
+    :data:`PEER_BYTES` (:data:`PEER_BYTES_GPU` on a GPU) per peer per collective. Why: a fixed buffer cut
+    ``world_size`` ways gave 32 KiB messages and 2,163 all-to-alls per step at 64 GPUs; 1 MiB per peer makes
+    that 136 of 64 MiB buffers (256 MiB with two in flight), and on CPU (256 KiB per peer) nothing changes
+    up to 8 ranks."""
+    return max(bucket_elems, world_size * (PEER_BYTES_GPU if gpu else PEER_BYTES) // 4)
 
 
 def _decay_runs(layout: FlatLayout, lo: int, hi: int) -> dict[bool, list[tuple[int, int]]]:

@@ -222,11 +222,13 @@ class Trainer:
         hf = HFModel(recipe.model.hf, seed=recipe.seed) if recipe.model.hf is not None else None  # model.hf
         specs = hf.specs if hf else param_specs(recipe.model)
         overlap = distributed and recipe.train.overlap
+        gpu = self.device.type == "cuda"  # buckets of at least 1 MiB per peer there (bucket_limit)
         self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
                                           hf.init_params() if hf else init_params(recipe.model, recipe.seed),
                                           recipe.optimizer, rank=rank, device=self.device,
                                           group=exchange_group(world) if overlap else None,
-                                          **({"bucket_elems": bucket_limit(BUCKET_ELEMS, world)} if overlap else {}))
+                                          **({"bucket_elems": bucket_limit(BUCKET_ELEMS, world, gpu=gpu)}
+                                             if overlap else {}))
         self.overlap = Overlap(self.optimizer) if overlap else None  # train.overlap: buckets beside compute
         self.groups = None
         # small collectives (fingerprints, per-rank stats) on the backend's device: NCCL moves CUDA tensors only

@@ -14,7 +14,7 @@ from parallel_runtime.engines.attention import resolve_impl
 from parallel_runtime.engines.pipeline import Clock
 from parallel_runtime.model import ModelConfig, Transformer, local_attention
 from parallel_runtime.training.closed_loop import check_timer
-from parallel_runtime.training.optimizer import PEER_BYTES, bucket_limit
+from parallel_runtime.training.optimizer import PEER_BYTES, PEER_BYTES_GPU, bucket_limit
 from parallel_runtime.training.params import local_params, param_specs
 from parallel_runtime.training.runtime import GradBuffer, accumulate_in_fp32
 
@@ -119,5 +119,6 @@ def test_half_precision_gradients_sum_in_fp32() -> None:
 
 
 def test_exchange_buckets_carry_bytes_per_peer() -> None:
-    assert bucket_limit(1 << 19, 4) == 1 << 19 and bucket_limit(1 << 19, 8) == 1 << 19  # small worlds: as before
+    assert bucket_limit(1 << 19, 4) == 1 << 19 and bucket_limit(1 << 19, 8) == 1 << 19  # CPU worlds: as before
     assert bucket_limit(1 << 19, 64) == 64 * PEER_BYTES // 4  # 256 KiB per peer at 64 ranks (was 32 KiB)
+    assert bucket_limit(1 << 19, 64, gpu=True) == 64 * PEER_BYTES_GPU // 4 == 16 << 20  # 1 MiB per peer
