@@ -219,6 +219,21 @@ def activation_bytes_per_token(model: ModelShape, *, layers: int | None = None, 
     return out
 
 
+def cp_bytes_per_token(model: ModelShape, *, degree: int, inner: int, tp: int = 1, itemsize: int = 2,
+                       layers: int | None = None) -> float:
+    """Bytes one lane of a CP group of ``degree`` lanes sends per token it holds, forward and backward, over
+    ``layers`` layers (default all), as the runtime's engines move them: Ulysses over ``inner`` lanes, the
+    all-to-alls of Q, K, V and of the output, forward and backward (their buffers, the lane's own chunk
+    included); a ring over ``degree / inner`` outer ranks, K and V for r - 1 hops forward, again backward
+    with dK and dV, which travel in fp32. Contract 2's one ``comm_bytes_per_token`` is the Ulysses term."""
+    n = model.layers if layers is None else layers
+    h, hkv, d = model.heads / tp, model.kv_heads / tp, model.head_dim
+    r = degree // inner
+    ulysses = 2 * (2 * h + 2 * hkv) * d * itemsize if inner > 1 else 0.0
+    ring = (r - 1) * 2 * hkv * d * (2 * itemsize + 4) if r > 1 else 0.0
+    return n * (ulysses + ring)
+
+
 def in_flight(pp: int, stage: int) -> int:
     """Microbatches whose activations 1F1B stage ``stage`` of ``pp`` holds at once (with enough microbatches):
     the warmup's ``pp - stage - 1`` forwards and the one being run."""

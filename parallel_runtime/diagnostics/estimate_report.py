@@ -8,12 +8,13 @@ peak scaled from its role to its own tokens in flight, with the reserve for its 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
-from balanced_loader.presets import RESERVE, ModelShape, activation_bytes_per_token
+from balanced_loader.presets import RESERVE, ModelShape, activation_bytes_per_token, cp_bytes_per_token
 from parallel_runtime.topology import Topology
 
 GIB = 2**30
@@ -75,14 +76,20 @@ def role_report(ctx: Any, role: Any, run: Any, places: list[list[Any]]) -> dict[
     measured = fig.kind_peaks.get("activations", 0)
     comm = comm_table(fig.ops, role.rep, topo)
     # the cost model's terms: CP traffic per token of a segment in a group of d lanes, divided by d
-    # (contract 2); TP: 4 all-reduces of hidden values per token per layer (presets.analytic_cost)
+    # (contract 2; the Ulysses term), and per engine (presets.cp_bytes_per_token, on the tokens a lane
+    # holds); TP: 4 all-reduces of hidden values per token per layer (presets.analytic_cost)
     plan = ctx.plans[role.step]
-    cp_tokens = sum(sum(s[2] for s in w.group.segments) / w.group.degree
-                    for w in topo.lane_work(role.rep, plan) if w is not None and w.group.degree > 1)
+    inner_of = recipe.loader_cp_inner()
+    work = [w for w in topo.lane_work(role.rep, plan) if w is not None and w.group.degree > 1]
+    cp_tokens = sum(sum(s[2] for s in w.group.segments) / w.group.degree for w in work)
+    engines = sum(cp_bytes_per_token(shape_of(cfg), degree=w.group.degree, inner=math.gcd(inner_of, w.group.degree),
+                                     tp=place.tp, itemsize=itemsize, layers=layers) * place.tokens[w.microbatch]
+                  for w in work)
     cp_measured = sum(r["bytes"] for r in comm if r["what"] == "cp" and r["kind"] in ("all_to_all", "send"))
     tp_tokens = sum(place.tokens.values())
     tp_measured = sum(r["bytes"] for r in comm if r["what"] == "tp" and r["kind"] == "all_reduce")
     checks = {"cp": {"measured": int(cp_measured), "cost_model": int(cost.comm_bytes_per_token * cp_tokens)},
+              "cp_engines": {"measured": int(cp_measured), "cost_model": int(engines)},
               "tp": {"measured": int(tp_measured),
                      "cost_model": int(4 * layers * cfg.hidden * itemsize * tp_tokens) if place.tp > 1 else 0}}
     for c in checks.values():
@@ -139,13 +146,15 @@ def format_table(rep: dict[str, Any]) -> str:
                                         "attention", "temporaries"))
             + f" | {_gib(ro['peak_bytes'])} | {_gib(worst['peak_bytes'] + worst['reserve_bytes'])} | "
             f"{'yes' if all(per_rank[r]['fits'] for r in ranks) else 'NO'} |")
-    lines += ["", "| role | activations measured / formula | CP bytes / cost model | TP bytes / cost model | "
-              "exchange all-to-alls (per-peer median) | host reads in fwd/bwd, other | syncs | cpu s |",
+    lines += ["", "| role | activations measured / formula | CP bytes / cost file (/ per engine) | "
+              "TP bytes / cost model | exchange all-to-alls (per-peer median) | host reads in fwd/bwd, other | syncs "
+              "| cpu s |",
               "|---|---|---|---|---|---|---|---|"]
     for ro in rep["roles"]:
         a, c = ro["activations"], ro["comm_checks"]
         ex, hr = ro["exchange"], ro["host_reads"]
-        lines.append(f"| {ro['role']} | {a['ratio']} | {c['cp']['ratio']} | {c['tp']['ratio']} | "
+        lines.append(f"| {ro['role']} | {a['ratio']} | {c['cp']['ratio']} ({c['cp_engines']['ratio']}) | "
+                     f"{c['tp']['ratio']} | "
                      f"{ex['collectives']} ({ex['per_peer_median'] / 1024:.0f} KiB) | "
                      f"{hr.get('forward_backward', 0)}, {sum(v for k, v in hr.items() if k != 'forward_backward')} "
                      f"| {ro['device_syncs']} | {ro['cpu_s']} |")

@@ -147,7 +147,18 @@ def test_role_memory_by_kind_matches_the_formula() -> None:
     assert fig.kind_peaks.get("optimizer") and fig.kind_peaks.get("buckets") and fig.kind_peaks.get("attention")
     assert fig.host_reads["forward_backward"] == 0  # nothing read from the device inside the step
     assert fig.syncs == 1  # the clock's events are read once, after the step
-    assert rep["comm_checks"]["cp"]["ratio"] is not None
+    assert rep["comm_checks"]["cp_engines"]["ratio"] == 1.0  # Ulysses bytes = presets.cp_bytes_per_token
+
+
+@pytest.mark.parametrize("engine", [["world.cp_engine=ring"], ["world.cp_engine=nested", "world.cp_inner=2"]],
+                         ids=["ring", "nested"])
+def test_cp_bytes_follow_the_engine_formula(engine: list[str]) -> None:
+    plan = plan_json(4, [(1, 1, 0, [[((0, 1, 2, 3), [400, 240])], [((0, 1), [300]), ((2, 3), [120, 80])]])])
+    recipe, ctx = _context([StepPlan.from_json(plan, 4)], ["train.dtype=bfloat16", "train.attention=auto", *engine])
+    places = [[place_of(p, t, r) for r in range(4)] for p, t in zip(ctx.plans, ctx.topos)]
+    ro = find_roles(places)[0]
+    rep = role_report(ctx, ro, run_rank(ctx, ro.rep, [ro.step]), places)
+    assert rep["comm_checks"]["cp_engines"]["ratio"] == 1.0, rep["comm_checks"]
 
 
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path) -> None:
