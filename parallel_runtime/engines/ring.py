@@ -38,6 +38,7 @@ from parallel_runtime.engines.flash import flash_block_backward, flash_block_for
 from parallel_runtime.engines.tensor import via_host
 
 _TAG_KV, _TAG_DKV = 1, 2
+HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -259,8 +260,10 @@ class RingPass:
                                                     lse.index_select(0, b.q_rows), b.cu_q, b.cu_k, b.max_q,
                                                     b.max_k, b.causal, scale)
         elif b.pieces is not None and not on_gpu(q):
+            # torch's CPU flash kernels keep the log-sum-exp in fp32 for half inputs (in q's dtype otherwise)
+            lse_b = lse.index_select(0, b.q_rows).to(torch.float32 if q.dtype in HALF else q.dtype)
             dq_b, dk_b, dv_b = fused_block_backward(dob, qb, kb[:, :hkv], kb[:, hkv:], out.index_select(0, b.q_rows),
-                                                    lse.index_select(0, b.q_rows).to(q.dtype), b.pieces, scale)
+                                                    lse_b, b.pieces, scale)
         else:
             f = delta.dtype
             dq_b, dk_b, dv_b = tiled_backward(dob.to(f), qb.to(f), kb[:, :hkv].to(f), kb[:, hkv:].to(f),

@@ -122,3 +122,13 @@ def test_exchange_buckets_carry_bytes_per_peer() -> None:
     assert bucket_limit(1 << 19, 4) == 1 << 19 and bucket_limit(1 << 19, 8) == 1 << 19  # CPU worlds: as before
     assert bucket_limit(1 << 19, 64) == 64 * PEER_BYTES // 4  # 256 KiB per peer at 64 ranks (was 32 KiB)
     assert bucket_limit(1 << 19, 64, gpu=True) == 64 * PEER_BYTES_GPU // 4 == 16 << 20  # 1 MiB per peer
+
+
+def test_bf16_ring_with_fused_cpu_blocks_matches_the_reference() -> None:
+    """One long doc per group takes torch's fused CPU kernels in every ring block; in bf16 their backward wants
+    the log-sum-exp in fp32 (it failed before: 'expected scalar type Float but found BFloat16')."""
+    from parallel_runtime.diagnostics.selfcheck import LayoutSpec, check
+
+    res = check(LayoutSpec(world_size=2, cp=2, engine="ring", dtype="bfloat16", doc_tokens=512, heads=4, kv_heads=2,
+                           docs_per_group=2, microbatches=1), timeout_s=300)
+    assert res["ok"], (res["max_rel_diff_grad"], res["half"])
