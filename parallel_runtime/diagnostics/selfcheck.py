@@ -10,8 +10,8 @@ microbatch with docs of N tokens instead (one long doc spans the whole CP group)
 adds the peak resident memory of the worst rank (``peak_rss_mb``).
 
 ``--dtype bfloat16`` runs the layout in bf16 (on CUDA the flash-attention kernels of every ring block) and
-passes when its error against the fp32 reference is at most twice that of the same model in bf16 in one
-process (the dtype's own round-off; at least 2e-2).
+passes when its error against the fp32 reference is at most three times that of the same model in bf16 in
+one process (the dtype's own round-off; at least 3e-2).
 
 Gradients are compared in full-model coordinates: each rank writes its local gradients at
 their place in a full-size buffer (replicated parameters from tp index 0 only) and the
@@ -43,9 +43,11 @@ from parallel_runtime.training.metrics import peak_rss_mb
 TOLERANCE = 1e-5  # fp32, relative
 CUDA_TOLERANCE = 1e-4  # fp32 CUDA kernels reduce in other orders
 # half precision: the layout's error against the fp32 reference may be at most this many times the error of
-# the same model in the same dtype in one process (the dtype's own round-off), or HALF_FLOOR
-HALF_FACTOR = 2.0
-HALF_FLOOR = 2e-2
+# the same model in the same dtype in one process (the dtype's own round-off), or HALF_FLOOR. Why 3: a CP
+# layout rounds every block's partial output to the dtype before merging, and small parameters (norm weights,
+# gradients summed over every token) vary run to run by 2-3x the one-process figure; a broken path is off by 1.
+HALF_FACTOR = 3.0
+HALF_FLOOR = 3e-2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DENSE_REFERENCE_TOKENS = 4096  # the reference uses the dense masked formula up to this many tokens
 
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (all ranks share cuda:0 through gloo)")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                     help="the layout's dtype (bfloat16: flash-attention blocks on CUDA; compared with the fp32 "
-                         "reference within twice the same model's error in one process)")
+                         "reference within 3x the same model's error in one process)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before the world is ended")
     args = ap.parse_args(argv)
 
