@@ -158,8 +158,7 @@ def stage_names(cfg, pp: int, stage: int, cache: dict) -> list[str]:
     return cache[key]
 
 
-def world_rows(cfg, layout, topo: Topology, plan: StepPlan, *, push: bool, overlap: bool,
-               cache: dict) -> list[np.ndarray]:
+def world_rows(cfg, layout, topo: Topology, plan: StepPlan, *, push: bool, cache: dict) -> list[np.ndarray]:
     """Every rank's exchange description (what its ``ShardedOptimizer.describe`` gives) for a pull or a push."""
     out = []
     for q in range(topo.world_size):
@@ -267,6 +266,7 @@ class Context:
 def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flash: bool = True) -> RankRun:
     """``rank``'s real steps ``steps`` (plan indices) on fake tensors; the recipe may be a cut one (replay)."""
     import torch
+    import torch.distributed as dist
 
     from parallel_runtime.groups import GroupCache, declared_groups
     from parallel_runtime.training.optimizer import FlatLayout, bucket_limit
@@ -309,7 +309,7 @@ def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flas
             trace.phase = "plan check"
             topo, _ = check_plan_runs_here(plan, recipe=recipe, lengths=ctx.lengths[s], groups=groups,
                                            comm_device=cpu)
-            opt.expected = [world_rows(recipe.model, layout, topo, plan, push=push, overlap=t.overlap,
+            opt.expected = [world_rows(recipe.model, layout, topo, plan, push=push,
                                        cache=ctx.names.setdefault(id(recipe), {})) for push in (False, True)]
             hooks = _Hooks(fr, rt, fig)
             fig.host_reads["plan check"] = tracker.host_reads - reads0
@@ -320,8 +320,6 @@ def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flas
             trace.phase = "optimizer"
             opt.step()
             trace.phase = "step figures"  # the trainer's per-step all-gathers of every rank's figures
-            import torch.distributed as dist
-
             dist.all_gather([torch.zeros(8) for _ in range(world)], torch.zeros(8))
             fig.host_reads["optimizer"] = tracker.host_reads - reads0
             fig.syncs = sum(1 for e in trace.events if e[0] == "sync") - syncs0

@@ -121,6 +121,10 @@ def rank_memory(roles: list[dict], places: list[list[Any]], comms: dict[int, int
     return sorted(out, key=lambda x: x["rank"])
 
 
+def _r(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
 def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
@@ -153,8 +157,8 @@ def format_table(rep: dict[str, Any]) -> str:
     for ro in rep["roles"]:
         a, c = ro["activations"], ro["comm_checks"]
         ex, hr = ro["exchange"], ro["host_reads"]
-        lines.append(f"| {ro['role']} | {a['ratio']} | {c['cp']['ratio']} ({c['cp_engines']['ratio']}) | "
-                     f"{c['tp']['ratio']} | "
+        lines.append(f"| {ro['role']} | {_r(a['ratio'])} | {_r(c['cp']['ratio'])} ({_r(c['cp_engines']['ratio'])}) | "
+                     f"{_r(c['tp']['ratio'])} | "
                      f"{ex['collectives']} ({ex['per_peer_median'] / 1024:.0f} KiB) | "
                      f"{hr.get('forward_backward', 0)}, {sum(v for k, v in hr.items() if k != 'forward_backward')} "
                      f"| {ro['device_syncs']} | {ro['cpu_s']} |")

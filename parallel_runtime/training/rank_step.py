@@ -61,7 +61,10 @@ def execute_step(runtime: Runtime, optimizer: ShardedOptimizer, overlap: Overlap
     ex = None  # with train.overlap: the step's pull and push in flight beside forward/backward
     with hooks.phase("pull"):
         if overlap is not None:
-            ex = overlap.begin(sm.model, sm.params, microbatches=len(microbatches), push=push)
+            # passes that run (cp=1's padding fillers run none: such a rank contributes no gradient, as without
+            # overlap, where the idle rank's gradients are detached below)
+            ex = overlap.begin(sm.model, sm.params, microbatches=sum(not mb.padding for mb in microbatches),
+                               push=push)
         else:
             optimizer.pull(sm.params)
     hooks.between()
