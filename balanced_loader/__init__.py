@@ -38,6 +38,9 @@ _EXPORTS = {
     "Samples": "balanced_loader.calibration",
     "balance": "balanced_loader.integrations.rl",
     "balance_batch": "balanced_loader.integrations.rl",
+    "MegatronSource": "balanced_loader.data.megatron",
+    "DatatroveSource": "balanced_loader.data.datatrove",
+    "HydraCPScheduler": "balanced_loader.integrations.megatron",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -3,21 +3,24 @@
 Each rank builds the same loader (only ``rank`` differs) and computes the same things:
 
 1. the epoch's doc order, a pure function of (seed, epoch), evaluated lazily by position
-   (:class:`~balanced_loader.data.batching.EpochOrder`): shards, or blocks of doc_ids,
+   (:class:`~balanced_loader.batches.order.EpochOrder`): shards, or blocks of doc_ids,
    permuted, and docs shuffled in windows of ``shuffle_window``;
-2. global batches of at most ``global_batch_tokens`` tokens, cut from that order as the
-   cursor reaches them, between docs (the segments of a split doc stay in one step; a doc
-   larger than the budget is a step of its own); empty docs skipped, docs over ``max_seq_len``
-   handled by ``long_docs`` (counts in :class:`~balanced_loader.data.batching.DocStats`, never
-   silent). Nothing is built over all docs, so memory does not grow with the source;
+2. global batches of *sequences* (a doc of at most ``max_seq_len`` tokens, or one ``max_seq_len``
+   piece of a longer doc: :mod:`balanced_loader.batches.sequences`), cut from that order as the
+   cursor reaches them: every step holds between ``global_batch_tokens - max_seq_len`` and
+   ``global_batch_tokens`` tokens (the last step of a finite run may hold fewer), and the pieces
+   of a long doc are shuffled like docs and may train in different steps; empty docs skipped,
+   docs over ``max_seq_len`` handled by ``long_docs`` (counts in
+   :class:`~balanced_loader.batches.items.DocStats`, never silent). Nothing is built over all
+   docs, so memory does not grow with the source;
 4. a :class:`~balanced_loader.plan.StepPlan` per batch from the policy, planned ahead in the
    background (``prefetch_steps``; a thread, or ``planner_workers`` processes);
 5. this rank's microbatches (:mod:`balanced_loader.materialize`), reading only the tokens of
    its own segments.
 
 So every rank gets the same number of steps with no collective, and ``state_dict()`` (the
-cursor: epoch, step and the epoch position of the next batch, plus the config the batches
-depend on) resumes exactly, at any world size: the batches never depend on it, only their
+cursor: epoch, step and each source's place, :class:`~balanced_loader.batches.stream.Cursor`, plus
+the config the batches depend on) resumes exactly, at any world size: the batches never depend on it, only their
 assignment to ranks does. ``len()``, :meth:`BalancedLoader.steps_in_epoch` and
 :meth:`BalancedLoader.epoch_stats` need one streaming pass over the epoch, made on demand.
 Iteration is a cursor: ``for batch in loader`` continues from the current position and stops
@@ -38,21 +41,21 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.batches.epochs import EpochCuts
+from balanced_loader.batches.items import LONG_DOC_MODES, DocStats
+from balanced_loader.batches.stream import BatchStream, Cut, stream_for
 from balanced_loader.calibration.schedule import CostSchedule
 from balanced_loader.cost import CostModel
-from balanced_loader.data.batching import LONG_DOC_MODES, Cut, DocStats, EpochBatches
-from balanced_loader.data.epochs import EpochCuts
-from balanced_loader.data.loader_args import (  # resolve_world: the loader's rank and world size, public here too
+from balanced_loader.data.mixture import MixtureSource
+from balanced_loader.data.open import open_source
+from balanced_loader.data.sources import Source
+from balanced_loader.loader_args import (  # resolve_world: the loader's rank and world size, public here too
+    check_budget_holds_a_sequence,
     check_loader_args,
     check_pad_id,
-    check_step_start,
     resolve_world,
+    smallest,
 )
-from balanced_loader.data.mixing import MixtureStream, stream_for
-from balanced_loader.data.mixture import ClippedLengths, MixtureSource
-from balanced_loader.data.open import open_source
-from balanced_loader.data.schedule import setting
-from balanced_loader.data.sources import Source
 from balanced_loader.materialize import (
     Microbatch,
     materialize_rank,
@@ -64,12 +67,13 @@ from balanced_loader.materialize import (
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning import get_policy, longest_segment, make_plan
 from balanced_loader.planning.config import PlanConfig
+from balanced_loader.schedule import setting
 
 log = logging.getLogger("balanced_loader")
 ORDERS = ("any", "strict")  # strict (with shuffle=False): steps follow the source order exactly
 
 STATE_FORMAT = "balanced-loader/loader-state"
-STATE_VERSION = 2  # 2: the cursor holds the epoch position of the next batch
+STATE_VERSION = 3  # 3: steps of sequences; the cursor holds each source's place (window, unit, offset)
 _PLAN_CONFIG_KEYS = ("tp", "pp", "cp", "time_limit_s", "candidates", "extra")
 
 
@@ -86,6 +90,7 @@ class StepBatch:
     planner_wait_s: float  # time this step waited for its plan
     doc_stats: DocStats  # what this step did with empty and long docs (whole epoch: loader.epoch_stats)
     rank: int
+    sequences: BatchItems  # the step's sequences (what its plan tiles; the same on every rank)
     mixture_tokens: dict[str, int] | None = None  # a mixture's tokens per source in the step (same on every rank)
 
     @property
@@ -122,8 +127,6 @@ def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:
     return best
 
 
-
-
 class BalancedLoader:
     """Length-aware loader: global batches by token budget, planned by a policy, materialized per rank.
 
@@ -143,7 +146,7 @@ class BalancedLoader:
     A mixture (:func:`balanced_loader.mix`) holds each source's share in every step
     (``StepBatch.mixture_tokens``); ``global_batch_tokens`` and ``max_seq_len`` may be schedules
     ``[(step, value), ...]`` (piecewise linear, constant after the last point); either way the
-    batches come from a :class:`~balanced_loader.data.mixing.MixtureStream` (docs/mixtures.md).
+    batches come from a :class:`~balanced_loader.batches.stream.BatchStream` (docs/mixtures.md).
     ``order="strict"`` (with ``shuffle=False``) promises steps in the source order exactly.
     """
 
@@ -154,7 +157,7 @@ class BalancedLoader:
                  plan_config: dict[str, Any] | PlanConfig | None = None, cp: int | None = None, cp_inner: int = 1,
                  pad_id: int = 0, validate: bool = False, order: str = "any", calibrate: Any = False) -> None:
         # every argument is checked (type, range, bounds) before the source is opened: no pass over the data
-        # for a typo (balanced_loader.data.loader_args); the token settings may be schedules (data.schedule)
+        # for a typo (balanced_loader.loader_args); the token settings may be schedules (balanced_loader.schedule)
         rank, world_size = resolve_world(rank, world_size)
         scheduled = isinstance(global_batch_tokens, (list, tuple)), isinstance(max_seq_len, (list, tuple))
         a = check_loader_args(policy=policy, global_batch_tokens=1 if scheduled[0] else global_batch_tokens,
@@ -178,8 +181,9 @@ class BalancedLoader:
         self.world_size = world_size
         self.rank = rank
         self.seed = int(seed)
-        if limit is None:
-            limit = setting(default_max_seq_len(self.cost, self.config), "max_seq_len")
+        if limit is None:  # the longest segment the policy plans, within the smallest budget of the run
+            limit = setting(min(default_max_seq_len(self.cost, self.config), smallest(budget)), "max_seq_len")
+        check_budget_holds_a_sequence(budget, limit)
         # each an int, or a schedule [[step, value], ...]
         self.global_batch_tokens, self.max_seq_len = budget.to_json(), limit.to_json()
         self.order = order
@@ -195,14 +199,12 @@ class BalancedLoader:
         self.pad_id = int(pad_id)
         self.validate = bool(validate)
         self._epochs: OrderedDict[int, EpochCuts] = OrderedDict()
-        # a mixture, or a schedule: global batches from a MixtureStream (its cursors say where steps start)
-        self._stream: MixtureStream | None = None
-        if isinstance(self.source, MixtureSource) or not (budget.constant and limit.constant):
-            self._stream = stream_for(self.source, seed=self.seed, shuffle=self.shuffle, window=self.shuffle_window,
-                                      max_seq_len=limit, global_batch_tokens=budget, long_docs=long_docs)
+        # the global batches, one source or a mixture (its cursors say where steps start)
+        self._stream: BatchStream = stream_for(self.source, seed=self.seed, shuffle=self.shuffle,
+                                               window=self.shuffle_window, max_seq_len=limit,
+                                               global_batch_tokens=budget, long_docs=long_docs, epochs=epochs)
         self._futures: dict[int, tuple[int, int, Future]] = {}  # global step -> (epoch, step_in_epoch, plan)
         self._executor: Executor | None = None
-        self._valid_lengths: np.ndarray | None = None
         self.epoch = 0
         self.step_in_epoch = 0
         self.step = 0
@@ -240,12 +242,7 @@ class BalancedLoader:
         if ep is not None:
             self._epochs.move_to_end(epoch)
             return ep
-        src = self.source
-        batches = self._stream.epoch(epoch) if self._stream is not None else EpochBatches(
-            src.lengths, epoch=epoch, seed=self.seed, shuffle=self.shuffle, shard_bounds=src.shard_bounds,
-            window=self.shuffle_window, max_seq_len=self.max_seq_len, long_docs=self.long_docs,
-            global_batch_tokens=self.global_batch_tokens)
-        ep = EpochCuts(epoch, batches)
+        ep = EpochCuts(epoch, self._stream.epoch(epoch))
         self._epochs[epoch] = ep
         for old in list(self._epochs)[:-(self.prefetch_steps + 3)]:  # never the cursor's: it knows where to go on
             if old != self.epoch:
@@ -351,12 +348,11 @@ class BalancedLoader:
         cut = self._cut(self.epoch, self.step_in_epoch)
         plan, wait = self._plan_now()
         if self.validate:
-            plan.validate(self.validation_lengths(self.step), self.costs.at(self.step),
-                          doc_ids=np.unique(cut.items.doc_ids))
+            plan.validate(cut.items, self.costs.at(self.step))
         batch = StepBatch(step=self.step, epoch=self.epoch, step_in_epoch=self.step_in_epoch, plan=plan,
                           microbatches=tuple(self.microbatches(plan, self.rank)),
                           num_valid_tokens=num_valid_tokens(plan), planner_wait_s=wait, doc_stats=cut.stats,
-                          rank=self.rank, mixture_tokens=cut.mixture_tokens)
+                          rank=self.rank, sequences=cut.items, mixture_tokens=cut.mixture_tokens)
         self.epoch, self.step_in_epoch = self._cursor_after(self.epoch, self.step_in_epoch)
         self.step += 1
         self._get_epoch(self.epoch).forget_before(self.step_in_epoch)
@@ -391,17 +387,6 @@ class BalancedLoader:
                 out += [padding_microbatch(place, lane=place.lane, pad_id=self.pad_id) for _ in range(want - len(out))]
         return out
 
-    def validation_lengths(self, step: int) -> Any:
-        """The lengths (by doc_id) that the segments of global ``step``'s plan tile: truncated docs end at
-        that step's ``max_seq_len`` (a mixture's or a schedule's are read through, never copied)."""
-        if self.long_docs != "truncate":
-            return self.source.lengths
-        if self._stream is not None:
-            return ClippedLengths(self.source.lengths, self._stream.limit_at(step))
-        if self._valid_lengths is None:
-            self._valid_lengths = np.minimum(self.source.lengths, self.max_seq_len)
-        return self._valid_lengths
-
     # ---- resume ------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
         return {"policy": self.policy, "seed": self.seed,
@@ -422,15 +407,15 @@ class BalancedLoader:
     def state_dict(self) -> dict[str, Any]:
         """The cursor and everything the remaining batches depend on (plain JSON-able values).
 
-        The cursor is (epoch, step in the epoch, global step, the epoch position of the next
-        batch's first doc); ``world_size`` is recorded for information only: a state loads at
-        any world size and continues the same global batches.
+        The cursor is (epoch, step in the epoch, global step, and where the next step starts: each
+        source's place, with the epoch's first cursor so that its summary needs no replay);
+        ``world_size`` is recorded for information only: a state loads at any world size and continues
+        the same global batches.
         """
-        position = self._get_epoch(self.epoch).starts[self.step_in_epoch] if not self._finished(self.epoch) else 0
-        if self._stream is not None:  # a cursor, and the epoch's first one (its summary then needs no replay)
-            names = self._stream.cursor_names
-            position = {"cursor": position.to_json(names) if position else None,
-                        "epoch_start": self._stream.epoch_start(self.epoch).to_json(names)}
+        names = self._stream.cursor_names
+        cur = None if self._finished(self.epoch) else self._get_epoch(self.epoch).starts[self.step_in_epoch]
+        position = {"cursor": cur.to_json(names) if cur is not None else None,
+                    "epoch_start": self._stream.epoch_start(self.epoch).to_json(names)}
         return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "world_size": self.world_size,
                 "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "step": self.step, "position": position,
                 **self.costs.state_dict(self.step)}
@@ -440,8 +425,11 @@ class BalancedLoader:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a BalancedLoader state: expected \"format\": \"{STATE_FORMAT}\"")
         if state.get("version") != STATE_VERSION:
+            older = (" (saved by an older version, whose steps were cut between docs: its steps cannot be "
+                     "continued exactly; start a fresh loader, e.g. with skip of the steps already trained)"
+                     if state.get("version") in (1, 2) else "")
             raise ValueError(f"loader state version {state.get('version')} is not supported "
-                             f"(this loader knows {STATE_VERSION})")
+                             f"(this loader knows {STATE_VERSION}){older}")
         mine = self._identity()
         for key in ("lengths_fingerprint", "tokens_fingerprint"):
             if key not in state:  # a state saved before this fingerprint: what it has is all it can check
@@ -460,28 +448,21 @@ class BalancedLoader:
                 raise ValueError(f"the loader state was saved with {key}={state.get(key)!r} but this loader "
                                  f"has {key}={value!r} ({what}); exact resume needs the same setup")
         cursor = []
-        for key in ("epoch", "step_in_epoch", "step") + (("position",) if self._stream is None else ()):
+        for key in ("epoch", "step_in_epoch", "step"):
             v = state.get(key)
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"malformed loader state: the cursor's {key!r} must be an integer >= 0, got "
                                  f"{v!r}; pass a dict from BalancedLoader.state_dict()")
             cursor.append(int(v))
-        epoch, s, step, *rest = cursor
+        epoch, s, step = cursor
         if self.epochs is not None and (epoch > self.epochs or (epoch == self.epochs and s)):
             raise ValueError(f"loader state cursor (epoch {epoch}, step {s}) is past the last of this "
                              f"loader's {self.epochs} epoch(s)")
         if step < s or (epoch == 0 and step != s):
             raise ValueError(f"malformed loader state: global step {step} cannot be step {s} of epoch {epoch}")
-        if self._stream is not None:  # a mixture or a schedule: its cursor, checked against the sources
-            pos: Any = self._stream.load(state.get("position"), epoch=epoch, step_in_epoch=s, step=step,
-                                         finished=self._finished(epoch))
-        # a step starts at position 0 only as the first of its epoch, and before the last doc
-        elif (s == 0) != (rest[0] == 0) or rest[0] >= max(1, self.source.num_docs):
-            raise ValueError(f"loader state cursor (epoch {epoch}, step {s}, position {rest[0]}) is outside the epoch")
-        else:
-            pos = rest[0]
-            if not self._finished(epoch):  # the position must begin step s of that epoch (a pass over its lengths)
-                check_step_start(self._get_epoch(epoch).batches, epoch, s, pos)
+        # each source's place, checked against the sources and replayed from the epoch's first step
+        pos = self._stream.load(state.get("position"), epoch=epoch, step_in_epoch=s, step=step,
+                                finished=self._finished(epoch))
         self.costs.load_state_dict(state)
         self._cancel()
         self._epochs.clear()  # cut afresh from the saved position
@@ -533,7 +514,7 @@ class BalancedLoader:
         ``DataLoader`` that plans and reads the ``n`` skipped steps and drops them. To resume
         without that work, save ``loader.state_dict()`` and ``load_state_dict`` it instead.
         """
-        from balanced_loader.integrations.torch_dataset import iterable_view
+        from balanced_loader.dataset_view import iterable_view
 
         return iterable_view(self)
 

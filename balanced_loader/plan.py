@@ -316,14 +316,17 @@ class StepPlan:
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     # ---- validation ----------------------------------------------------
-    def validate(self, lengths: Sequence[int] | np.ndarray | None = None, caps: LaneCaps | None = None,
+    def validate(self, lengths: Sequence[int] | np.ndarray | BatchItems | None = None, caps: LaneCaps | None = None,
                  doc_ids: Iterable[int] | None = None) -> None:
         """Check every contract-1 invariant; raise ``ValueError`` naming step, pool, microbatch and doc.
 
-        ``lengths`` is indexed by doc_id (``None``: each doc's segments must still tile ``[0, end)``
-        without gaps or overlaps, but its length is not known). ``doc_ids`` (optional) is the exact set
-        of docs this step must hold. ``caps`` (optional, e.g. the ``CostModel``) enables the shape and
-        memory-cap checks. The runtime calls ``plan.validate(caps=cost)`` before executing a plan.
+        ``lengths``: the step's sequences as :class:`BatchItems` (the segments must tile each of them
+        exactly, and nothing else: what the loader checks), or lengths indexed by doc_id (every doc's
+        segments tile ``[0, length)``: a step of whole docs), or ``None`` (each doc's segments must
+        still tile ``[0, end)`` without gaps or overlaps, but its length is not known). ``doc_ids``
+        (optional, with lengths) is the exact set of docs this step must hold. ``caps`` (optional, e.g.
+        the ``CostModel``) enables the shape and memory-cap checks. The runtime calls
+        ``plan.validate(caps=cost)`` before executing a plan.
         """
         where = f"step {self.step}"
         if self.world_size < 1:
@@ -375,6 +378,9 @@ class StepPlan:
         if len(seen_ranks) != self.world_size:
             missing = sorted(set(range(self.world_size)) - seen_ranks)[:8]
             raise ValueError(f"{where}: pools do not cover the world; missing ranks {missing}")
+        if isinstance(lengths, BatchItems):
+            _check_sequences(where, pieces, lengths)
+            return
         # anything indexable by doc_id is read as is (a mixture's lengths are read through, never copied)
         lengths_arr = lengths if lengths is None or hasattr(lengths, "__getitem__") else np.asarray(lengths)
         for doc, segs in pieces.items():
@@ -548,3 +554,32 @@ def plan_lengths(plan: Plan | Sequence[StepPlan]) -> np.ndarray:
     out = np.zeros(int(d.max()) + 1, dtype=np.int64)
     np.maximum.at(out, d, np.asarray(ends, dtype=np.int64))  # unbuffered: a doc's several segments all count
     return out
+
+
+def _check_sequences(where: str, pieces: dict[int, list[tuple[int, int, str]]], seqs: BatchItems) -> None:
+    """The segments (``pieces``: doc -> ``(start, length, where)``) tile each sequence of ``seqs`` exactly:
+    no gap, no overlap, no segment across two sequences, no doc the step does not hold."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for d, a, n in zip(seqs.doc_ids.tolist(), seqs.starts.tolist(), seqs.lengths.tolist()):
+        spans.setdefault(d, []).append((a, a + n))
+    extra = sorted(set(pieces) - set(spans))[:8]
+    if extra:
+        raise ValueError(f"{where}: docs not in the batch {extra}")
+    for doc, want in spans.items():
+        segs = sorted(pieces.get(doc, []))
+        want.sort()
+        i = 0
+        for a, b in want:
+            pos = a
+            while pos < b:
+                if i == len(segs) or segs[i][0] != pos:
+                    got = "nothing" if i == len(segs) else f"a segment at {segs[i][0]}"
+                    raise ValueError(f"{where}: doc {doc}'s sequence [{a}, {b}) is covered up to token {pos}, "
+                                     f"then {got}")
+                pos += segs[i][1]
+                if pos > b:
+                    raise ValueError(f"{segs[i][2]}: doc {doc} segment at {segs[i][0]} runs past its sequence "
+                                     f"[{a}, {b})")
+                i += 1
+        if i < len(segs):
+            raise ValueError(f"{segs[i][2]}: doc {doc} segment at {segs[i][0]} is in none of the step's sequences")

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.data.hf_datasets import HFDatasetSource, hf_kind
-from balanced_loader.data.loader_args import MAX_TOKEN_ID
 from balanced_loader.data.sources import Source, as_lengths
+from balanced_loader.loader_args import MAX_TOKEN_ID
 
 
 def default_tokens(sample: Any) -> np.ndarray:

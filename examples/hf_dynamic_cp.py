@@ -49,8 +49,11 @@ def main() -> None:
     cost = bl.CostModel.from_dict({"quadratic_ms": 1e-3, "linear_ms": 0.01, "microbatch_ms": 0.5,
                                    "max_tokens_per_lane": lane, "comm_bytes_per_token": 100,
                                    "bandwidth_gbs": {2: 10.0}})
+    # hydra's load-target placement alone ("portfolio": off): on a batch this small its portfolio would put every
+    # doc on all 4 lanes, and this example shows CP groups of several degrees
     loader = bl.wrap(docs, policy="hydra", cost=cost, global_batch_tokens=2048, max_seq_len=MAX_SEQ_LEN,
-                     cp_inner=a.cp_inner, seed=0, epochs=None)  # rank and world size: accelerate's
+                     cp_inner=a.cp_inner, seed=0, epochs=None,  # rank and world size: accelerate's
+                     plan_config={"extra": {"portfolio": False}})
     bind = enable_context_parallel(model, cp_inner=a.cp_inner, max_seq_len=MAX_SEQ_LEN)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)

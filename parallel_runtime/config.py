@@ -16,16 +16,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from balanced_loader.batches.items import LONG_DOC_MODES
 from balanced_loader.calibration.calibrator import CalibrationOptions
 from balanced_loader.cost import CostModel, allowed_degrees
-from balanced_loader.data.batching import LONG_DOC_MODES
-from balanced_loader.data.loader_args import MAX_PREFETCH_STEPS, max_planner_workers
 from balanced_loader.data.mixture import MIX_BY
-from balanced_loader.data.schedule import setting, weight_schedule
 from balanced_loader.loader import ORDERS
+from balanced_loader.loader_args import MAX_PREFETCH_STEPS, max_planner_workers
 from balanced_loader.planning import fixed_pools, pool_shapes
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
+from balanced_loader.schedule import setting, weight_schedule
 from balanced_loader.strict import from_dict, read_yaml, yaml_loads
 from parallel_runtime.engines.attention import DENSE_IMPLS, IMPLS
 from parallel_runtime.engines.context import ENGINES

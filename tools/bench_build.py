@@ -28,10 +28,10 @@ import sys
 import tempfile
 import time
 
-from balanced_loader.data.build import CHUNK_DOCS, build_from_files, ordered_map
-from balanced_loader.data.corpus import stdlib_py_files
-from balanced_loader.data.files import atomic_write
+from balanced_loader.build.builder import CHUNK_DOCS, build_from_files, ordered_map
+from balanced_loader.build.corpus import stdlib_py_files
 from balanced_loader.data.tokenizers import encode_many, get_tokenizer
+from balanced_loader.outputs.files import atomic_write
 
 
 def make_corpus(folder: str, files: int) -> tuple[str, list[str]]:

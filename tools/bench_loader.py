@@ -36,11 +36,11 @@ import statistics
 import sys
 import time
 
-from balanced_loader.data.corpus import stdlib_shards
-from balanced_loader.data.files import atomic_write
+from balanced_loader.build.corpus import stdlib_shards
 from balanced_loader.data.shards import VERIFY_MODES, ShardSource
 from balanced_loader.loader import BalancedLoader, resolve_cost
 from balanced_loader.materialize import needed_token_count
+from balanced_loader.outputs.files import atomic_write
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

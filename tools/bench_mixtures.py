@@ -33,8 +33,8 @@ import sys
 import numpy as np
 
 from balanced_loader.data.mixture import mix
-from balanced_loader.data.schedule import schedule
 from balanced_loader.loader import BalancedLoader
+from balanced_loader.schedule import schedule
 
 WEIGHTS = {"tests": 0.6, "packages": 0.3, "modules": 0.1}
 COST = "hydra-gpt7b-a100"
@@ -43,8 +43,8 @@ BUDGET = 131072
 
 
 def build(folder: str) -> dict[str, str]:
-    from balanced_loader.data.build import build_from_files
-    from balanced_loader.data.corpus import stdlib_py_files, stdlib_root
+    from balanced_loader.build.builder import build_from_files
+    from balanced_loader.build.corpus import stdlib_py_files, stdlib_root
     from balanced_loader.data.index import INDEX_FILE
 
     groups: dict[str, list[str]] = {k: [] for k in WEIGHTS}
@@ -190,7 +190,7 @@ def adversarial(trials: int) -> dict:
     """Seeded synthetic mixtures of 2-4 sources (uniform, lognormal, only 1- or max-length docs, only
     max-length docs), budgets of 2-16 ``max_seq_len``, random weights, 150 steps each: how far a
     step's worst source strays from its share, in units of ``max_seq_len``."""
-    from balanced_loader.data.mixing import stream_for
+    from balanced_loader.batches.stream import stream_for
 
     worst, runs = [], []
     for seed in range(trials):

@@ -45,6 +45,8 @@ import numpy as np
 from numba import njit
 
 import balanced_loader
+from balanced_loader.batches.items import to_items
+from balanced_loader.build import zoo
 from balanced_loader.plan import (
     BatchItems,
     Group,
@@ -424,7 +426,9 @@ def main() -> None:
     ap.add_argument("--megatron-batches", type=int, default=2)
     ap.add_argument("--code-docs", type=int, default=1_000_000, help="docs of the code-like corpus (pack section)")
     ap.add_argument("--code-seed", type=int, default=0)
-    ap.add_argument("--corpora", default="wiki,code", help="pack: comma-separated wiki, code")
+    ap.add_argument("--corpora", default="wiki,code,realcode",
+                    help="pack: comma-separated wiki, code (synthetic code-like), realcode (this machine's CPython "
+                         "stdlib and /usr/include, byte-level tokens, split into sequences of at most 8192)")
     ap.add_argument("--skip-linear", action="store_true", help="pack: skip the slow reference rows")
     args = ap.parse_args()
     lengths = wiki(args.lengths)
@@ -436,6 +440,12 @@ def main() -> None:
     if "pack" in only and "code" in args.corpora.split(","):
         bench_pack(f"code-like (lognormal(8.3, 0.8) tokens, truncated, seed {args.code_seed})",
                    code_corpus(args.code_docs, args.code_seed, 8192), 8192, args.repeats, False)
+    if "pack" in only and "realcode" in args.corpora.split(","):
+        real = np.concatenate([zoo.lengths(name) for name in ("stdlib", "headers")])
+        real = real[real > 0]
+        pieces = to_items(real, np.arange(len(real)), 8192, "split")[0].lengths  # every doc cut at 8192
+        bench_pack("real code (the CPython stdlib's .py and /usr/include, bytes, split at 8192)",
+                   pieces, 8192, args.repeats, False)
     if "hydra" in only:
         bench_hydra(lengths, contexts, args.lanes, args.passes, args.batches, args.repeats)
     if "scaling" in only:

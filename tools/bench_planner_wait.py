@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from balanced_loader.data.corpus import stdlib_shards
+from balanced_loader.build.corpus import stdlib_shards
 from balanced_loader.loader import BalancedLoader
 from balanced_loader.presets import cost_preset
 

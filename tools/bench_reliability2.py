@@ -19,9 +19,8 @@ import time
 
 import numpy as np
 
-from balanced_loader.data import build
-from balanced_loader.data.batching import EpochBatches
-from balanced_loader.data.corpus import stdlib_py_files
+from balanced_loader.build import builder as build
+from balanced_loader.build.corpus import stdlib_py_files
 from balanced_loader.loader import BalancedLoader
 
 
@@ -70,13 +69,13 @@ def cursor(repeats: int) -> None:
               max_seq_len=4096, prefetch_steps=0)
     fresh = BalancedLoader(lengths, **kw)
     steps = fresh.steps_in_epoch(0)
-    # where step steps // 2 begins, cut as the loader cuts (same order and budget): a state saved there
-    eb = EpochBatches(lengths, epoch=0, seed=0, shuffle=True, window=fresh.shuffle_window, max_seq_len=4096,
-                      global_batch_tokens=1 << 20)
-    pos = 0
+    # a state saved where step steps // 2 begins (the loader's cursor moved there without planning)
+    at = BalancedLoader(lengths, **kw)
+    at.load_state_dict(fresh.state_dict())
     for _ in range(steps // 2):
-        pos = eb.cut(pos).end
-    state = {**fresh.state_dict(), "step_in_epoch": steps // 2, "step": steps // 2, "position": pos}
+        at.epoch, at.step_in_epoch = at._cursor_after(at.epoch, at.step_in_epoch)
+        at.step += 1
+    state = at.state_dict()
     make, load = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 A shard folder (built here with a long-tailed length mix, or ``--shards DIR``) is served by a local
 HTTP server that honours ``Range`` and counts the bytes it sends
-(:class:`balanced_loader.data.httpserve.RangeServer`). ``--world`` ranks (one process, one loader
+(:class:`balanced_loader.diagnostics.range_server.RangeServer`). ``--world`` ranks (one process, one loader
 and one source each, as real ranks: each fetches the index itself) read one epoch through
 :class:`BalancedLoader`; then the same with each rank opening the local folder. Repeated
 ``--repeats`` times, alternating; medians are reported.
@@ -31,10 +31,11 @@ import time
 
 import numpy as np
 
+from balanced_loader.build.writer import write_shards
 from balanced_loader.cost import CostModel
-from balanced_loader.data.httpserve import RangeServer
 from balanced_loader.data.open import open_source
-from balanced_loader.data.shards import ShardSource, write_shards
+from balanced_loader.data.shards import ShardSource
+from balanced_loader.diagnostics.range_server import RangeServer
 from balanced_loader.loader import BalancedLoader
 
 

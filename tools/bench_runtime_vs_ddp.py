@@ -289,7 +289,7 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     shards = str(work / "stdlib-shards")
-    from balanced_loader.data.corpus import stdlib_shards
+    from balanced_loader.build.corpus import stdlib_shards
 
     stdlib_shards(shards)  # built once, before any timed run
     configs = a.configs.split(",")

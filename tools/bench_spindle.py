@@ -11,6 +11,8 @@ Two tables, both from one run:
    the bound, the gap.
 3. Random graph families (``synthetic.random_graph``): the gap of every graph, whether every
    frontier was solved exactly, the planning CPU time, and the gap distribution.
+4. Against published plans: ours beside Spindle's released planner (with and without its extension rule),
+   ``all`` and the fixed split, on the recipes and on 12-task graphs.
 
     .venv/bin/python tools/bench_spindle.py [--seeds 5] [--repeats 5] [--random 40] [--only scale,recipes,random]
 """
@@ -101,12 +103,44 @@ def bench_random(count: int) -> None:
           f"{statistics.median(secs):.2f}, max {max(secs):.2f}.\n")
 
 
+def bench_published() -> None:
+    print("## Against published plans\n")
+    print("Published plans of each graph, whole plans: Spindle's released planner (frontier by frontier, its greedy "
+          "wave packer, `packed`; with its optional extension rule, `packed+fill`), the unified `all` baseline and "
+          "the decoupled fixed split (Optimus-style). Shipped recipes, and 12-task graphs "
+          "(`synthetic.multitask_graph(seed, tasks=12)`, encoders -> backbone (-> head)).\n")
+    print("| graph | MetaOps | devices | ours | Spindle released | released + extension | all | fixed split | "
+          "best published | ours / best |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    graphs = [(p.name, load_graph(str(p))) for p in sorted((REPO / "recipes").glob("spindle-*.yaml"))]
+    for seed in range(3):
+        for gpus, head in ((64, False), (128, False), (64, True)):
+            g = graph_from_dict(multitask_graph(seed, tasks=12, gpus=gpus, head=head))
+            graphs.append((f"12 tasks, seed {seed}{', heads' if head else ''}", g))
+    worst = 0.0
+    for name, g in graphs:
+        released = {"packed": 0.0, "packed+fill": 0.0}
+        for frontier in g.frontiers():
+            _, cands = frontier_candidates(g, frontier, g.gpus)
+            for k in released:
+                released[k] += waves_ms(g.metaops, cands[k])
+        plan = plan_waves(g)
+        plan.validate(g)
+        best = min(released["packed"], released["packed+fill"], plan.all_ms, plan.fixed_split_ms)
+        worst = max(worst, plan.total_ms / best)
+        print(f"| {name} | {len(g.metaops)} | {g.gpus} | {plan.total_ms:.1f} | {released['packed']:.1f} | "
+              f"{released['packed+fill']:.1f} | {plan.all_ms:.1f} | {plan.fixed_split_ms:.1f} | {best:.1f} | "
+              f"{plan.total_ms / best:.4f} |")
+    print(f"\nWorst ours / best published: {worst:.4f}.\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=5, help="synthetic 64-MetaOp graphs to time")
     p.add_argument("--repeats", type=int, default=5, help="timed plans per graph (median reported)")
     p.add_argument("--random", type=int, default=40, help="random-family graphs for the gap distribution")
-    p.add_argument("--only", default="scale,recipes,random", help="comma-separated: scale, recipes, random")
+    p.add_argument("--only", default="scale,recipes,random,published",
+                   help="comma-separated: scale, recipes, random, published")
     args = p.parse_args()
     only = set(args.only.split(","))
     if "scale" in only:
@@ -115,6 +149,8 @@ def main() -> int:
         bench_recipes()
     if "random" in only:
         bench_random(args.random)
+    if "published" in only:
+        bench_published()
     return 0
 
 

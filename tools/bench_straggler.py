@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.keep or tempfile.mkdtemp(prefix="bench-straggler-")
     os.makedirs(work, exist_ok=True)
     # the corpus is built once, before any timed run (the recipe's data.shards_dir)
-    subprocess.run([sys.executable, "-c", "from balanced_loader.data.corpus import stdlib_shards; "
+    subprocess.run([sys.executable, "-c", "from balanced_loader.build.corpus import stdlib_shards; "
                     "stdlib_shards('.demo/stdlib-shards')"], check=True, cwd=REPO)
     competitor = None
     if not args.no_competitor:

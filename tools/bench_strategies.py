@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from balanced_loader.data.batching import batch_bounds, epoch_order, to_items
+from balanced_loader.batches.items import batch_bounds, to_items
+from balanced_loader.batches.order import epoch_order
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import make_plan
 from balanced_loader.planning.config import PlanConfig

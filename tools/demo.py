@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from balanced_loader.data.corpus import stdlib_shards
+from balanced_loader.build.corpus import stdlib_shards
 from balanced_loader.simulate import lane_finish_ms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

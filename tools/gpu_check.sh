@@ -70,7 +70,7 @@ ok={d['ok']}\"); sys.exit(0 if d['ok'] else 1)"
 echo "== a 2-rank NCCL step of a pp=2 pipeline"
 if [ "$DEVICE" = cuda ] && [ "$GPUS" -ge 2 ]; then
   SHARDS=$(mktemp -d)
-  "$PY" -c "from balanced_loader.data.corpus import stdlib_shards; stdlib_shards('$SHARDS', limit=300)"
+  "$PY" -c "from balanced_loader.build.corpus import stdlib_shards; stdlib_shards('$SHARDS', limit=300)"
   for OVERLAP in true false; do
     OUT=$(mktemp -d)
     timeout 600 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m parallel_runtime \

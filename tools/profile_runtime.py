@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--interleave", type=int, default=0, metavar="PAIRS",
                     help="instead of profiling: time PAIRS runtime and loop steps alternately in the same processes")
     a = ap.parse_args()
-    from balanced_loader.data.corpus import stdlib_shards
+    from balanced_loader.build.corpus import stdlib_shards
     from parallel_runtime.launch import spawn_world
 
     work = Path(a.work)

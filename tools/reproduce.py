@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
+from balanced_loader.batches.items import to_items
+from balanced_loader.batches.stream import global_batches
 from balanced_loader.cli.comparison import compare_policies
 from balanced_loader.cost import CostModel
-from balanced_loader.data.batching import global_batches, to_items, validation_lengths
 from balanced_loader.data.lengths import read_lengths
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import get_policy
@@ -73,12 +74,11 @@ class Outcome:
                 "plan_ms": self.plan_ms, "vs_bound": self.vs_bound, "error": self.error}
 
 
-def run_policy(label: str, batches: list[BatchItems], vlen: np.ndarray, cost: CostModel,
-               config: PlanConfig) -> Outcome:
+def run_policy(label: str, batches: list[BatchItems], cost: CostModel, config: PlanConfig) -> Outcome:
     try:
         get_policy(config.policy)
         t0 = time.perf_counter()
-        (run,), _ = compare_policies(batches, vlen, cost, [config])
+        (run,), _ = compare_policies(batches, cost, [config])
         dt = time.perf_counter() - t0
     except ValueError as e:
         print(f"  {label}: not produced: {e}", file=sys.stderr)
@@ -151,13 +151,12 @@ def flexsp_setting(lengths: np.ndarray, nb: int) -> tuple[list[str], dict[str, A
     for ctx in (192, 384):
         max_len = min(ctx * K, cap_total)
         batches = cut[ctx] = doc_batches(lengths, max_len, 512, nb)
-        vlen = validation_lengths(lengths, max_len, "drop")
         print(f"flexsp {ctx}K: {len(batches)} batches of 512 docs, docs > {max_len:,} dropped", file=sys.stderr)
-        ds = run_policy("static-sp (SP 64)", batches, vlen, cost, PlanConfig(policy="static-sp", world_size=world,
+        ds = run_policy("static-sp (SP 64)", batches, cost, PlanConfig(policy="static-sp", world_size=world,
                                                                                cp=64))
-        meg = run_policy("maxlen (Megatron)", batches, vlen, cost, PlanConfig(policy="maxlen", world_size=world))
-        ada = run_policy("batch-ada", batches, vlen, cost, PlanConfig(policy="batch-ada", world_size=world))
-        fx = run_policy("flexsp", batches, vlen, cost, PlanConfig(policy="flexsp", world_size=world))
+        meg = run_policy("maxlen (Megatron)", batches, cost, PlanConfig(policy="maxlen", world_size=world))
+        ada = run_policy("batch-ada", batches, cost, PlanConfig(policy="batch-ada", world_size=world))
+        fx = run_policy("flexsp", batches, cost, PlanConfig(policy="flexsp", world_size=world))
         note = ("lane cap 5,950 tokens; the paper's 192K model (7.12B parameters) holds about 6,020"
                 if ctx == 192 else f"docs over {max_len:,} tokens (64 x 5,950) dropped, not over {ctx * K:,}")
         md.append(f"| {ctx}K | FlexSP vs DeepSpeed (static-sp, SP 64) | {paper[ctx]['ds']} | "
@@ -219,12 +218,11 @@ def hydra_setting(lengths: np.ndarray, nb: int) -> tuple[list[str], dict[str, An
         batches, _ = global_batches(lengths, max_seq_len=max_len, long_docs="split", global_batch_tokens=budget,
                                     max_steps=nb)
         n = len(batches)
-        vlen = validation_lengths(lengths, max_len, "split")
         print(f"hydra {ctx}K: {len(batches)} batches of {budget:,} tokens", file=sys.stderr)
         cp = max_len // cap
-        hy = run_policy("hydra", batches, vlen, cost, PlanConfig(policy="hydra", world_size=lanes))
-        mc = run_policy("mcore-dcp", batches, vlen, cost, PlanConfig(policy="mcore-dcp", world_size=lanes))
-        st = run_policy(f"maxlen (static CP {cp})", batches, vlen, cost,
+        hy = run_policy("hydra", batches, cost, PlanConfig(policy="hydra", world_size=lanes))
+        mc = run_policy("mcore-dcp", batches, cost, PlanConfig(policy="mcore-dcp", world_size=lanes))
+        st = run_policy(f"maxlen (static CP {cp})", batches, cost,
                         PlanConfig(policy="maxlen", world_size=lanes, cp=cp))
         md.append(f"| {ctx}K | hydra vs mcore-dcp | {paper.get(ctx, 'not reported')} | "
                   f"{fmt_ratio(ratio(mc, hy), missing(mc, hy))} | |")
@@ -253,15 +251,14 @@ def hydraulis_setting(lengths: np.ndarray, nb: int) -> tuple[list[str], dict[str
     max_len = 32 * K
     batches, _ = global_batches(lengths, max_seq_len=max_len, long_docs="split", global_batch_tokens=200_000,
                                 max_steps=nb)
-    vlen = validation_lengths(lengths, max_len, "split")
     print(f"hydraulis: {len(batches)} batches of 200K tokens", file=sys.stderr)
     homo = []
     for sc in cost.shapes():
         if world % sc.gpus:
             continue
-        homo.append(run_policy(f"maxlen tp{sc.tp} pp{sc.pp}", batches, vlen, cost,
+        homo.append(run_policy(f"maxlen tp{sc.tp} pp{sc.pp}", batches, cost,
                                PlanConfig(policy="maxlen", world_size=world, tp=sc.tp, pp=sc.pp)))
-    hy = run_policy("hydraulis", batches, vlen, cost, PlanConfig(policy="hydraulis", world_size=world))
+    hy = run_policy("hydraulis", batches, cost, PlanConfig(policy="hydraulis", world_size=world))
     ok = [o for o in homo if not o.error]
     best = min(ok, key=lambda o: o.total) if ok else None
     r = ratio(best, hy) if best is not None else None

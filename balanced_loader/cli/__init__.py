@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # OSError: a file the user named (missing, a folder, exists, no access)
         if isinstance(e, ValueError) or not e.strerror:
             msg = str(e)
-        else:  # a write error of data.files names the path in strerror already; filename is then None
+        else:  # a write error of outputs.files names the path in strerror already; filename is then None
             msg = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
         print(f"balanced-loader {args.command}: error: {msg}", file=sys.stderr)
         return 2

@@ -214,3 +214,59 @@ def advise(lengths: np.ndarray, cost: CostModel, *, world_size: int | None = Non
     return Advice(lane_cap=cap, shape=(sc.tp, sc.pp), max_degree=dmax, attention_share=attn, cost_spread=spread,
                   policy=policy, alternatives=tuple(alternatives), compare=compare, max_seq_len=max_seq_len,
                   lines=tuple(lines))
+
+
+def step_report(batches: list, *, budgets: list[int], limits: list[int | None], mixture: list | None = None,
+                finite: bool = True) -> dict[str, Any]:
+    """What each global batch holds: tokens per step (min / median / max, against ``[B - max_seq_len, B]``),
+    the largest share of one doc in a step, and per source (a mixture) its share of each step.
+
+    ``batches``: each step's :class:`~balanced_loader.plan.BatchItems`; ``budgets``/``limits``: each step's
+    ``global_batch_tokens`` and ``max_seq_len``; ``mixture``: each step's tokens per source; ``finite``: the
+    last step ends the input (it may be short).
+    """
+    sizes = np.asarray([int(b.lengths.sum()) for b in batches], dtype=np.int64)  # [steps]
+    if not len(sizes):
+        return {"steps": 0}
+    lo = np.asarray([b - (m or 0) for b, m in zip(budgets, limits)], dtype=np.int64)
+    inside = (sizes >= lo) & (sizes <= np.asarray(budgets))
+    if finite:
+        inside[-1] = sizes[-1] <= budgets[-1]
+    best = (0.0, -1, -1)  # (share, doc, step)
+    for k, b in enumerate(batches):
+        if len(b):
+            ids, inv = np.unique(b.doc_ids, return_inverse=True)
+            per = np.bincount(inv, weights=b.lengths)  # [docs] tokens of each doc in the step
+            j = int(np.argmax(per))
+            share = float(per[j]) / max(1, int(sizes[k]))
+            if share > best[0]:
+                best = (share, int(ids[j]), k)
+    out: dict[str, Any] = {
+        "steps": len(sizes), "tokens": {"min": int(sizes.min()), "median": int(np.median(sizes)),
+                                        "max": int(sizes.max())},
+        "budget": {"min": int(min(budgets)), "max": int(max(budgets))},
+        "outside_budget": int((~inside).sum()),
+        "largest_doc_share": {"share": round(best[0], 4), "doc": best[1], "step": best[2]},
+    }
+    if mixture:
+        per_source = {}
+        for n in mixture[0]:
+            s = np.asarray([m[n] / max(1, int(t)) for m, t in zip(mixture, sizes)])
+            per_source[n] = {"min": round(float(s.min()), 4), "median": round(float(np.median(s)), 4),
+                             "max": round(float(s.max()), 4)}
+        out["per_source_share"] = per_source
+    return out
+
+
+def format_steps(rep: dict[str, Any]) -> str:
+    """The step report as text lines."""
+    if not rep.get("steps"):
+        return "steps: none"
+    t, b, d = rep["tokens"], rep["budget"], rep["largest_doc_share"]
+    budget = f"{b['min']:,}" if b["min"] == b["max"] else f"{b['min']:,}-{b['max']:,}"
+    out = [f"steps {rep['steps']:,} of {budget} tokens: min {t['min']:,}  median {t['median']:,}  max {t['max']:,}; "
+           f"{rep['outside_budget']} outside [budget - max_seq_len, budget]; largest share of one doc in a step "
+           f"{d['share']:.1%} (doc {d['doc']}, step {d['step']})"]
+    for n, s in rep.get("per_source_share", {}).items():
+        out.append(f"  {n}: share of a step min {s['min']:.1%}  median {s['median']:.1%}  max {s['max']:.1%}")
+    return "\n".join(out)

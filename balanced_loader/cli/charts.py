@@ -26,7 +26,7 @@ def _save(fig, path: str) -> str:
     """Render into a temporary file and rename it over ``path`` (never a half-written chart)."""
     import os
 
-    from balanced_loader.data.files import atomic_write
+    from balanced_loader.outputs.files import atomic_write
 
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
     with atomic_write(path, "wb") as f:
@@ -316,4 +316,33 @@ def mixture_shares(lengths: Mapping[str, np.ndarray], shares: Mapping[str, Seque
     b.set_title("Each source's share per step")
     b.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=8, ncol=max(1, len(shares)))
     fig.suptitle(title)
+    return _save(fig, path)
+
+
+def step_sizes(tokens: Mapping[str, Sequence[int]], budgets: Sequence[int], limits: Sequence[int | None],
+               path: str, *, title: str) -> str:
+    """Tokens of every global batch (stacked by source for a mixture) against the budget band
+    ``[B - max_seq_len, B]`` the loader promises."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    fig, ax = _figure(8.0, 3.8)
+    a = ax[0][0]
+    steps = np.arange(len(budgets))
+    base = np.zeros(len(steps))
+    for i, (name, t) in enumerate(tokens.items()):
+        t = np.asarray(t, dtype=np.float64)  # [steps]
+        a.bar(steps, t, bottom=base, width=0.9, color=f"C{i % 10}", alpha=0.75, label=name)
+        base = base + t
+    b = np.asarray(budgets, dtype=np.float64)
+    lo = b - np.asarray([m or 0 for m in limits], dtype=np.float64)
+    a.step(steps, b, where="mid", color="black", linewidth=1.2, label="global_batch_tokens (B)")
+    a.step(steps, lo, where="mid", color="black", linestyle="--", linewidth=1.0, label="B - max_seq_len")
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a.yaxis.set_major_formatter(FuncFormatter(_kfmt))
+    a.set_ylim(0, float(max(b.max(), base.max())) * 1.08)
+    a.set_xlabel("step")
+    a.set_ylabel("tokens in the step")
+    a.set_title(title)
+    a.grid(True, axis="y", alpha=0.3)
+    a.legend(loc="lower right", fontsize=8)
     return _save(fig, path)

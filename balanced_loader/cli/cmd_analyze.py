@@ -1,8 +1,12 @@
 """``balanced-loader analyze SOURCE_OR_LENGTHS``: length statistics, a histogram PNG and advice.
 
-SOURCE_OR_LENGTHS is a length file (.txt, .txt.gz, .npy), a shard folder or a .jsonl file; several
+SOURCE_OR_LENGTHS is a length file (.txt, .txt.gz, .npy), a shard folder, a Megatron dataset PREFIX, a
+folder of datatrove .ds files or a .jsonl file; several
 shard folders are analyzed as one source (the parts of a ``build-shards --part`` build).
-Writes ``OUT/histogram.png`` and ``OUT/analyze.json``, published as a pair (a failure leaves the old pair).
+Writes ``OUT/histogram.png``, ``OUT/steps.png`` and ``OUT/analyze.json``, published as a set (a failure
+leaves the old set). The steps section cuts the first ``--steps`` global batches as the loader would
+(``--global-batch-tokens``, ``--max-seq-len``, ``--shuffle``): tokens per step and the largest share of
+one doc in a step.
 ``--mix NAME=PATH:WEIGHT ...`` analyzes a mixture instead, source by source (:mod:`balanced_loader.cli.mix_report`).
 """
 
@@ -39,12 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def is_source(path: str) -> bool:
-    """Whether ``path`` names a source (a shard folder, local or a URL, or a .jsonl file), not a length file."""
+    """Whether ``path`` names a source (a shard folder, local or a URL, a Megatron prefix, datatrove files or a
+    .jsonl file), not a length file."""
     import os
 
+    from balanced_loader.data.megatron import resolve_prefix
     from balanced_loader.data.stores import is_url
 
-    return is_url(path) or os.path.isdir(path) or path.endswith(".jsonl")
+    return (is_url(path) or os.path.isdir(path) or path.endswith((".jsonl", ".ds"))
+            or resolve_prefix(path) is not None)
 
 
 def read_source_lengths(path: str | list[str], cache_dir: str | None = None) -> tuple[Any, str]:
@@ -75,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     from balanced_loader.cli import analysis as analyze
     from balanced_loader.cli import charts
-    from balanced_loader.data.files import OutputSet, write_json
+    from balanced_loader.outputs.files import OutputSet, write_json
     from balanced_loader.presets import load_cost
 
     if bool(args.source) == bool(args.mix):
@@ -83,12 +90,13 @@ def run(args: argparse.Namespace) -> int:
     if args.mix:
         return mix_report.run(args)
     lengths, what = read_source_lengths(args.source, args.cache_dir)
+    paths = list(args.source)
     args.first_source, args.source = args.source[0], " ".join(args.source)  # one label from here on
     preset = args.cost if (args.cost or args.cost_file) else DEFAULT_COST
     cost = load_cost(args.cost_file, preset, world_size=args.world_size or 64)
     cost_name = cost.name or args.cost_file
     if args.max_len is not None:
-        from balanced_loader.data.batching import to_items
+        from balanced_loader.batches.items import to_items
 
         items, _ = to_items(lengths, np.arange(len(lengths), dtype=np.int64), args.max_len, "split")
         analyzed = items.lengths
@@ -101,26 +109,62 @@ def run(args: argparse.Namespace) -> int:
     sc = analyze.advice_shape(cost, args.tp, args.pp)
     degrees = analyze.degree_table(analyzed, sc)
     adv = analyze.advise(analyzed, cost, world_size=args.world_size, tp=args.tp, pp=args.pp)
+    steps, sb, limit, note = _steps(args, paths, cost)
 
     os.makedirs(args.out, exist_ok=True)
     png, jpath = os.path.join(args.out, "histogram.png"), os.path.join(args.out, "analyze.json")
     marks = {k: float(v) for k, v in stats.get("percentiles", {}).items() if k in ("p50", "p99", "p99.9")}
     report = {"source": args.source, "description": what, "cost": cost_name, "stats": stats,
-              "degrees": degrees, "advice": adv.to_json(), "histogram": png}
-    with OutputSet(args.out) as outs:  # the chart and the JSON replace the folder's old pair together
+              "degrees": degrees, "advice": adv.to_json(), "histogram": png, "steps": steps,
+              **({"note": note} if note else {})}
+    with OutputSet(args.out) as outs:  # the charts and the JSON replace the folder's old set together
         charts.length_histogram(analyzed, outs.path("histogram.png"), lane_cap=sc.max_tokens_per_lane, marks=marks,
                                 title=f"{os.path.basename(args.first_source.rstrip('/'))}: {stats['docs']:,} docs, "
                                       f"{stats['tokens']:,} tokens")
+        if sb.cuts:
+            order = "shuffled" if args.shuffle else "in file order"
+            charts.step_sizes({"tokens": [c.tokens for c in sb.cuts]}, sb.budgets, sb.limits, outs.path("steps.png"),
+                              title=f"Tokens per step ({order}, max_seq_len {limit:,})")
         write_json(outs.path("analyze.json"), report, indent=1)
     if args.json:
         print(json.dumps(report))
         return 0
     print(format_report(report, sc_label=f"tp={sc.tp} pp={sc.pp}", default_cost=not (args.cost or args.cost_file)))
-    print(f"wrote {png} and {jpath}")
+    print(analyze.format_steps(steps))
+    if note:
+        print(f"note: {note}")
+    print(f"wrote {png}, {os.path.join(args.out, 'steps.png')} and {jpath}")
     print("next, compare policies on your cluster size (adjust --world-size and --global-batch-tokens):")
     print("  " + next_command(args, adv, cost_arg=(f"--cost-file {args.cost_file}" if args.cost_file
                                                  else f"--cost {preset}")))
     return 0
+
+
+def _steps(args: argparse.Namespace, paths: list[str], cost: Any) -> tuple[dict[str, Any], Any, int, str | None]:
+    """The first ``--steps`` global batches of the input as the loader cuts them: their report, the
+    :class:`~balanced_loader.cli.streams.StreamBatches`, the context limit used and a note (a budget below
+    ``--max-seq-len`` is what the loader refuses)."""
+    from balanced_loader.cli.analysis import step_report
+    from balanced_loader.cli.streams import stream_batches
+    from balanced_loader.loader import default_max_seq_len
+    from balanced_loader.planning.config import PlanConfig
+
+    budget = args.global_batch_tokens
+    smallest = min(v for _, v in budget) if isinstance(budget, list) else budget
+    limit = args.max_len if args.max_len is not None else min(
+        default_max_seq_len(cost, PlanConfig(policy="hydra", world_size=args.world_size or 64)), smallest)
+    note = None
+    if limit > smallest:
+        note = (f"global_batch_tokens {smallest:,} is smaller than max_seq_len {limit:,}: the loader refuses this "
+                f"(a step must hold one sequence); the steps here are cut with max_seq_len {smallest:,}")
+        limit = smallest
+    files = [p for p in paths if not is_source(p)]
+    ns = argparse.Namespace(mix=None, lengths=files[0] if files else None, source=None if files else paths,
+                            cache_dir=args.cache_dir, global_batch_tokens=budget, seed=args.seed,
+                            shuffle=args.shuffle, shuffle_window=args.shuffle_window, long_docs=args.long_docs)
+    sb = stream_batches(ns, max_seq_len=limit, steps=args.steps)
+    return (step_report(sb.batches, budgets=sb.budgets, limits=sb.limits, finite=len(sb.cuts) < args.steps),
+            sb, limit, note)
 
 
 def next_command(args: argparse.Namespace, adv, *, cost_arg: str) -> str:

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _part(text: str) -> tuple[int, int]:
-    from balanced_loader.data.build import parse_part
+    from balanced_loader.build.builder import parse_part
 
     try:
         return parse_part(text)
@@ -45,7 +45,7 @@ def _part(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from balanced_loader.data.build import build_from_files, expand_inputs
+    from balanced_loader.build.builder import build_from_files, expand_inputs
 
     files = expand_inputs(args.inputs)
     meta = build_from_files(files, args.out, tokenizer=args.tokenizer, text_field=args.text_field,

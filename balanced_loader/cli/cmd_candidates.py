@@ -52,8 +52,8 @@ def histogram(lengths, max_len: int, batch_tokens: int | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from balanced_loader.data.files import write_text
     from balanced_loader.data.lengths import read_lengths
+    from balanced_loader.outputs.files import write_text
     from balanced_loader.planning.solvers import candidates as cands
     from balanced_loader.presets import load_cost
 

@@ -48,12 +48,14 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
+    from balanced_loader.batches.stream import global_batches
     from balanced_loader.cli import charts
     from balanced_loader.cli import comparison as cmp
+    from balanced_loader.cli.analysis import format_steps, step_report
     from balanced_loader.cli.streams import stream_batches, wants_stream
-    from balanced_loader.data.batching import global_batches, validation_lengths
-    from balanced_loader.data.files import OutputSet, write_json
     from balanced_loader.loader import default_max_seq_len
+    from balanced_loader.loader_args import check_cli_budget
+    from balanced_loader.outputs.files import OutputSet, write_json
     from balanced_loader.planning.config import PlanConfig
     from balanced_loader.presets import load_cost
 
@@ -64,22 +66,27 @@ def run(args: argparse.Namespace) -> int:
     configs = [PlanConfig(policy=n, world_size=args.world_size, tp=args.tp, pp=args.pp, cp=args.cp,
                           seed=args.seed, time_limit_s=args.time_limit) for n in names]
     # every policy plans the same batches: the context limit is the one all of them can hold
+    # (the default also fits the smallest budget, as the loader's does)
+    budget = args.global_batch_tokens
     max_len = (args.max_seq_len if args.max_seq_len is not None
-               else min(default_max_seq_len(cost, c) for c in configs))
+               else min([default_max_seq_len(cost, c) for c in configs]
+                        + ([min(v for _, v in budget) if isinstance(budget, list) else budget] if budget else [])))
     if isinstance(max_len, int) and max_len < 1:
         raise ValueError(f"--max-seq-len must be >= 1, got {max_len}")
+    check_cli_budget(budget, max_len)
     mixture: list = []
-    if wants_stream(args):  # a mixture or a schedule: cut as the loader's MixtureStream cuts it
+    if wants_stream(args):  # a mixture or a schedule: cut as the loader cuts it
         sb = stream_batches(args, max_seq_len=max_len, steps=args.steps)
-        batches, stats, what, check = sb.batches, sb.stats, sb.label, sb.validation
+        batches, stats, what = sb.batches, sb.stats, sb.label
         mixture = [c.mixture_tokens for c in sb.cuts]
+        budgets, limits = sb.budgets, sb.limits
     else:
         lengths, shard_bounds, what = _read(args)
         batches, stats = global_batches(lengths, max_seq_len=max_len, long_docs=args.long_docs,
                                         global_batch_tokens=args.global_batch_tokens, shuffle=args.shuffle,
                                         seed=args.seed, shard_bounds=shard_bounds, max_steps=args.steps,
                                         window=args.shuffle_window)
-        check = validation_lengths(lengths, max_len, args.long_docs)
+        budgets, limits = [args.global_batch_tokens or stats.tokens] * len(batches), [max_len] * len(batches)
     if not batches:
         raise ValueError(f"{what} has no tokens to plan ({stats.empty} empty docs)")
     if not 0 <= args.chart_step < len(batches):
@@ -87,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if args.global_batch_tokens is None:
         print(f"note: no --global-batch-tokens, so the whole input is one global batch of {stats.tokens:,} "
               f"tokens (contract 3); pass --global-batch-tokens N to compare per-step batches", file=sys.stderr)
+    sizes = step_report(batches, budgets=budgets, limits=limits, mixture=mixture or None,
+                        finite=args.steps is None or len(batches) < args.steps)
     unusual = {k: v for k, v in stats.to_json().items() if k not in ("docs", "tokens") and v}
     print(f"{what}: {len(batches)} step(s) of {sum(len(b) for b in batches):,} sequences, "
           f"{args.world_size} ranks, cost {cost.name or args.cost_file}, max_seq_len {max_len:,}"
@@ -95,10 +104,11 @@ def run(args: argparse.Namespace) -> int:
                disable=not sys.stderr.isatty())
     try:
         with native_stdout_to_stderr():  # solver diagnostics (HiGHS prints some) stay out of the table
-            runs, _ = cmp.compare_policies(batches, check, cost, configs, model=model, hardware=hw,
+            runs, _ = cmp.compare_policies(batches, cost, configs, model=model, hardware=hw,
                                            progress=bar.update)
     finally:
         bar.close()
+    print(format_steps(sizes))
     print(cmp.format_table(runs))
 
     k = args.chart_step
@@ -110,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
                      "shuffle_window": args.shuffle_window,
                      "seed": args.seed, "tp": args.tp, "pp": args.pp, "cp": args.cp,
                      "model": args.model, "hardware": args.hardware, "doc_stats": stats.to_json(),
+                     "step_sizes": sizes,
                      **({"mixture_tokens": mixture} if mixture else {})},
         "policies": [r.to_json(per_rank_step=k) for r in runs],
     }

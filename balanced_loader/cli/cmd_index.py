@@ -1,5 +1,5 @@
 """``balanced-loader index DIR``: rebuild a shard folder's length index explicitly, after checking every
-shard and doc against the checksums the build recorded (:mod:`balanced_loader.data.reindex`).
+shard and doc against the checksums the build recorded (:mod:`balanced_loader.build.reindex`).
 
 Readers never index a folder on their own: a folder without an index, or whose index disagrees with
 its shards, is refused with a line naming this command. Exit code 0: indexed; 2: a check failed
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from balanced_loader.data.reindex import reindex_folder
+    from balanced_loader.build.reindex import reindex_folder
 
     report = reindex_folder(args.folder, progress=not args.no_progress and sys.stderr.isatty())
     for line in report.notes:

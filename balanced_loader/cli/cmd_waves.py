@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
           f"fixed split {plan.fixed_split_ms:.3f} ms ({fixed or 'more tasks than devices'})")
     print(f"docs moved between waves {plan.moved_samples:.0f}; planned in {plan.plan_seconds:.3f} s")
     if args.out:
-        from balanced_loader.data.files import write_text
+        from balanced_loader.outputs.files import write_text
 
         write_text(args.out, plan.dumps() + "\n")  # complete or absent (WavePlan.save writes in place)
         print(f"wrote {args.out}")

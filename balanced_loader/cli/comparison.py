@@ -2,7 +2,7 @@
 
 Batching follows contract 3 and the loader: docs in file order (or shuffled by seed for
 epoch 0), empty docs skipped, docs longer than ``max_seq_len`` handled by ``long_docs``,
-global batches of at most ``global_batch_tokens`` tokens cut between docs (the whole file is
+global batches of sequences, at most ``global_batch_tokens`` tokens each (the whole file is
 one batch without a budget). Every policy plans exactly the same batches; every plan is
 validated against the batch before it is simulated (:mod:`balanced_loader.simulate`).
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from balanced_loader.cli.options import si_units
 from balanced_loader.cost import CostModel
@@ -65,7 +63,7 @@ def check_policies(names: Sequence[str]) -> list[str]:
     return out
 
 
-def compare_policies(batches: Sequence[BatchItems], lengths: Any, cost: CostModel,
+def compare_policies(batches: Sequence[BatchItems], cost: CostModel,
                      configs: Sequence[PlanConfig], *, model: ModelShape | None = None,
                      hardware: Hardware | None = None, validate: bool = True,
                      progress: Callable[[int], None] | None = None,
@@ -74,11 +72,8 @@ def compare_policies(batches: Sequence[BatchItems], lengths: Any, cost: CostMode
     """Plan every batch with every config, validate, simulate; with ``bound``, each run's summary
     also holds ``bound_ms`` (mean lower bound per step) and ``vs_bound`` (total time / total bound).
 
-    ``lengths`` (by doc_id) is what validation checks each planned doc covers (see
-    :func:`balanced_loader.data.batching.validation_lengths`), or a function of the step giving them
-    (a schedule's truncating limit changes with the step).
+    Validation checks that each plan tiles exactly its batch's sequences.
     """
-    per_step = lengths if callable(lengths) else (lambda _step: lengths)
     warm_up(batches, cost, configs)
     per: dict[str, list[StepMetrics]] = {c.policy: [] for c in configs}
     plans: dict[str, list[StepPlan]] = {c.policy: [] for c in configs}
@@ -90,7 +85,7 @@ def compare_policies(batches: Sequence[BatchItems], lengths: Any, cost: CostMode
             try:
                 plan = make_plan(items, cost, c, step)
                 if validate:
-                    plan.validate(per_step(step), cost, doc_ids=np.unique(items.doc_ids))
+                    plan.validate(items, cost)
             except ValueError as e:
                 raise ValueError(f"policy '{c.policy}', step {step}: {e}") from None
             per[c.policy].append(simulate_step(plan, cost, model=model, hardware=hardware))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from balanced_loader.cli.options import COUNT, SEED, mix_entry, tokens_or_schedule
+from balanced_loader.cli.options import COUNT, SEED, MixAction, mix_entry, tokens_or_schedule
 
 DEFAULT_BUDGET = 65536
 
@@ -18,14 +18,15 @@ DEFAULT_BUDGET = 65536
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The mixture options of ``analyze`` (``--max-seq-len`` and ``--cache-dir`` are its own)."""
     g = p.add_argument_group("mixture (instead of SOURCE_OR_LENGTHS)")
-    g.add_argument("--mix", nargs="+", type=mix_entry, metavar="NAME=PATH:WEIGHT",
+    g.add_argument("--mix", nargs="+", type=mix_entry, action=MixAction, metavar="NAME=PATH:WEIGHT",
                    help="analyze a mixture: each source's lengths and its share of every step; WEIGHT is a number "
-                        "or a schedule W@STEP,W@STEP")
+                        "or a schedule W@STEP,W@STEP; or Megatron's data path W1 PREFIX1 W2 PREFIX2 ...")
     g.add_argument("--mix-by", default="tokens", choices=("tokens", "docs"),
                    help="weights are shares of each step's tokens (default) or docs")
     g.add_argument("--global-batch-tokens", type=tokens_or_schedule, default=DEFAULT_BUDGET, metavar="N",
                    help=f"tokens per global batch, or a schedule N@STEP,... (default {DEFAULT_BUDGET})")
-    g.add_argument("--steps", type=COUNT, default=20, metavar="K", help="steps whose shares to report (default 20)")
+    g.add_argument("--steps", type=COUNT, default=100, metavar="K",
+                   help="steps whose sizes and shares to report (default 100)")
     g.add_argument("--seed", type=SEED, default=0, help="shuffle seed (default 0)")
     g.add_argument("--shuffle", action="store_true", help="shuffle each source's docs by --seed")
     g.add_argument("--shuffle-window", type=COUNT, default=1 << 16, metavar="N", help="docs shuffled together")
@@ -40,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from balanced_loader.cli import charts
-    from balanced_loader.cli.analysis import length_stats
+    from balanced_loader.cli.analysis import format_steps, length_stats, step_report
     from balanced_loader.cli.streams import stream_batches
-    from balanced_loader.data.files import write_json
+    from balanced_loader.outputs.files import write_json
 
     ns = argparse.Namespace(mix=args.mix, mix_by=args.mix_by, cache_dir=args.cache_dir, lengths=None, source=None,
                             global_batch_tokens=args.global_batch_tokens, seed=args.seed, shuffle=args.shuffle,
@@ -73,14 +74,19 @@ def run(args: argparse.Namespace) -> int:
                                 {n: [s["weights"][n] for s in steps] for n in names},
                                 os.path.join(args.out, "mixture.png"), unit=unit,
                                 title=f"Mixture of {len(names)} sources by {unit}: {len(steps)} steps")
+    sizes = step_report(sb.batches, budgets=sb.budgets, limits=sb.limits, mixture=[c.mixture_tokens for c in sb.cuts],
+                        finite=False)
+    charts.step_sizes({n: [c.mixture_tokens[n] for c in sb.cuts] for n in names}, sb.budgets, sb.limits,
+                      os.path.join(args.out, "steps.png"), title=f"Tokens per step by source ({len(sb.cuts)} steps)")
     report = {"mixture": {"by": unit, "weights": src.weights.to_json(), "sources": sources, "steps": steps},
-              "description": src.describe(), "chart": png}
+              "description": src.describe(), "chart": png, "step_sizes": sizes}
     jpath = os.path.join(args.out, "analyze.json")
     write_json(jpath, report, indent=1)
     if args.json:
         print(json.dumps(report))
         return 0
     print(format_mixture(report))
+    print(format_steps(sizes))
     print(f"wrote {png} and {jpath}")
     return 0
 

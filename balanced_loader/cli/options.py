@@ -68,7 +68,7 @@ MEGABYTES = float_in(0.0, float(1 << 20), lo_open=True)
 
 def tokens_or_schedule(text: str) -> Any:
     """An argparse ``type``: a token count ``N`` in 1..MAX_TOKENS, or a schedule ``N@STEP,...``."""
-    from balanced_loader.data.schedule import parse_text, schedule
+    from balanced_loader.schedule import parse_text, schedule
 
     if "@" not in text:
         return TOKENS(text)
@@ -82,10 +82,13 @@ def tokens_or_schedule(text: str) -> Any:
     return value
 
 
-def mix_entry(text: str) -> tuple[str, str, Any]:
-    """An argparse ``type`` for ``NAME=PATH:WEIGHT``: ``(name, path, weight or [(step, weight), ...])``."""
-    from balanced_loader.data.schedule import parse_text
+def mix_entry(text: str) -> tuple[str, str, Any] | str:
+    """An argparse ``type`` for ``NAME=PATH:WEIGHT``: ``(name, path, weight or [(step, weight), ...])``; a word
+    without ``=`` is kept as it is, a part of Megatron's data-path form (:class:`MixAction` reads it)."""
+    from balanced_loader.schedule import parse_text
 
+    if "=" not in text:
+        return text
     name, eq, rest = text.partition("=")
     path, colon, weight = rest.rpartition(":")
     if not eq or not name or not colon or not path or not weight:
@@ -96,11 +99,35 @@ def mix_entry(text: str) -> tuple[str, str, Any]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class MixAction(argparse.Action):
+    """``--mix NAME=PATH:WEIGHT ...``, or Megatron's data-path form ``--mix 0.3 PREFIX_A 0.7 PREFIX_B`` (or prefixes
+    only): stored as ``[(name, path, weight or None), ...]`` (``None``: every source weighs its size)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from balanced_loader.data.megatron import data_path_sources
+
+        named = [v for v in values if isinstance(v, tuple)]
+        if named and len(named) != len(values):
+            parser.error("--mix: give NAME=PATH:WEIGHT entries, or Megatron's data path (W1 PREFIX1 W2 PREFIX2 ...), "
+                         "not both")
+        if not named:
+            try:
+                sources, weights = data_path_sources(values)
+            except ValueError as e:
+                parser.error(f"--mix: {e}")
+            values = [(n, p, None if weights is None else weights[n]) for n, p in sources.items()]
+        setattr(namespace, self.dest, values)
+
+
+MIX_HELP = ("a mixture of sources (shard folders, Megatron prefixes, datatrove folders, .jsonl or length files) at set "
+            "shares of every step: NAME=PATH:WEIGHT ..., WEIGHT a number or a schedule W@STEP,W@STEP (linear "
+            "between steps); or Megatron's data path W1 PREFIX1 W2 PREFIX2 ... (prefixes only: by size)")
+
+
 def add_mix_arguments(p: argparse.ArgumentParser, group: Any) -> None:
     """``--mix`` (into ``group``, the ``--lengths``/``--source`` choice) and ``--mix-by``."""
-    group.add_argument("--mix", nargs="+", type=mix_entry, metavar="NAME=PATH:WEIGHT",
-                       help="a mixture of sources (shard folders, .jsonl or length files) at set shares of every "
-                            "step; WEIGHT is a number or a schedule W@STEP,W@STEP (linear between steps)")
+    group.add_argument("--mix", nargs="+", type=mix_entry, action=MixAction, metavar="NAME=PATH:WEIGHT", help=MIX_HELP)
     p.add_argument("--mix-by", default="tokens", choices=("tokens", "docs"),
                    help="--mix weights are shares of each step's tokens (default) or of its docs")
 
@@ -120,7 +147,7 @@ def add_batch_arguments(p: argparse.ArgumentParser, *, max_seq_len_default: str)
     p.add_argument("--cache-dir", metavar="DIR",
                    help="remote --source: keep its fetched index files here, so the next run reads them locally")
     p.add_argument("--global-batch-tokens", type=tokens_or_schedule, metavar="N",
-                   help="tokens per global batch, cut between docs (default: the whole input is one batch); a "
+                   help="tokens per global batch, cut between sequences (default: the whole input is one batch); a "
                         "schedule N@STEP,N@STEP ramps it up")
     p.add_argument("--shuffle", action="store_true", help="shuffle docs by --seed before batching")
     p.add_argument("--seed", type=SEED, default=0, help="shuffle and planner seed (default 0)")

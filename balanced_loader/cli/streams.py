@@ -6,7 +6,7 @@
 * ``--max-seq-len`` and ``--global-batch-tokens`` take ``N`` or a schedule ``N@STEP,N@STEP,...``.
 
 With either, the input's global batches come from a
-:class:`~balanced_loader.data.mixing.MixtureStream`, exactly as the loader cuts them.
+:class:`~balanced_loader.batches.stream.BatchStream`, exactly as the loader cuts them.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def open_input(args: argparse.Namespace) -> Any:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"--mix: source name '{dup[0]}' is given twice")
-        return mix({n: _open_one(p, cache_dir) for n, p, _ in args.mix}, weights={n: w for n, _, w in args.mix},
-                   by=args.mix_by)
+        weights = None if any(w is None for _, _, w in args.mix) else {n: w for n, _, w in args.mix}
+        return mix({n: _open_one(p, cache_dir) for n, p, _ in args.mix}, weights=weights, by=args.mix_by)
     if args.lengths:
         return _open_one(args.lengths, None)
     spec = args.source[0] if len(args.source) == 1 else list(args.source)
@@ -62,6 +62,7 @@ class StreamBatches:
     label: str
     long_docs: str
     limits: list  # [steps] max_seq_len of each step (None: no limit)
+    budgets: list  # [steps] global_batch_tokens of each step
 
     @property
     def batches(self) -> list:
@@ -69,27 +70,18 @@ class StreamBatches:
 
     @property
     def stats(self) -> Any:
-        from balanced_loader.data.batching import DocStats
+        from balanced_loader.batches.items import DocStats
 
         out = DocStats()
         for c in self.cuts:
             out = out + c.stats
         return out
 
-    def validation(self, step: int) -> Any:
-        """The lengths (by doc_id) step ``step``'s plan must cover (read through, never copied)."""
-        from balanced_loader.data.mixture import ClippedLengths
-
-        limit = self.limits[step]
-        if self.long_docs == "truncate" and limit is not None:
-            return ClippedLengths(self.source.lengths, limit)
-        return self.source.lengths
-
 
 def stream_batches(args: argparse.Namespace, *, max_seq_len: Any, steps: int | None) -> StreamBatches:
     """The first ``steps`` global batches (None: to the end of the first epoch) of ``args``'s input."""
-    from balanced_loader.data.mixing import stream_for
-    from balanced_loader.data.schedule import schedule
+    from balanced_loader.batches.stream import stream_for
+    from balanced_loader.schedule import schedule
 
     if args.global_batch_tokens is None:
         raise ValueError("a mixture (--mix) or a schedule is cut into steps: give --global-batch-tokens N "
@@ -98,7 +90,7 @@ def stream_batches(args: argparse.Namespace, *, max_seq_len: Any, steps: int | N
     limit = None if max_seq_len is None else schedule(max_seq_len, "--max-seq-len")
     stream = stream_for(source, seed=args.seed, shuffle=args.shuffle, window=args.shuffle_window, max_seq_len=limit,
                         global_batch_tokens=schedule(args.global_batch_tokens, "--global-batch-tokens"),
-                        long_docs=args.long_docs)
+                        long_docs=args.long_docs, epochs=1 if steps is None else None)
     cuts, cur = [], stream.epoch_start(0)
     while steps is None or len(cuts) < steps:
         try:
@@ -110,7 +102,8 @@ def stream_batches(args: argparse.Namespace, *, max_seq_len: Any, steps: int | N
             break
         cur = c.end
     return StreamBatches(source=source, cuts=cuts, label=source.describe(), long_docs=args.long_docs,
-                         limits=[stream.limit_at(c.start.step) for c in cuts])
+                         limits=[stream.limit_at(c.start.step) for c in cuts],
+                         budgets=[int(stream.budget.at(c.start.step)) for c in cuts])
 
 
 def shares(mixture_tokens: dict[str, int] | None) -> str:

@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.files import atomic_write, write_json
 from balanced_loader.data.integrity import lengths_fingerprint
 from balanced_loader.data.sources import Source
 from balanced_loader.data.tokenizers import token_dtype
+from balanced_loader.outputs.files import atomic_write, write_json
 
 log = logging.getLogger("balanced_loader")
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.files import AtomicFile, atomic_write, write_json
 from balanced_loader.data.integrity import lengths_fingerprint, num_blocks
 from balanced_loader.data.members import numpy_header
+from balanced_loader.outputs.files import AtomicFile, atomic_write, write_json
 
 META_FILE = "shards.json"
 META_FORMAT = "balanced-loader/shards"

@@ -4,7 +4,7 @@ The mixture's doc ids are its sources' doc ids laid end to end in name order: so
 sorted name order) holds ids ``offsets[j] .. offsets[j + 1] - 1``, and ``split_id(doc_id)`` gives
 ``(name, local_id)``. Nothing is built over all docs: ``lengths`` is a :class:`ConcatLengths` view
 that reads through to the sources' own (memory-mapped) length arrays, and each source keeps its own
-epoch order (see :mod:`balanced_loader.data.mixing`, which cuts the global batches).
+epoch order (see :mod:`balanced_loader.batches.stream`, which cuts the global batches).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.data.open import open_source
-from balanced_loader.data.schedule import WeightSchedule, weight_schedule
 from balanced_loader.data.sources import Source
+from balanced_loader.schedule import WeightSchedule, weight_schedule
 
 MIX_BY = ("tokens", "docs")
 
@@ -93,7 +93,7 @@ class ClippedLengths:
 class MixtureSource(Source):
     """Several named sources as one: their docs end to end in name order, mixed by ``weights`` per step.
 
-    Build it with :func:`mix`. ``weights`` is a :class:`~balanced_loader.data.schedule.WeightSchedule`
+    Build it with :func:`mix`. ``weights`` is a :class:`~balanced_loader.schedule.WeightSchedule`
     (shares of each step's tokens, or docs with ``by="docs"``); the loader, ``plan``, ``compare``
     and ``analyze`` read a mixture like any source.
     """
@@ -178,7 +178,18 @@ def mix(sources: Mapping[str, Any], weights: Any = None, *, by: str = "tokens", 
     step); ``None`` weighs each source by its size (its tokens, or docs with ``by="docs"``).
     ``by="tokens"``: every global batch holds each source's share of the step's tokens;
     ``by="docs"``: of its docs. ``open_kw`` go to :func:`~balanced_loader.data.open.open_source`.
+
+    ``sources`` may also be Megatron's data-path form, ``"0.3 PREFIX_A 0.7 PREFIX_B"`` (or prefixes only,
+    each weighing its size): the sources are named by their prefixes' base names
+    (:func:`balanced_loader.data.megatron.data_path_sources`).
     """
+    if isinstance(sources, str):
+        from balanced_loader.data.megatron import data_path_sources
+
+        if weights is not None:
+            raise ValueError("a data-path string carries its own weights ('0.3 PREFIX_A 0.7 PREFIX_B'); "
+                             "pass weights=None")
+        sources, weights = data_path_sources(sources)
     if by not in MIX_BY:
         raise ValueError(f"by must be one of {', '.join(MIX_BY)}, got {by!r}")
     if not isinstance(sources, Mapping) or not sources:

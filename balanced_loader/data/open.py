@@ -52,6 +52,9 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None, t
                               "storage_options": storage_options}
     remote.update({k: v for k, v in (("read_timeout_s", read_timeout_s), ("retries", retries)) if v is not None})
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(s, (str, os.PathLike)) for s in spec):
+        other = _other_format(list(spec), remote)  # Megatron prefixes or datatrove .ds files
+        if other is not None:
+            return other
         if len(spec) == 1 and (is_url(spec[0]) or not _is_part(spec[0])):
             return open_source(spec[0], text_field=text_field, tokenizer=tokenizer, allow_part=allow_part, **remote)
         return PartsSource(list(spec), remote=remote)
@@ -60,14 +63,27 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None, t
     if is_url(spec):
         from balanced_loader.data.remote import open_remote  # fsspec is imported only for URLs
 
-        return open_remote(spec, allow_part=allow_part, **remote)
+        other = _other_format([spec], remote)
+        if other is not None:
+            return other
+        try:
+            return open_remote(spec, allow_part=allow_part, **remote)
+        except ValueError as e:  # no index.json there: a Megatron prefix or a datatrove folder?
+            other = _remote_other(spec, remote) if "not found" in str(e) else None
+            if other is None:
+                raise
+            return other
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
+        other = _other_format([path], remote)
+        if other is not None:
+            return other
         if os.path.isdir(path):
             return ShardSource(path, allow_part=allow_part)
         if not os.path.exists(path):
-            raise ValueError(f"source {path} does not exist (expected a shard folder, a .jsonl file "
-                             f"or a length file)")
+            raise ValueError(f"source {path} does not exist (expected a shard folder, a Megatron dataset PREFIX "
+                             f"of PREFIX.bin + PREFIX.idx, a folder of datatrove .ds files, a .jsonl file or a "
+                             f"length file)")
         if path.endswith(".jsonl"):
             return JsonlSource(path, text_field=text_field, tokenizer=tokenizer)
         if path.endswith(LENGTH_SUFFIXES):
@@ -79,6 +95,45 @@ def open_source(spec: Any, *, text_field: str = "text", tokenizer: Any = None, t
         return LengthSource(spec)
     raise ValueError(f"cannot open a source from {type(spec).__name__}; pass a shard folder, a .jsonl "
                      f"path, a datasets.Dataset, or a list of lengths (wrap a torch Dataset with balanced_loader.wrap)")
+
+
+def _other_format(specs: list[Any], remote: dict[str, Any]) -> Source | None:
+    """A Megatron indexed dataset (every spec a prefix, or a local folder of ``.idx`` + ``.bin`` pairs) or
+    datatrove token files (``.ds`` files, or a local folder of them); ``None`` for anything else."""
+    from balanced_loader.data.datatrove import DatatroveSource, is_datatrove_folder
+    from balanced_loader.data.megatron import MegatronSource, prefixes_in, resolve_prefix
+
+    paths = [os.fspath(s) for s in specs]
+    if all(resolve_prefix(p) is not None for p in paths):
+        return MegatronSource(paths, remote=remote)
+    if all(p.endswith(".ds") for p in paths):
+        return DatatroveSource(paths, remote=remote)
+    if len(paths) == 1 and not is_url(paths[0]) and os.path.isdir(paths[0]):
+        if is_datatrove_folder(paths[0]):
+            return DatatroveSource(paths[0], remote=remote)
+        found = prefixes_in(paths[0])
+        if found:
+            return MegatronSource(found, remote=remote)
+    return None
+
+
+def _remote_other(url: str, remote: dict[str, Any]) -> Source | None:
+    """A URL without ``index.json``: a Megatron prefix (``URL.idx`` exists) or a folder of datatrove files."""
+    from balanced_loader.data.datatrove import DatatroveSource
+    from balanced_loader.data.filestores import open_store, split_location
+    from balanced_loader.data.megatron import MegatronSource
+
+    folder, name = split_location(url)
+    store = open_store(folder, name + ".idx", remote)
+    try:
+        if store.exists(name + ".idx"):
+            return MegatronSource([url], remote=remote)
+    finally:
+        store.close()
+    try:
+        return DatatroveSource(url, remote=remote)
+    except ValueError:
+        return None
 
 
 def _is_part(path: Any) -> bool:

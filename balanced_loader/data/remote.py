@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.files import atomic_path, atomic_write
 from balanced_loader.data.index import ARRAYS, INDEX_FILE, INDEX_FORMAT, array_name, parse_index_json
 from balanced_loader.data.integrity import file_crc32
 from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.stores import LocalStore
+from balanced_loader.outputs.files import atomic_path, atomic_write
 
 REMOTE_EXTRA = "pip install 'balanced-loader[remote]'"
 # the package a URL scheme's fsspec backend lives in (fsspec's own message names it too, not always this plainly)

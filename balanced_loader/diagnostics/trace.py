@@ -257,7 +257,7 @@ def trace_json(events: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
 
 def save_trace(path: str, trace: Mapping[str, Any]) -> str:
     """Write a trace file's object at ``path``, complete or not at all."""
-    from balanced_loader.data.files import write_text
+    from balanced_loader.outputs.files import write_text
 
     write_text(path, json.dumps(trace, separators=(",", ":"), allow_nan=False) + "\n")  # one write: fast
     return path

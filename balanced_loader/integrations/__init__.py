@@ -6,8 +6,6 @@
 * :mod:`.rl`: :func:`~balanced_loader.balance` / :func:`~balanced_loader.balance_batch`, balanced
   microbatches of in-memory RL rollouts (verl's ``get_seqlen_balanced_partitions`` +
   ``rearrange_micro_batches``).
-* :mod:`.torch_dataset`: a :class:`~balanced_loader.BalancedLoader` as a torch ``IterableDataset`` (what
-  ``BalancedLoader.dataset`` gives accelerate's ``skip_first_batches``; the only one the loader imports).
 
 Each module imports its framework when used.
 """

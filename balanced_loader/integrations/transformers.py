@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 from transformers import Trainer
 
-from balanced_loader.data.files import write_text
 from balanced_loader.loader import BalancedLoader, StepBatch
 from balanced_loader.materialize import Microbatch
+from balanced_loader.outputs.files import write_text
 from balanced_loader.wrapping import wrap
 
 __all__ = ["LOADER_STATE_NAME", "PACKED_ATTENTION", "BalancedTrainer", "BalancedTrainerMixin",

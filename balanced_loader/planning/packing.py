@@ -288,14 +288,15 @@ def _levels_of(num_lanes: int) -> int:
 
 
 def block_place(times, pref, num_lanes: int, load=None, next_microbatch=None,
-                target: float = float("inf")) -> BlockPlacement:
+                target: float = float("inf"), *, smallest: bool = False) -> BlockPlacement:
     """Place items (in the given order) on aligned blocks of ``2**level`` lanes.
 
     ``times`` is ``[n, levels]`` (time of the item on a block of ``2**level`` lanes; ``inf``
     where not allowed), ``pref`` ``[n]`` the preferred level. Each item takes the block of
     its preferred size that starts first (ties: lower block); when that would finish after
-    ``target``, the allowed level (>= pref) finishing first wins instead. With ``target=inf``
-    this is plain LPT on blocks. O(sum of block sizes * log lanes).
+    ``target``, the allowed level (>= pref) finishing first wins instead (``smallest``: the smallest
+    level finishing by ``target``, else the one finishing first). With ``target=inf`` this is plain LPT
+    on blocks. O(sum of block sizes * log lanes).
     """
     from balanced_loader.planning.kernels import block_place_kernel
 
@@ -308,7 +309,7 @@ def block_place(times, pref, num_lanes: int, load=None, next_microbatch=None,
     ld = np.zeros(num_lanes) if load is None else np.ascontiguousarray(load, dtype=np.float64)
     nk = (np.zeros(num_lanes, dtype=np.int64) if next_microbatch is None
           else np.ascontiguousarray(next_microbatch, dtype=np.int64))
-    return BlockPlacement(*block_place_kernel(t, p, ld, nk, float(target)))
+    return BlockPlacement(*block_place_kernel(t, p, ld, nk, float(target), bool(smallest)))
 
 
 def lpt(work, degree, num_lanes: int, load=None) -> BlockPlacement:
@@ -328,7 +329,7 @@ def lpt(work, degree, num_lanes: int, load=None) -> BlockPlacement:
 
 
 def block_place_reference(times, pref, num_lanes: int, load=None, next_microbatch=None,
-                          target: float = float("inf")) -> BlockPlacement:
+                          target: float = float("inf"), smallest: bool = False) -> BlockPlacement:
     times = np.asarray(times, dtype=np.float64)
     n = times.shape[0]
     nlev = times.shape[1] if times.ndim == 2 else 0
@@ -350,7 +351,7 @@ def block_place_reference(times, pref, num_lanes: int, load=None, next_microbatc
                 continue
             b = int(np.argmin(starts))
             fin = starts[b] + t
-            if lv == p and fin <= target:
+            if (lv == p or smallest) and fin <= target:
                 best = (fin, lv, b, starts[b])
                 break
             if best is None or fin < best[0]:
@@ -485,3 +486,6 @@ def warm_up() -> None:
     lpt(np.ones(2), one, 2)
     fill_passes(one, np.ones(2), np.zeros(2), 2, 1.0)
     karmarkar_karp(np.ones(2), 2)
+    from balanced_loader.planning.kernels.evaluate import items_step_kernel
+
+    items_step_kernel(one - 1, one - 1, one, np.ones(2), 1.0, 1, 2)

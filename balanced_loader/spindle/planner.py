@@ -5,11 +5,13 @@ the common finish time ``C*`` (the frontier's continuous lower bound) and at mos
 per MetaOp; Spindle's greedy packer turns them into waves. The frontier keeps the shortest of
 several candidates (:func:`frontier_candidates`; Spindle's greedy wins ties; on small frontiers
 an exact MILP over every configuration, which proves the frontier optimal among whole-layer plans), its waves are
-ordered so consecutive ones share (MetaOp, count) pairs, and placement assigns ranks wave by
-wave. The baselines (``all``, ``fixed_split``) are planned too, and the best of the three
+ordered so consecutive ones share (MetaOp, count) pairs; MetaOps of later frontiers that are ready
+earlier take idle devices of earlier waves (:mod:`.overlap`, kept when the total drops), and placement
+assigns ranks wave by wave. The baselines (``all``, ``fixed_split``) are planned too, and the best of the three
 plans is returned (ties go to the wavefront plan), so the result is never worse than a
 baseline; ``lower_bound_ms`` is the sum of the frontiers' ``C*``, a lower bound of every plan
-here (each runs frontier by frontier on allowed counts).
+that runs frontier by frontier on allowed counts (when the wave-boundary search moved a MetaOp across a
+frontier, the smaller of that and :func:`.overlap.graph_bound`, a bound of every plan).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from balanced_loader.spindle.baselines import PlacedWave, all_devices, fixed_spl
 from balanced_loader.spindle.columns import generate_columns, lp_waves
 from balanced_loader.spindle.exact import all_configurations, ilp_waves
 from balanced_loader.spindle.graph import Graph
+from balanced_loader.spindle.overlap import graph_bound, split_waves
 from balanced_loader.spindle.placement import movement, place
 from balanced_loader.spindle.refine import refine
 from balanced_loader.spindle.schedule import Wave, WaveOp, WavePlan
@@ -31,6 +34,7 @@ from balanced_loader.spindle.waves import Run, order_waves, pack, waves_ms
 CANDIDATES = ("packed+fill", "packed", "columns", "refined", "exact", "single-wave", "sequential")
 EXACT_MAX_CONFIGS = 400  # the MILP runs over every maximal configuration when there are at most this many
 EXACT_MAX_PAIRS = 600  # ... and at most this many layer variables
+OVERLAP_MIN_GAIN = 0.005  # the wave-boundary search's plan is kept when it is at least this much shorter
 EXACT_NODES = 5000  # HiGHS branch-and-bound nodes per frontier (its best plan so far is used past it)
 
 
@@ -127,6 +131,12 @@ def plan_waves(graph: Graph, gpus: int | None = None, *, handover: bool = False,
         bounds.append(c_star)
         best = min(cands, key=lambda k: (waves_ms(ops, cands[k]), CANDIDATES.index(k)))
         chosen.extend((f, w) for w in order_waves(cands[best], chosen[-1][1] if chosen else ()))
+    early = split_waves(ops, chosen, n_gpus)  # MetaOps ready before their frontier's barrier use idle devices
+    lower = sum(bounds)
+    # kept only for a real gain: the plan then crosses frontiers and is measured against a weaker bound
+    if waves_ms(ops, [w for _, w in early]) < waves_ms(ops, [w for _, w in chosen]) * (1 - OVERLAP_MIN_GAIN):
+        chosen = early
+        lower = min(lower, graph_bound(ops, n_gpus))  # the plan crosses frontiers: C* bounds only plans that don't
     ranks = place(ops, [w for _, w in chosen], n_gpus, node, handover=handover, search=search)
     spindle = _to_waves(graph, [(f, list(zip(w, rk))) for (f, w), rk in zip(chosen, ranks)])
     unified = _to_waves(graph, all_devices(graph))
@@ -142,7 +152,7 @@ def plan_waves(graph: Graph, gpus: int | None = None, *, handover: bool = False,
     assert waves is not None
     index = {op.name: i for i, op in enumerate(ops)}
     moved = movement(ops, [[(index[o.op], o.ranks) for o in w.ops] for w in waves])
-    return WavePlan(method=method, gpus=n_gpus, gpus_per_node=node, waves=waves, lower_bound_ms=sum(bounds),
+    return WavePlan(method=method, gpus=n_gpus, gpus_per_node=node, waves=waves, lower_bound_ms=lower,
                     frontier_bounds_ms=tuple(bounds), spindle_ms=total(spindle), all_ms=total(unified),
                     fixed_split_ms=total(decoupled), fixed_split=split.devices if split is not None else (),
                     moved_samples=moved, plan_seconds=time.perf_counter() - t0)

@@ -96,7 +96,7 @@ class WavePlan:
     gpus: int
     gpus_per_node: int
     waves: tuple[Wave, ...]  # [num_waves] in execution order
-    lower_bound_ms: float  # sum over frontiers of the bisection finish time C*
+    lower_bound_ms: float  # sum over frontiers of C* (frontier-synchronous plans; see planner.plan_waves)
     frontier_bounds_ms: tuple[float, ...]  # [num_frontiers] C* per frontier
     spindle_ms: float  # total of the wavefront plan (before keeping the best)
     all_ms: float  # baseline: every MetaOp on all devices in turn

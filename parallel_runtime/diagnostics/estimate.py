@@ -258,7 +258,7 @@ class Context:
         self.recipe, self.plans = recipe, plans
         self.topos = [Topology(world_size=p.world_size, pools=tuple(PoolShape.of(x) for x in p.pools)) for p in plans]
         self.microbatches = microbatches  # (step, rank) -> list[Microbatch]
-        self.lengths = lengths  # step -> lengths the plan tiles
+        self.lengths = lengths  # step -> the sequences the plan tiles (BatchItems, or lengths by doc_id)
         self.names: dict = {}
         self.optimizer_class = _known_world_optimizer()
 
@@ -307,7 +307,7 @@ def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flas
             tracker.reset_peak()
             reads0 = tracker.host_reads
             trace.phase = "plan check"
-            topo, _ = check_plan_runs_here(plan, recipe=recipe, lengths=ctx.lengths[s], groups=groups,
+            topo, _ = check_plan_runs_here(plan, recipe=recipe, sequences=ctx.lengths[s], groups=groups,
                                            comm_device=cpu)
             opt.expected = [world_rows(recipe.model, layout, topo, plan, push=push,
                                        cache=ctx.names.setdefault(id(recipe), {})) for push in (False, True)]
@@ -369,13 +369,14 @@ class _Hooks:
 
 
 def plan_steps(recipe, steps: int):
-    """The recipe's first ``steps`` plans (the trainer's loader, every rank's plan) and the loader."""
+    """The recipe's first ``steps`` plans (the trainer's loader, every rank's plan), the sequences each tiles
+    and the loader."""
     from parallel_runtime.training.trainer import open_data, recipe_loader
 
     source = open_data(recipe, build=True)
     loader = recipe_loader(recipe, source, recipe.policy.name, rank=0, prefetch_steps=0)
-    plans = [next(loader).plan for _ in range(steps)]
-    return plans, loader
+    batches = [next(loader) for _ in range(steps)]
+    return [b.plan for b in batches], [b.sequences for b in batches], loader
 
 
 class _Microbatches(dict):
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pipeline.UNPAIRED, pipeline.SYNC_EACH_BLOCK = saved
     rep["recipe"] = args.recipe
-    from balanced_loader.data.files import write_json
+    from balanced_loader.outputs.files import write_json
 
     os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, "estimate.json"), rep, indent=1)
@@ -467,8 +468,8 @@ def estimate(recipe, *, steps: int, device_gib: float = 80.0, replay_layers: int
     """The whole estimate as a JSON-ready dict (see the module docstring); ``ok``: every rank fits and the
     replay (if run) completes."""
     t0 = time.perf_counter()
-    plans, loader = plan_steps(recipe, steps)
-    ctx0 = Context(recipe, plans, None, [loader.validation_lengths(s) for s in range(steps)])
+    plans, sequences, loader = plan_steps(recipe, steps)
+    ctx0 = Context(recipe, plans, None, sequences)
     places = [[place_of(p, t, r) for r in range(recipe.world.size)] for p, t in zip(plans, ctx0.topos)]
     roles = find_roles(places)
     ctx0.microbatches = _Microbatches(loader, plans, {(ro.step, ro.rep) for ro in roles})

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from balanced_loader.data.files import fsync_dir, write_text
+from balanced_loader.outputs.files import fsync_dir, write_text
 from parallel_runtime.launch import is_comm_error
 from parallel_runtime.training.optimizer import ShardedOptimizer
 

@@ -2,7 +2,7 @@
 
 * **One writer per ``--out``** (:func:`lock_out`): rank 0 (the process that writes ``metrics.jsonl``)
   holds an exclusive lock on ``--out`` for the whole run
-  (:class:`balanced_loader.data.locks.OutputLock`); a second run on it fails at once, naming the
+  (:class:`balanced_loader.outputs.locks.OutputLock`); a second run on it fails at once, naming the
   holder. Its peers stop at their first collective, naming rank 0's error.
 * **One history per ``--out``** (:func:`check_history`): a folder with ``metrics.jsonl`` but no
   checkpoint cannot be resumed; a new run there would append a second history (steps 0..5, then
@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from balanced_loader.data.locks import OutputLock
+from balanced_loader.outputs.locks import OutputLock
 
 
 def lock_out(out_dir: str, rank: int) -> OutputLock | None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from balanced_loader.cost import CostModel
-from balanced_loader.data.files import write_text
+from balanced_loader.outputs.files import write_text
 from balanced_loader.plan import StepPlan
 from balanced_loader.simulate import simulate_step
 

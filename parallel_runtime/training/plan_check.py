@@ -6,7 +6,7 @@
    the step's first collective, so ranks holding different plans stop with one clear error
    before they could meet in mismatched collectives;
 2. **the contract**: :meth:`StepPlan.validate` (ranks cover the world, lanes in range and
-   disjoint per microbatch, every doc's segments tile it). :func:`validate_contract` is the
+   disjoint per microbatch, the segments tile exactly the step's sequences). :func:`validate_contract` is the
    only place the runtime calls it;
 3. **hostable**: the recipe's model splits over every pool shape and CP degree of the plan;
 4. **groups exist**: groups the plan needs that were not created yet are created,
@@ -18,11 +18,10 @@ it created.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from balanced_loader.plan import StepPlan
+from balanced_loader.plan import BatchItems, StepPlan
 from parallel_runtime.config import Recipe, check_shape
 from parallel_runtime.groups import GroupCache, plan_groups
 from parallel_runtime.topology import PoolShape, Topology
@@ -32,11 +31,11 @@ class PlanMismatchError(RuntimeError):
     """Ranks hold different plans for one step."""
 
 
-def check_plan_runs_here(plan: StepPlan, *, recipe: Recipe, lengths: np.ndarray, groups: GroupCache,
+def check_plan_runs_here(plan: StepPlan, *, recipe: Recipe, sequences: BatchItems, groups: GroupCache,
                          comm_device: torch.device) -> tuple[Topology, int]:
     """Check ``plan`` (steps 1-4 above; collective: call on every rank); returns its topology and new groups."""
     check_same_plan(plan, comm_device)
-    validate_contract(plan, lengths)
+    validate_contract(plan, sequences)
     topo = Topology(world_size=plan.world_size, pools=tuple(PoolShape.of(p) for p in plan.pools))  # lanes: validated
     check_hostable(plan, recipe)
     return topo, groups.ensure(plan_groups(plan, recipe.world.cp_engine, recipe.world.cp_inner))
@@ -61,9 +60,10 @@ def check_same_plan(plan: StepPlan, comm_device: torch.device) -> None:
             f"policy.plan_source: broadcast, or give every rank the same data, recipe and seed")
 
 
-def validate_contract(plan: StepPlan, lengths: np.ndarray) -> None:
-    """Contract 1's invariants (ValueError naming step, pool, microbatch and doc); ``lengths`` by doc_id."""
-    plan.validate(lengths)
+def validate_contract(plan: StepPlan, sequences: BatchItems) -> None:
+    """Contract 1's invariants (ValueError naming step, pool, microbatch and doc): the plan tiles exactly the
+    step's ``sequences``."""
+    plan.validate(sequences)
 
 
 def check_hostable(plan: StepPlan, recipe: Recipe) -> None:

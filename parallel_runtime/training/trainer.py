@@ -74,7 +74,7 @@ def open_data(recipe: Recipe, *, build: bool):
         return mix({e.name: recipe.resolve(e.source) for e in d.mixture}, weights={e.name: e.weight for e in d.mixture},
                    by=d.mixture_by)
     if d.source == STDLIB:
-        from balanced_loader.data.corpus import stdlib_shards
+        from balanced_loader.build.corpus import stdlib_shards
         from balanced_loader.data.shards import ShardSource
 
         return stdlib_shards(d.shards_dir, limit=d.stdlib_limit) if build else ShardSource(d.shards_dir)
@@ -302,16 +302,17 @@ class Trainer:
         box: list[Any] = [None]
         if self.info.rank == 0:
             b = next(loader)
-            box = [(b.plan, b.step, b.epoch, b.step_in_epoch, b.planner_wait_s, b.mixture_tokens)]
+            box = [(b.plan, b.step, b.epoch, b.step_in_epoch, b.planner_wait_s, b.mixture_tokens, b.sequences)]
         with phase(f"the plan broadcast after step {self.step}", self._all):
             dist.broadcast_object_list(box, src=0)
-        plan, step, epoch, s_in, wait, mixture_tokens = box[0]
+        plan, step, epoch, s_in, wait, mixture_tokens, sequences = box[0]
         if self.info.rank != 0:
             wait = time.perf_counter() - t0  # these ranks' loaders only materialize; checkpoints keep rank 0's cursor
         return StepBatch(step=step, epoch=epoch, step_in_epoch=s_in, plan=plan,
                          microbatches=tuple(loader.microbatches(plan, self.info.rank)),
                          num_valid_tokens=num_valid_tokens(plan), planner_wait_s=wait,
-                         doc_stats=loader.epoch_stats(epoch), rank=self.info.rank, mixture_tokens=mixture_tokens)
+                         doc_stats=loader.epoch_stats(epoch), rank=self.info.rank, sequences=sequences,
+                         mixture_tokens=mixture_tokens)
 
     def train_step(self, batch: StepBatch) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns the step's metrics (complete on rank 0)."""
@@ -366,7 +367,7 @@ class Trainer:
         gradients); returns every rank's stats and the number of groups created."""
         plan, s, world, times = batch.plan, batch.step, self._all, self.times
         with phase(f"the plan check of step {s}", world), times.phase("plan_check"):
-            topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, lengths=self.loader.validation_lengths(s),
+            topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, sequences=batch.sequences,
                                                     groups=self.groups, comm_device=self.comm_device)
         hooks = _TrainerHooks(self, topo, plan, s, push)
         res = execute_step(self.runtime, self.optimizer, self.overlap, topo, plan, batch.microbatches,
@@ -382,11 +383,6 @@ class Trainer:
     def _all(self) -> range:
         """Every rank (what a world-wide collective waits on)."""
         return range(self.info.world_size)
-
-    @property
-    def valid_lengths(self) -> Any:
-        """``[num_docs]`` the lengths the current step's plan tiles (truncated docs end at its ``max_seq_len``)."""
-        return self.loader.validation_lengths(self.step)
 
     def _compare_step(self, name: str, loader: BalancedLoader) -> dict[str, Any]:
         """Forward and backward of another policy's plan of the same batch (same parameters, not trained)."""

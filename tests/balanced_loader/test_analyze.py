@@ -100,3 +100,43 @@ def test_advice_suggests_a_context_limit_for_a_thin_tail():
     a = advise(ln, cost(cap=10))
     assert any("context limit of 10 tokens (--max-seq-len) caps the degree at 1 and splits only 1 doc " in line
                for line in a.lines)
+
+
+def test_analyze_reports_the_steps_sizes_and_the_largest_share_of_one_doc(tmp_path, capsys):
+    """analyze cuts the first --steps global batches as the loader would: tokens per step (min / median /
+    max, all inside [B - max_seq_len, B]), the largest share of one doc in a step, and a chart."""
+    ln = np.r_[[400_000], np.full(3000, 700)]  # one doc 100x max_seq_len before many short ones
+    f = tmp_path / "lengths.npy"
+    np.save(f, ln)
+    reports = {}
+    for shuffle in ([], ["--shuffle"]):
+        out = tmp_path / f"an{len(shuffle)}"
+        assert cli.main(["analyze", str(f), "--max-seq-len", "4096", "--global-batch-tokens", "65536", "--steps", "30",
+                         "--json", "--out", str(out), *shuffle]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        st = reports[bool(shuffle)] = rep["steps"]
+        assert st["steps"] == 30 and st["outside_budget"] == 0
+        assert 65536 - 4096 <= st["tokens"]["min"] <= st["tokens"]["median"] <= st["tokens"]["max"] <= 65536
+        assert_png(out / "steps.png")
+    assert reports[False]["largest_doc_share"]["share"] == 1.0  # in file order the long doc fills whole steps
+    assert reports[False]["largest_doc_share"]["doc"] == 0
+    assert reports[True]["largest_doc_share"]["share"] < 0.6  # shuffled, its pieces spread (it is 16% of tokens)
+    # a budget below max_seq_len: the loader refuses it; analyze says so and cuts at the budget
+    assert cli.main(["analyze", str(f), "--max-seq-len", "8192", "--global-batch-tokens", "4096", "--steps", "3",
+                     "--out", str(tmp_path / "small")]) == 0
+    text = capsys.readouterr().out
+    assert "note: global_batch_tokens 4,096 is smaller than max_seq_len 8,192: the loader refuses this" in text
+
+
+def test_analyze_mix_reports_step_sizes_per_source(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    for name, hi in (("a", 9000), ("b", 300)):
+        np.save(tmp_path / f"{name}.npy", rng.integers(1, hi, 2000))
+    assert cli.main(["analyze", "--mix", f"a={tmp_path / 'a.npy'}:0.7", f"b={tmp_path / 'b.npy'}:0.3",
+                     "--max-seq-len", "2048", "--global-batch-tokens", "32768", "--steps", "20", "--shuffle",
+                     "--json", "--out", str(tmp_path / "m")]) == 0
+    rep = json.loads(capsys.readouterr().out)["step_sizes"]
+    assert rep["steps"] == 20 and rep["outside_budget"] == 0
+    assert set(rep["per_source_share"]) == {"a", "b"}
+    assert abs(rep["per_source_share"]["a"]["median"] - 0.7) < 2048 / 32768
+    assert_png(tmp_path / "m" / "steps.png")

@@ -1,4 +1,4 @@
-"""Batching: long/empty docs, the lazy epoch order, token-budget bounds, batches cut as they are consumed."""
+"""Batching: long/empty docs, the lazy epoch order, sequences as units, token-budget steps cut as they are consumed."""
 
 from __future__ import annotations
 
@@ -7,17 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader.data.batching import (
-    DocStats,
-    EpochBatches,
-    EpochOrder,
-    FeistelPermutation,
-    batch_bounds,
-    epoch_order,
-    global_batches,
-    to_items,
-)
+from balanced_loader.batches.items import DocStats, batch_bounds, to_items
+from balanced_loader.batches.order import EpochOrder, FeistelPermutation, epoch_order
+from balanced_loader.batches.sequences import UNIT_TAG
+from balanced_loader.batches.stream import LengthArray, global_batches, stream_for
 from balanced_loader.data.lengths import read_lengths
+from balanced_loader.schedule import schedule
 
 
 @given(st.lists(st.integers(0, 100), max_size=50), st.integers(1, 40))
@@ -75,6 +70,45 @@ def test_batch_bounds(lengths, budget):
     assert batch_bounds(np.array([3, 4]), None).tolist() == [0, 2]
 
 
+def _mix_ref(x, key):
+    """splitmix64's finalizer in numpy (uint64 arrays wrap): the reference of the numba kernel."""
+    z = x ^ key
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def feistel_ref(f, pos, inverse=False):
+    """The Feistel walk in plain numpy, round by round and walk by walk."""
+    h, mask = np.uint64(f.half), np.uint64((1 << f.half) - 1)
+
+    def step(x):
+        left, right = x >> h, x & mask
+        if inverse:
+            for k in f.keys[::-1]:
+                left, right = right ^ (_mix_ref(left, k) & mask), left
+        else:
+            for k in f.keys:
+                left, right = right, left ^ (_mix_ref(right, k) & mask)
+        return (left << h) | right
+
+    y = step(np.asarray(pos, dtype=np.uint64))
+    bad = np.flatnonzero(y >= f.n)
+    while bad.size:
+        y[bad] = step(y[bad])
+        bad = bad[y[bad] >= f.n]
+    return y.astype(np.int64)
+
+
+@given(st.integers(1, 3000), st.integers(0, 2**31), st.booleans())
+def test_feistel_kernel_equals_the_numpy_reference(n, key, inverse):
+    f = FeistelPermutation(n, [key, 3])
+    pos = np.arange(n, dtype=np.int64)[::-1]
+    got = f.inverse(pos) if inverse else f(pos)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(got, feistel_ref(f, pos, inverse))
+
+
 @given(st.integers(1, 3000), st.integers(0, 2**31))
 def test_feistel_is_a_bijection_with_its_inverse(n, key):
     f = FeistelPermutation(n, [key, 7])
@@ -103,34 +137,109 @@ def test_epoch_order_is_lazy_and_consistent(n, window, seed, shards, cuts):
             assert len(np.unique(whole[a:a + window] // block)) <= -(-window // block) + 2
 
 
+def reference_units(lengths, *, seed, epoch, shuffle, window, piece, mode):
+    """Every unit of one epoch in reading order, whole-array (the streamed reader reads them lazily)."""
+    n = len(lengths)
+    order = epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
+    out = []
+    for w in range(-(-n // window)):
+        units = []
+        for d in order[w * window:(w + 1) * window].tolist():
+            ln = int(lengths[d])
+            if mode == "split" and piece is not None:
+                units += [(d, j * piece, min(piece, ln - j * piece), ln) for j in range(max(1, -(-ln // piece)))]
+            else:
+                units.append((d, 0, ln, ln))
+        if shuffle and len(units) > len(order[w * window:(w + 1) * window]):
+            perm = FeistelPermutation(len(units), [seed, epoch, w, UNIT_TAG])(np.arange(len(units)))
+            units = [units[q] for q in perm.tolist()]
+        out += units
+    return out
+
+
 def reference_batches(lengths, *, seed, shuffle, window, max_len, mode, budget):
-    """The whole-array way: full order, every sequence, then bounds (what the loader did before streaming)."""
-    order = epoch_order(len(lengths), seed=seed, epoch=0, shuffle=shuffle, window=window)
-    items, stats = to_items(lengths[order], order, max_len, mode)
-    if not len(items):
-        return [], stats
-    b = batch_bounds(items.lengths, budget, items.starts)
-    return [items.doc_ids[b[i]:b[i + 1]].tolist() for i in range(len(b) - 1)], stats
+    """The whole-array way: every unit of the epoch, the long-doc rule, then greedy bounds."""
+    units = reference_units(lengths, seed=seed, epoch=0, shuffle=shuffle, window=window, piece=max_len, mode=mode)
+    seqs = []
+    for d, a, n, full in units:
+        if mode == "truncate":
+            n = min(n, max_len)
+        elif mode == "drop" and full > max_len:
+            n = 0
+        seqs.append((d, a, n))
+    tok = np.asarray([x[2] for x in seqs], dtype=np.int64)
+    b = batch_bounds(tok, budget)
+    out = [[x for x in seqs[b[i]:b[i + 1]] if x[2]] for i in range(len(b) - 1)]
+    return [x for x in out if x]
 
 
-@given(lengths=st.lists(st.integers(0, 400), max_size=150), budget=st.integers(1, 2000) | st.none(),
+@given(lengths=st.lists(st.integers(0, 400), max_size=150), budget=st.integers(500, 2000) | st.none(),
        max_len=st.integers(10, 500), mode=st.sampled_from(["split", "truncate", "drop"]),
        window=st.integers(1, 100), seed=st.integers(0, 3), shuffle=st.booleans())
 def test_streamed_batches_equal_the_whole_array_cut(lengths, budget, max_len, mode, window, seed, shuffle):
     ln = np.asarray(lengths, dtype=np.int64)
-    ref, ref_stats = reference_batches(ln, seed=seed, shuffle=shuffle, window=window, max_len=max_len, mode=mode,
-                                       budget=budget)
-    eb = EpochBatches(ln, seed=seed, shuffle=shuffle, window=window, max_seq_len=max_len, long_docs=mode,
-                      global_batch_tokens=budget)
-    cuts = list(eb.batches())
-    assert [c.items.doc_ids.tolist() for c in cuts] == ref
-    assert all(a.end == b.start for a, b in zip(cuts, cuts[1:]))  # a batch is named by its start position
-    assert eb.summary() == (len(ref), ref_stats)
+    ref = reference_batches(ln, seed=seed, shuffle=shuffle, window=window, max_len=max_len, mode=mode,
+                            budget=budget)
     got, stats = global_batches(ln, max_seq_len=max_len, long_docs=mode, global_batch_tokens=budget,
                                 shuffle=shuffle, seed=seed, window=window)
-    assert [b.doc_ids.tolist() for b in got] == ref and stats == ref_stats
-    for k, c in enumerate(cuts):  # resuming from any batch start gives the same rest
-        assert [x.items.doc_ids.tolist() for x in eb.batches(c.start)] == ref[k:]
+    assert [list(zip(b.doc_ids.tolist(), b.starts.tolist(), b.lengths.tolist())) for b in got] == ref
+    _, want = to_items(ln, np.arange(len(ln)), max_len, mode)
+    assert stats == want  # every doc counted once, where its first sequence is
+    sizes = [int(b.lengths.sum()) for b in got]
+    if budget is not None:  # the step-size promise: [B - L, B], the last one excepted
+        assert all(budget - max_len <= x <= budget for x in sizes[:-1]) and all(x <= budget for x in sizes)
+
+
+@given(lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=60), window=st.integers(1, 50),
+       seed=st.integers(0, 3), shuffle=st.booleans(), points=st.lists(st.integers(8, 400), min_size=1, max_size=3),
+       budgets=st.lists(st.integers(400, 3000), min_size=1, max_size=3))
+def test_schedules_of_max_seq_len_and_budget_tile_every_doc_once_in_steps_of_their_size(lengths, window, seed, shuffle,
+                                                                                      points, budgets):
+    """Under a schedule, pieces of the largest limit are read as sequences of each step's limit, and every
+    step but the run's last holds between its budget minus its limit and its budget."""
+    ln = np.asarray(lengths, dtype=np.int64)
+    limit = schedule([(3 * i, v) for i, v in enumerate(points)], "max_seq_len")
+    budget = schedule([(2 * i + 1, v) for i, v in enumerate(budgets)], "global_batch_tokens")
+    st_ = stream_for(LengthArray(lengths=ln, shard_bounds=None), seed=seed, shuffle=shuffle, window=window,
+                     max_seq_len=limit, global_batch_tokens=budget, long_docs="split", epochs=1)
+    cur, cov = st_.epoch_start(0), {}
+    for _ in range(10_000):
+        c = st_.cut(cur)
+        L, B = limit.at(cur.step), budget.at(cur.step)
+        assert (c.items.lengths <= L).all() and c.tokens <= B
+        if c.end.epoch == 0:
+            assert c.tokens >= B - L
+        for d, a, n in zip(c.items.doc_ids.tolist(), c.items.starts.tolist(), c.items.lengths.tolist()):
+            cov.setdefault(d, []).append((a, n))
+        if c.end.epoch:
+            break
+        cur = c.end
+    for d, n in enumerate(lengths):
+        pos = 0
+        for a, k in sorted(cov.get(d, [])):
+            assert a == pos
+            pos += k
+        assert pos == n
+
+
+def test_shuffling_spreads_a_long_doc_over_the_epoch():
+    ln = np.concatenate([np.full(2000, 700), [400 * 256]])  # one doc of 400 pieces among 2,000 short docs
+    kw = dict(max_seq_len=256, global_batch_tokens=4096, seed=3)
+    plain, _ = global_batches(ln, shuffle=False, **kw)
+    mixed, _ = global_batches(ln, shuffle=True, **kw)
+
+    def worst(batches):
+        return max(float(b.lengths[b.doc_ids == 2000].sum()) / b.lengths.sum() for b in batches)
+
+    assert worst(plain) == 1.0  # unshuffled: the long doc's pieces are consecutive (25 steps of it alone)
+    assert worst(mixed) < 0.5  # shuffled: its pieces spread like docs (it is 7% of the tokens)
+    steps = [i for i, b in enumerate(mixed) if (b.doc_ids == 2000).any()]
+    assert len(steps) > 0.5 * len(mixed)
+
+
+def test_a_doc_longer_than_the_budget_without_a_limit_is_a_step_of_its_own():
+    got, _ = global_batches(np.asarray([5, 0, 50, 3]), max_seq_len=None, global_batch_tokens=10)
+    assert [b.lengths.tolist() for b in got] == [[5], [50], [3]]
 
 
 class CountingLengths(np.ndarray):
@@ -150,7 +259,7 @@ def test_first_batches_read_a_bounded_number_of_docs():
     batches, stats = global_batches(lengths, max_seq_len=None, global_batch_tokens=1_000_000, shuffle=True,
                                     seed=1, max_steps=3)
     assert [len(b) for b in batches] == [1000] * 3 and stats.docs == 3000
-    assert CountingLengths.read < 20_000  # a few chunks, not the 4M docs
+    assert CountingLengths.read <= 1 << 16  # one shuffle window's lengths (its units), not the 4M docs
     ids = np.concatenate([b.doc_ids for b in batches])
     assert len(np.unique(ids)) == 3000 and ids.max() > n // 2  # shuffled over the whole file
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from balanced_loader import cli
-from balanced_loader.data.files import write_text
+from balanced_loader.outputs.files import write_text
 from balanced_loader.plan import Group, Plan, Pool, StepPlan
 
 GOOD_COST = """quadratic_ms: 0.0

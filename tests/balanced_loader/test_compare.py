@@ -10,18 +10,18 @@ import pytest
 from pngcheck import assert_png
 
 from balanced_loader import cli, planning
+from balanced_loader.batches.stream import global_batches
 from balanced_loader.cli.comparison import check_policies, compare_policies, format_table
-from balanced_loader.data.batching import global_batches
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.presets import cost_preset
 from balanced_loader.simulate import step_ms
 
 
-def test_global_batches_cut_between_docs():
+def test_global_batches_are_cut_between_sequences():
     ln = np.array([5, 0, 7, 3, 20])
     batches, stats = global_batches(ln, max_seq_len=8, long_docs="split", global_batch_tokens=10)
-    assert [b.doc_ids.tolist() for b in batches] == [[0], [2, 3], [4, 4, 4]]
-    assert batches[2].starts.tolist() == [0, 8, 16] and batches[2].lengths.tolist() == [8, 8, 4]
+    assert [b.doc_ids.tolist() for b in batches] == [[0], [2, 3], [4], [4], [4]]
+    assert [b.starts.tolist() for b in batches[2:]] == [[0], [8], [16]] and batches[4].lengths.tolist() == [4]
     assert stats.empty == 1 and stats.split == 1
     one, _ = global_batches(ln, max_seq_len=None)  # no budget: the whole file is one batch
     assert len(one) == 1 and one[0].doc_ids.tolist() == [0, 2, 3, 4]
@@ -42,7 +42,7 @@ def test_compare_policies_equals_the_cost_model():
     cost = cost_preset("hydra-gpt7b-a100")
     ln = np.random.default_rng(2).lognormal(7, 1.4, 600).astype(np.int64) + 1
     batches, _ = global_batches(ln, max_seq_len=65536, global_batch_tokens=200_000, max_steps=3)
-    runs, plans = compare_policies(batches, ln, cost, [PlanConfig(policy="greedy", world_size=16)],
+    runs, plans = compare_policies(batches, cost, [PlanConfig(policy="greedy", world_size=16)],
                                    keep_plans=True)
     (run,) = runs
     assert run.speedup == 1.0 and len(run.metrics) == 3
@@ -87,7 +87,7 @@ def test_compare_on_wikipedia(wiki_lengths, tmp_path):
     cost = cost_preset("flexsp-gpt7b-a100")
     batches, stats = global_batches(wiki_lengths, max_seq_len=5950 * 64, global_batch_tokens=1_000_000,
                                     max_steps=2)
-    runs, _ = compare_policies(batches, wiki_lengths, cost, [PlanConfig(policy="greedy", world_size=64)])
+    runs, _ = compare_policies(batches, cost, [PlanConfig(policy="greedy", world_size=64)])
     m = runs[0].metrics[0]
     assert m.tokens == int(batches[0].lengths.sum()) and m.step_ms > 0 and m.skew >= 1.0
 

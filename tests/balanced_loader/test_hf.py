@@ -136,7 +136,7 @@ def test_plan_cli_cp1_for_every_policy(policy, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("policy, flag, value", [("hydraulis", "tp", 2), ("hydraulis", "pp", 2),
-                                                 ("hydraulis", "cp", 2), ("pools", "tp", 2),
+                                                 ("hydraulis", "cp", 3), ("pools", "tp", 2),
                                                  ("hydra", "cp", 3), ("mcore-dcp", "cp", 8)])
 def test_a_flag_a_policy_cannot_honour_is_one_clear_error(policy, flag, value):
     items = BatchItems.from_lengths(np.minimum(LENGTHS, 64))
@@ -300,7 +300,7 @@ def test_no_output_at_interpreter_exit(tmp_path):
     code = textwrap.dedent(f"""
         import numpy as np, torch
         from balanced_loader import BalancedLoader
-        from balanced_loader.data.shards import write_shards
+        from balanced_loader.build.writer import write_shards
         rng = np.random.default_rng(0)
         src = write_shards([rng.integers(1, 100, size=int(n)) for n in rng.integers(5, 300, size=300)],
                            "{tmp_path}/shards")

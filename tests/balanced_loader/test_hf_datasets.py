@@ -240,5 +240,5 @@ def test_errors(tmp_path):
         open_source(saved(tmp_path, {"input_ids": [[1], None, [2]]}, ids("int32"), "null"))
     empty = saved(tmp_path, {"input_ids": [[], []]}, ids("int32"), "empty")
     with pytest.raises(ValueError, match="has no tokens to train on"):
-        BalancedLoader(empty, policy="greedy", cost=cost(64), world_size=1, rank=0, global_batch_tokens=10,
+        BalancedLoader(empty, policy="greedy", cost=cost(64), world_size=1, rank=0, global_batch_tokens=100,
                        max_seq_len=64)

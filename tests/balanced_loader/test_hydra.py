@@ -53,9 +53,11 @@ def test_target_is_the_area_when_no_doc_is_critical():
     assert t.t_min_ms == pytest.approx(10.0)
     assert t.levels.tolist() == [2, 0, 0, 0, 0, 0, 0]
     plan, degree = _plan(cost, lengths, 4)
-    # 10 ms on every lane, then 10+10+10+10+5+5 over 4 lanes: the best split ends at 25
-    assert degree == [4, 1, 1, 1, 1, 1, 1]
-    assert plan.predicted_ms == pytest.approx(25.0)
+    # the load-target placement: 10 ms on every lane, then 10+10+10+10+5+5 over 4 lanes ends at 25; without
+    # communication or fixed cost the portfolio reaches the target: the two 5-token docs on 2 lanes each
+    assert degree == [4, 1, 1, 1, 1, 2, 2]
+    assert plan.predicted_ms == pytest.approx(22.5)
+    assert "load-target placement 25.0 ms" in plan.notes[0]
 
 
 def test_load_driven_degree_above_memory_fit():
@@ -120,8 +122,12 @@ def test_few_docs_retarget_to_a_better_breakpoint():
     t = load_target(BatchItems.from_lengths(lengths), cost.base, 8)
     assert t.levels[3] == 3
     plan, degree = _plan(cost, lengths, 8)
-    assert degree[3] == 4
-    assert plan.predicted_ms == pytest.approx(cost.base.group_ms([200], 4))
+    retargeted = cost.base.group_ms([200], 4)  # the load-target placement's own plan: 40.3 ms
+    assert f"load-target placement {retargeted:.1f} ms" in plan.notes[0]
+    # the portfolio does better still: all five docs in one group of 8 lanes (one fixed cost instead of two)
+    assert degree == [8] * 5
+    assert plan.predicted_ms == pytest.approx(cost.base.group_ms(lengths, 8))
+    assert plan.predicted_ms < retargeted
 
 
 @pytest.mark.parametrize(("context", "speedup"), [(32768, 1.2), (262144, 1.2)])

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from balanced_loader.data.batching import batch_bounds, epoch_order, to_items
+from balanced_loader.batches.items import batch_bounds, to_items
+from balanced_loader.batches.order import epoch_order
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import make_plan
 from balanced_loader.planning.config import PlanConfig
@@ -125,15 +126,42 @@ def plan(lengths, world=32, cost=HYD, **kw):
 
 
 @given(st.lists(st.integers(1, 84_992), min_size=1, max_size=40), st.sampled_from([8, 16, 32]))
-def test_hydraulis_plans_validate_with_one_lane_pools(lengths, world):
+def test_hydraulis_plans_validate_with_pipelines_or_pools_of_one_shape(lengths, world):
     p = plan(lengths, world, extra={"restarts": 4})
     offset = 0
     for pool in p.pools:
-        assert pool.num_lanes == 1 and HYD.shape(pool.tp, pool.pp).usable
-        assert [r for stage in pool.ranks for r in stage] == list(range(offset, offset + pool.tp * pool.pp))
-        offset += pool.tp * pool.pp
-        assert all(len(mb) == 1 and mb[0].lanes == (0,) for mb in pool.microbatches)
+        assert HYD.shape(pool.tp, pool.pp).usable
+        size = pool.tp * pool.pp * pool.num_lanes
+        assert sorted(r for stage in pool.ranks for r in stage) == list(range(offset, offset + size))
+        offset += size
+        if pool.num_lanes == 1:  # a one-lane pipeline: one group per microbatch
+            assert all(len(mb) == 1 and mb[0].lanes == (0,) for mb in pool.microbatches)
     assert offset == world
+
+
+@given(st.integers(0, 10**6), st.sampled_from([8, 16, 32]))
+def test_hydraulis_is_never_behind_the_best_homogeneous_shape(seed, world):
+    rng = np.random.default_rng(seed)
+    ln = np.minimum((rng.pareto(1.0, int(rng.integers(1, 60))) * 3000 + 1).astype(np.int64), 84_992)
+    p = plan(ln, world, extra={"restarts": 4})
+    items = BatchItems.from_lengths(ln)
+    for sc in HYD.shapes():
+        if world % sc.gpus or int(ln.max()) > sc.max_tokens_per_lane * (1 << ((world // sc.gpus).bit_length() - 1)):
+            continue
+        homo = make_plan(items, HYD, PlanConfig(policy="hydra", world_size=world, tp=sc.tp, pp=sc.pp))
+        assert p.predicted_ms <= homo.predicted_ms * (1 + 1e-9), (sc.tp, sc.pp)
+
+
+def test_hydraulis_plans_docs_longer_than_one_pipeline_with_cp():
+    ln = [300_000, 120_000, 5_000, 700, 90_000]  # the largest pipeline (tp 8) holds 84,992 tokens
+    p = plan(ln, 32)
+    wide = [g for pool in p.pools for mb in pool.microbatches for g in mb if len(g.lanes) > 1]
+    assert {s[0] for g in wide for s in g.segments} >= {0, 1, 4}
+    assert any("with CP inside" in n for n in p.notes)
+    with pytest.raises(ValueError, match="cannot honour --cp 3"):
+        plan(ln, 32, cp=3)
+    assert all(len(g.lanes) == 1 for pool in plan([5_000, 700], 32, cp=1).pools
+               for mb in pool.microbatches for g in mb)
 
 
 def test_hydraulis_candidate_sources(tmp_path):
@@ -158,8 +186,8 @@ def test_hydraulis_bad_input():
     with pytest.raises(ValueError, match="'strategies'") as e:
         plan([100], world=8, cost=cost_preset("flexsp-gpt7b-a100"))
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="doc 1 \\(90000 tokens\\) fits no shape"):
-        plan([10, 90_000])
+    with pytest.raises(ValueError, match="doc 1 \\(400000 tokens\\) fits no shape"):
+        plan([10, 400_000])
     with pytest.raises(ValueError, match="unknown option"):
         plan([10], extra={"bogus": 1})
     with pytest.raises(ValueError, match="cannot read candidates file"):

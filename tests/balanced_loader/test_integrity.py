@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from balanced_loader import cli
-from balanced_loader.data import files as files_mod
-from balanced_loader.data.files import atomic_write, write_text
+from balanced_loader.build.writer import write_shards
 from balanced_loader.data.index import CRC_FILE, INDEX_FILE, META_FILE
 from balanced_loader.data.integrity import CHECK_BLOCK_BYTES, lengths_fingerprint
-from balanced_loader.data.shards import ShardSource, write_shards
+from balanced_loader.data.shards import ShardSource
+from balanced_loader.outputs import files as files_mod
+from balanced_loader.outputs.files import atomic_write, write_text
 from balanced_loader.plan import Group, Plan, Pool, StepPlan
 
 DOCS_PER_SHARD = 4

@@ -70,11 +70,11 @@ def block_case(draw):
     return times, pref, lanes, load, target
 
 
-@given(block_case())
-def test_block_place_equals_reference(case):
+@given(block_case(), st.booleans())
+def test_block_place_equals_reference(case, smallest):
     times, pref, lanes, load, target = case
-    got = P.block_place(times, pref, lanes, load, target=target)
-    ref = P.block_place_reference(times, pref, lanes, load, target=target)
+    got = P.block_place(times, pref, lanes, load, target=target, smallest=smallest)
+    ref = P.block_place_reference(times, pref, lanes, load, target=target, smallest=smallest)
     for name in got._fields:
         assert np.array_equal(getattr(got, name), getattr(ref, name)), name
     placed = got.level >= 0
@@ -167,3 +167,46 @@ def test_repair_round_equals_reference(case):
     if len(lengths):  # a packing again: bins 0..gnb-1, none empty, none over the capacity
         fill = np.bincount(got, weights=lengths)
         assert len(fill) == gnb and (fill > 0).all() and fill.max() <= cap
+
+
+@given(st.integers(0, 10**6), st.integers(1, 9), st.integers(2, 60), st.sampled_from([0.0, 2.0, 30.0]))
+def test_polish_tail_equals_reference_and_never_lengthens_a_lane(seed, lanes, n, beta):
+    from balanced_loader.planning.kernels.polish import polish_tail_kernel, polish_tail_reference
+
+    rng = np.random.default_rng(seed)
+    cap = 100
+    tok = rng.integers(1, cap + 1, n).astype(np.int64)
+    work = tok * rng.uniform(0.5, 2.0, n)
+    lane = rng.integers(0, lanes, n).astype(np.int64)
+    pas = np.arange(n, dtype=np.int64)  # one pass per doc: always within the cap
+    base = rng.uniform(0, 50, lanes)
+    got = polish_tail_kernel(tok, work, lane, pas, base, beta, cap, 64)
+    ref = polish_tail_reference(tok, work, lane, pas, base, beta, cap, 64)
+    assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1])
+
+    def finish(lane_of, pass_of):
+        out = base.copy()
+        for p in np.unique(pass_of):
+            mine = pass_of == p
+            assert len(set(lane_of[mine].tolist())) == 1 and tok[mine].sum() <= cap
+            out[lane_of[mine][0]] += beta + work[mine].sum()
+        return out
+
+    assert finish(*got).max() <= finish(lane, pas).max() + 1e-9
+
+
+@given(st.integers(0, 10**6), st.integers(1, 40), st.integers(1, 4), st.sampled_from([0.0, 3.0]))
+def test_target_groups_equals_reference(seed, n, nlev, beta):
+    from balanced_loader.planning.kernels.place import target_groups_kernel, target_groups_reference
+
+    rng = np.random.default_rng(seed)
+    tokens = np.sort(rng.integers(1, 400, n))[::-1].astype(np.int64)
+    seg = tokens[:, None] / (1 << np.arange(nlev))[None, :] * rng.uniform(0.5, 1.5)
+    fit = np.minimum(-(-tokens // 100) - 1, nlev - 1).clip(0).astype(np.int64)
+    target = float(rng.uniform(1, 600))
+    got = target_groups_kernel(tokens, seg, fit, beta, 100, target)
+    ref = target_groups_reference(tokens, seg, fit, beta, 100, target)
+    for a, b in zip(got, ref):
+        assert np.allclose(a, b)
+    sizes = np.bincount(got[0], weights=tokens)
+    assert (sizes <= 100 << got[1]).all() or n == 1 or fit.max() == nlev - 1  # within each group's lanes

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from balanced_loader.build.writer import write_shards
 from balanced_loader.cost import CostModel
-from balanced_loader.data.shards import write_shards
 from balanced_loader.loader import BalancedLoader, default_max_seq_len
 from balanced_loader.materialize import IGNORE_INDEX
 from balanced_loader.planning.config import PlanConfig
@@ -86,23 +86,20 @@ def test_every_doc_exactly_once_equal_steps(lengths, world, budget, cap, seed, c
     docs = make_docs(lengths, seed)
     # greedy places a group of d lanes on an aligned block, so d must divide the lane count
     max_seq_len = cap * pow2_divisor(world)
+    budget = max(budget, max_seq_len)  # a step holds one sequence at least (smaller is refused)
     loader, delivered = run_epochs(docs, world, budget, cap, epochs=2, seed=seed, max_seq_len=max_seq_len,
                                    check_ranks=[world // 2, world - 1], cp_inner=cp_inner)
-    for epoch in range(2):
-        for doc, n in enumerate(lengths):
-            pieces = sorted(delivered.get((epoch, doc), []))
-            if n == 0:
-                assert not pieces
-                continue
-            pos = 0
-            for start, length in pieces:
-                assert start == pos and length <= max_seq_len
-                pos += length
-            assert pos == n
-        stats = loader.epoch_stats(epoch)
-        assert stats.empty == lengths.count(0)
-        assert stats.split == sum(n > max_seq_len for n in lengths)
-        assert stats.tokens == sum(lengths)
+    for doc, n in enumerate(lengths):  # two epochs: every token exactly twice (a step may span two passes)
+        cover = np.zeros(n, dtype=np.int64)
+        for epoch in range(2):
+            for start, length in delivered.get((epoch, doc), []):
+                assert length <= max_seq_len
+                cover[start:start + length] += 1
+        assert (cover == 2).all()
+    stats = loader.epoch_stats(0) + loader.epoch_stats(1)  # each doc counted where its first sequence is
+    assert stats.empty == 2 * lengths.count(0)
+    assert stats.split == 2 * sum(n > max_seq_len for n in lengths)
+    assert stats.tokens == 2 * sum(lengths)
 
 
 def test_shard_source_end_to_end(tmp_path):
@@ -140,15 +137,15 @@ def test_long_docs_error_names_the_doc():
                        global_batch_tokens=1000, max_seq_len=256, long_docs="error")
 
 
-def test_split_doc_stays_in_one_step():
-    # budget smaller than the doc: its segments still form one step of their own
+def test_the_pieces_of_a_split_doc_fill_steps_like_docs():
+    # sequences are the unit of a step: a long doc's pieces go to whichever steps have room
     lengths = [50, 1000, 60]
     loader = BalancedLoader(DatasetSource(make_docs(lengths)), policy="greedy", cost=small_cost(100),
-                            world_size=4, global_batch_tokens=120, max_seq_len=300, validate=True, shuffle=False)
+                            world_size=4, global_batch_tokens=600, max_seq_len=300, validate=True, shuffle=False)
     steps = [sorted(s for p in b.plan.pools for mb in p.microbatches for g in mb for s in g.segments)
              for b in loader]
     assert [[(d, a, n) for d, a, n in s] for s in steps] == [
-        [(0, 0, 50), ], [(1, 0, 300), (1, 300, 300), (1, 600, 300), (1, 900, 100)], [(2, 0, 60)]]
+        [(0, 0, 50), (1, 0, 300)], [(1, 300, 300), (1, 600, 300)], [(1, 900, 100), (2, 0, 60)]]
 
 
 def test_prefetch_modes_give_identical_batches():
@@ -215,8 +212,10 @@ def test_default_max_seq_len_from_cost():
     assert default_max_seq_len(cost, PlanConfig(policy="greedy", world_size=8)) == 8000
     assert default_max_seq_len(cost, PlanConfig(policy="greedy", world_size=12)) == 8000
     assert default_max_seq_len(cost, PlanConfig(policy="greedy", world_size=8, cp=2)) == 2000
-    ld = BalancedLoader([5], policy="greedy", cost=cost, world_size=4, global_batch_tokens=10)
+    ld = BalancedLoader([5], policy="greedy", cost=cost, world_size=4, global_batch_tokens=100_000)
     assert ld.max_seq_len == 4000
+    ld = BalancedLoader([5], policy="greedy", cost=cost, world_size=4, global_batch_tokens=10)
+    assert ld.max_seq_len == 10  # the default limit fits the budget: a step holds one sequence
 
 
 @pytest.mark.parametrize(("policy", "world", "limit"), [
@@ -224,7 +223,7 @@ def test_default_max_seq_len_from_cost():
     ("static-sp", 6, 2 * 1000),
     ("token-kk", 8, 8 * 1000),
     ("hydra", 12, 8 * 1000),  # aligned power-of-two blocks
-    ("hydraulis", 8, 3000),  # one lane per pool: the largest shape's cap
+    ("hydraulis", 8, 4 * 3000),  # CP over the 4 replicas of tp 2 (one pool per shape)
 ])
 def test_default_max_seq_len_is_what_the_policy_can_plan(policy, world, limit):
     cost = CostModel.from_dict({"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0,

@@ -87,7 +87,7 @@ def test_closed_loop_plans_agree_switch_at_a_known_step_and_spare_the_slow_rank(
         assert b.plan.predicted_ms > 0
         work = simulate_step(b.plan, TRUE).rank_busy_ms  # [4] busy ms at speed 1: the work each rank got
         assert work[2] < min(work[r] for r in (0, 1, 3)), (b.step, work)
-        b.plan.validate(LENGTHS, costs.at(b.step))
+        b.plan.validate(b.sequences, costs.at(b.step))
     for b in record[:4]:  # made ahead with the prior: rank 2 gets its share
         work = simulate_step(b.plan, TRUE).rank_busy_ms
         assert work[2] > 0.6 * np.mean(work)
@@ -130,7 +130,7 @@ def test_resume_at_another_world_size_keeps_the_batches_and_the_fit():
     cal = two[0].costs.calibrator
     assert cal.world_size == 2 and cal.cost.linear_ms == pytest.approx(TRUE.linear_ms, rel=1e-3)
     for b in record:
-        b.plan.validate(LENGTHS, two[0].costs.at(b.step))
+        b.plan.validate(b.sequences, two[0].costs.at(b.step))
         assert two[0].costs.at(b.step).rank_speeds(2).tolist() == [1.0, 1.0]  # rank 2's speed was another world's
 
 
@@ -146,7 +146,7 @@ def test_the_closed_loop_plans_docs_up_to_the_default_max_seq_len():
                   for _, _, length in g.segments)
     assert longest > 128  # a doc only the whole pool holds, planned after the switch
     for b in record:
-        b.plan.validate(LENGTHS, loaders[0].costs.at(b.step))
+        b.plan.validate(b.sequences, loaders[0].costs.at(b.step))
 
 
 def test_each_step_is_planned_exactly_once(monkeypatch):

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import balanced_loader as bl
+from balanced_loader.batches.stream import stream_for
+from balanced_loader.build.writer import write_shards
 from balanced_loader.cost import CostModel
-from balanced_loader.data.mixing import stream_for
 from balanced_loader.data.mixture import ConcatLengths, MixtureSource, mix
-from balanced_loader.data.schedule import parse_text, schedule, weight_schedule
-from balanced_loader.data.shards import write_shards
 from balanced_loader.loader import BalancedLoader
+from balanced_loader.schedule import parse_text, schedule, weight_schedule
 
 COST = CostModel.from_dict({"quadratic_ms": 1e-4, "linear_ms": 0.01, "microbatch_ms": 1.0,
                             "comm_bytes_per_token": 1e4, "bandwidth_gbs": {2: 10.0}, "max_tokens_per_lane": 512})

@@ -23,8 +23,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from balanced_loader.data.locks import OutputLock, lock_path
 from balanced_loader.data.shards import ShardSource
+from balanced_loader.outputs.locks import OutputLock, lock_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from balanced_loader import cli
-from balanced_loader.data.build import build_from_files, file_sizes, ordered_map, part_range, read_docs, sub_ranges
+from balanced_loader.build.builder import build_from_files, file_sizes, ordered_map, part_range, read_docs, sub_ranges
+from balanced_loader.build.writer import write_shards
 from balanced_loader.data.open import open_source
 from balanced_loader.data.parts import PartsSource
-from balanced_loader.data.shards import ShardSource, write_shards
+from balanced_loader.data.shards import ShardSource
 from balanced_loader.data.sources import LengthSource
 from balanced_loader.data.tokenizers import get_tokenizer
 
@@ -417,7 +418,7 @@ def test_part_folders_served_over_http_open_together(tmp_path, capsys):
     folder; both parts here have docs.)"""
     pytest.importorskip("fsspec")
     pytest.importorskip("aiohttp")
-    from balanced_loader.data.httpserve import RangeServer
+    from balanced_loader.diagnostics.range_server import RangeServer
 
     files = _shape(tmp_path, "many-files")
     whole, p0, p1 = (str(tmp_path / x) for x in ("whole", "p0", "p1"))

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from balanced_loader.batches.items import to_items
 from balanced_loader.cost import CostModel
-from balanced_loader.data.batching import to_items
 from balanced_loader.plan import BatchItems
 from balanced_loader.planning import fixed_pools, longest_segment, make_plan, pool_shapes
 from balanced_loader.planning.config import PlanConfig
@@ -196,5 +196,6 @@ def test_registry_tells_the_pools_and_longest_segment_before_planning(config):
 def test_hydraulis_pools_change_per_step():
     config = PlanConfig(policy="hydraulis", world_size=4)
     assert fixed_pools(config) is None
-    assert pool_shapes(COST, config) == {(1, 1): 1, (2, 1): 1, (4, 1): 1, (1, 2): 1, (2, 2): 1}
+    # one-lane pipelines, or one pool per shape with all its replicas as lanes (CP inside)
+    assert pool_shapes(COST, config) == {(1, 1): 4, (2, 1): 2, (4, 1): 1, (1, 2): 2, (2, 2): 1}
     assert longest_segment(COST, config) == 256

@@ -21,9 +21,10 @@ from test_cli_errors import GOOD_COST
 
 import balanced_loader as bl
 from balanced_loader import cli
-from balanced_loader.data.build import build_from_files
-from balanced_loader.data.reindex import reindex_folder
-from balanced_loader.data.shards import ShardSource, write_shards
+from balanced_loader.build.builder import build_from_files
+from balanced_loader.build.reindex import reindex_folder
+from balanced_loader.build.writer import write_shards
+from balanced_loader.data.shards import ShardSource
 from balanced_loader.strict import read_yaml
 
 BYTES = {"name": "bytes", "vocab_size": 256}
@@ -129,7 +130,8 @@ def _cursor_inside_a_step(env, tmp):
     a = _loader(str(env / "good"))
     next(a), next(a)
     state = a.state_dict()
-    _loader(str(env / "good")).load_state_dict({**state, "position": state["position"] + 1})
+    state["position"]["cursor"]["sources"]["data"]["unit"] += 1
+    _loader(str(env / "good")).load_state_dict(state)
 
 
 def _cursor_on_another_step(env, tmp):
@@ -138,7 +140,9 @@ def _cursor_on_another_step(env, tmp):
     state = a.state_dict()
     b = _loader(str(env / "good"))
     next(b)
-    _loader(str(env / "good")).load_state_dict({**state, "position": b.state_dict()["position"]})
+    moved = b.state_dict()["position"]["cursor"]
+    state["position"]["cursor"] = {**moved, "step": 3, "step_in_epoch": 3}
+    _loader(str(env / "good")).load_state_dict(state)
 
 
 def _hf_none_row(env, tmp):
@@ -204,8 +208,8 @@ API_CASES = {
     "a state of the same lengths, other tokens": (_same_lengths_other_tokens,
                                                   r"tokens_fingerprint=.* \(the source changed\)"),
     "a cursor moved inside a step": (_cursor_inside_a_step,
-                                     r"is not on a step boundary: step 2 of epoch 0 begins at position \d+"),
-    "a cursor on another step's start": (_cursor_on_another_step, r"position \d+ is where step 1 begins, not step 3"),
+                                     r"source\(s\) data are not where step 2 begins \(a cursor moved inside a step"),
+    "a cursor on another step's start": (_cursor_on_another_step, r"source\(s\) data are not where step 3 begins"),
     "world_size=10**9": (lambda env, tmp: _loader([100] * 10, world_size=10**9),
                          r"world_size must be in 1..1,048,576, got 1,000,000,000"),
     "planner_workers=10**6": (lambda env, tmp: _loader([100] * 10, planner_workers=10**6),
@@ -466,7 +470,7 @@ def test_remote_index_plans_without_range_retries_and_times_out(env, tmp_path, c
     pytest.importorskip("fsspec")
     pytest.importorskip("aiohttp")
     from balanced_loader.data import remote
-    from balanced_loader.data.httpserve import RangeServer
+    from balanced_loader.diagnostics.range_server import RangeServer
 
     monkeypatch.setattr(remote, "BACKOFF_S", 0.05)  # the same doubling backoff, shorter waits
 

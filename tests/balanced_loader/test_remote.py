@@ -17,10 +17,11 @@ pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
 from balanced_loader import cli
+from balanced_loader.build.writer import write_shards
 from balanced_loader.cost import CostModel
-from balanced_loader.data.httpserve import RangeServer
 from balanced_loader.data.open import open_source
-from balanced_loader.data.shards import ShardSource, write_shards
+from balanced_loader.data.shards import ShardSource
+from balanced_loader.diagnostics.range_server import RangeServer
 from balanced_loader.loader import BalancedLoader
 
 WORLD = 4

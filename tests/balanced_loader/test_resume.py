@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from balanced_loader.build.writer import write_shards
 from balanced_loader.cost import CostModel
-from balanced_loader.data.shards import write_shards
 from balanced_loader.loader import BalancedLoader
 
 WORLD = 4
@@ -103,10 +103,12 @@ def test_refuses_a_changed_policy_or_source(shards, tmp_path):
         make(small, 0).load_state_dict(state)
     with pytest.raises(ValueError, match="not a BalancedLoader state"):
         make(shards, 0).load_state_dict({"epoch": 0})
-    with pytest.raises(ValueError, match="version 3 is not supported"):
-        make(shards, 0).load_state_dict(dict(state, version=3))
-    with pytest.raises(ValueError, match="outside the epoch"):
-        make(shards, 0).load_state_dict(dict(state, step_in_epoch=2, step=2, position=0))
+    with pytest.raises(ValueError, match="version 4 is not supported"):
+        make(shards, 0).load_state_dict(dict(state, version=4))
+    with pytest.raises(ValueError, match="steps were cut between docs"):
+        make(shards, 0).load_state_dict(dict(state, version=2))
+    with pytest.raises(ValueError, match="batch cursor does not match epoch 0, step 2"):
+        make(shards, 0).load_state_dict(dict(state, step_in_epoch=2, step=2))
 
 
 def test_state_from_another_rank_is_accepted(shards):

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from balanced_loader import cli
-from balanced_loader.data.corpus import stdlib_py_files, stdlib_shards
+from balanced_loader.build.corpus import stdlib_py_files, stdlib_shards
+from balanced_loader.build.writer import write_shards
 from balanced_loader.data.index import INDEX_FILE, build_index
 from balanced_loader.data.integrity import CHECK_BLOCK_BYTES
-from balanced_loader.data.shards import ShardSource, write_shards
+from balanced_loader.data.shards import ShardSource
 
 
 def make_docs(n=60, seed=0, hi=2000):
@@ -98,7 +99,7 @@ def test_added_shards_are_refused_not_taken_in(folder, tmp_path_factory):
 
 
 def cli_index(path):
-    from balanced_loader.data.reindex import reindex_folder
+    from balanced_loader.build.reindex import reindex_folder
 
     return reindex_folder(str(path))
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from balanced_loader import cli
 from balanced_loader.cost import CostModel
-from balanced_loader.data.files import write_text
+from balanced_loader.outputs.files import write_text
 from balanced_loader.plan import Group, Plan, Pool, StepPlan, plan_lengths
 from balanced_loader.presets import HARDWARE, MODELS
 from balanced_loader.simulate import (

@@ -62,3 +62,37 @@ def test_enumeration_gives_up_on_large_frontiers():
     g = graph_from_dict(multitask_graph(0))
     big = max(g.frontiers(), key=len)
     assert all_configurations(g.metaops, big, g.gpus) is None
+
+
+def test_wave_boundary_search_starts_a_ready_metaop_before_its_frontier_ends():
+    """a-enc (2 layers) ends early in frontier 0, but b-enc (batch 4: at most 4 devices) runs 32 ms: frontier by
+    frontier, a-bb waits for it (50 ms in all). Cutting the first wave where a-enc ends lets a-bb take the 4 idle
+    devices while b-enc runs: 38 ms, below the frontier-synchronous bound, and a valid plan."""
+    g = graph_from_dict({"gpus": 8, "gpus_per_node": 8, "metaops": [
+        {"name": "a-enc", "task": "a", "layers": 2, "batch": 4, "alpha_ms": 1.0, "beta_ms": 1.0},
+        {"name": "b-enc", "task": "b", "layers": 16, "batch": 4, "alpha_ms": 1.0, "beta_ms": 1.0},
+        {"name": "a-bb", "task": "a", "layers": 8, "batch": 8, "alpha_ms": 1.0, "beta_ms": 1.0, "after": ["a-enc"]},
+        {"name": "b-bb", "task": "b", "layers": 2, "batch": 8, "alpha_ms": 1.0, "beta_ms": 1.0, "after": ["b-enc"]}]})
+    plan = plan_waves(g)
+    plan.validate(g)
+    assert plan.total_ms == pytest.approx(38.0)
+    assert sum(plan.frontier_bounds_ms) > plan.total_ms >= plan.lower_bound_ms  # the bound of every plan then
+    early = [w for w in plan.waves if w.frontier == 0 and any(o.op == "a-bb" for o in w.ops)]
+    assert early and any(o.op == "b-enc" for o in early[0].ops)
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 3))
+def test_wave_boundary_search_never_lengthens_a_plan(seed):
+    from balanced_loader.spindle.overlap import split_waves
+    from balanced_loader.spindle.planner import frontier_candidates
+    from balanced_loader.spindle.waves import waves_ms as total
+
+    g = graph_from_dict(random_graph(seed))
+    ops, chosen = g.metaops, []
+    for f, frontier in enumerate(g.frontiers()):
+        _, cands = frontier_candidates(g, frontier, g.gpus)
+        chosen.extend((f, w) for w in cands["packed"])
+    out = split_waves(ops, chosen, g.gpus)
+    assert total(ops, [w for _, w in out]) <= total(ops, [w for _, w in chosen]) + 1e-9
+    assert sorted((r.op, sum(x.layers for _, w in out for x in w if x.op == r.op)) for _, w in out for r in w) == \
+        sorted((r.op, g.metaops[r.op].layers) for _, w in out for r in w)  # every layer once

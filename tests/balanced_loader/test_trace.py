@@ -13,8 +13,8 @@ from test_simulate import random_plans
 
 from balanced_loader import cli
 from balanced_loader.cost import CostModel
-from balanced_loader.data.files import write_text
 from balanced_loader.diagnostics.trace import TraceRecord, plan_trace, read_trace, trace_events, write_trace
+from balanced_loader.outputs.files import write_text
 from balanced_loader.plan import BatchItems, Group, Plan, Pool, StepPlan
 from balanced_loader.planning import make_plan
 from balanced_loader.planning.config import PlanConfig

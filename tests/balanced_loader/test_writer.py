@@ -14,10 +14,11 @@ import tarfile
 import numpy as np
 import pytest
 
+from balanced_loader.build.reindex import reindex_folder
+from balanced_loader.build.writer import ShardWriter
 from balanced_loader.data.index import INDEX_FILE, IndexWriter
 from balanced_loader.data.members import NpyHeaders, tar_end, tar_member_header, tar_padding
-from balanced_loader.data.reindex import reindex_folder
-from balanced_loader.data.shards import ShardSource, ShardWriter
+from balanced_loader.data.shards import ShardSource
 
 DTYPES = ("uint8", "uint16", "uint32")
 

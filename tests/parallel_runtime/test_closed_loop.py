@@ -26,7 +26,7 @@ TRUE_SCALE = 3.0  # the "true" device is 3x slower than the cost file says
 
 def small_dcp(tmp: Path) -> list[str]:
     """cpu-dcp.yaml on 2 ranks, 300 stdlib files, 1,024-token docs, 4,096-token steps, plain DP (cp=1)."""
-    from balanced_loader.data.corpus import stdlib_shards
+    from balanced_loader.build.corpus import stdlib_shards
 
     shards = tmp / "shards"
     if not shards.exists():

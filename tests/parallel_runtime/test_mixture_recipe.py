@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from balanced_loader.data.shards import write_shards
+from balanced_loader.build.writer import write_shards
 from parallel_runtime.config import apply_overrides, recipe_from_dict
 from parallel_runtime.training.metrics import read_metrics
 

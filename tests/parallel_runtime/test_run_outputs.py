@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from balanced_loader.data.locks import OutputLock
+from balanced_loader.outputs.locks import OutputLock
 from parallel_runtime.__main__ import main
 from parallel_runtime.training.metrics import read_metrics
 
@@ -31,7 +31,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 @pytest.fixture(scope="module")
 def sets(tmp_path_factory) -> list[str]:
     """``--set`` overrides of a small, quick run (60 stdlib files, a checkpoint every 2 steps and at the end)."""
-    from balanced_loader.data.corpus import stdlib_shards
+    from balanced_loader.build.corpus import stdlib_shards
 
     tmp = tmp_path_factory.mktemp("runs")
     stdlib_shards(str(tmp / "shards"), limit=60)

@@ -39,7 +39,7 @@ strategies:
 
 def small_run(tmp: Path) -> list[str]:
     """``--set`` overrides that shrink cpu-hetero.yaml to a test run (corpus and cost file built in ``tmp``)."""
-    from balanced_loader.data.corpus import stdlib_shards
+    from balanced_loader.build.corpus import stdlib_shards
 
     shards = tmp / "shards"
     stdlib_shards(str(shards), limit=300)
@@ -156,7 +156,7 @@ def _check_plans(rank: int, world: int) -> list:
     import numpy as np
     import torch
 
-    from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
+    from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
     from parallel_runtime.config import load_recipe
     from parallel_runtime.groups import GroupCache
     from parallel_runtime.training.plan_check import check_plan_runs_here
@@ -167,7 +167,8 @@ def _check_plans(rank: int, world: int) -> list:
     def check(segments):
         plan = StepPlan(step=0, world_size=2, pools=(Pool(tp=1, pp=1, ranks=single_pool_ranks(2), microbatches=(
             (Group(lanes=(1, 0), segments=segments),),)),))
-        return check_plan_runs_here(plan, recipe=recipe, lengths=np.array([10, 20]), groups=groups,
+        seqs = BatchItems(doc_ids=np.array([0, 1]), starts=np.array([0, 0]), lengths=np.array([10, 20]))
+        return check_plan_runs_here(plan, recipe=recipe, sequences=seqs, groups=groups,
                                     comm_device=torch.device("cpu"))
 
     topo, created = check(((0, 0, 10), (1, 0, 20)))
@@ -184,7 +185,7 @@ def test_the_runtime_checks_a_plan_against_the_contract_and_creates_its_groups()
     got = run_distributed(_check_plans, 2, timeout=60)
     # lane r is rank r; the 2-lane CP group is created once, then only looked up
     assert [g[:3] for g in got] == [[0, 1, 0], [1, 1, 0]]
-    assert all(g[3] == "step 0: doc 1 covers 15 of its 20 tokens" for g in got)
+    assert all(g[3] == "step 0: doc 1's sequence [0, 20) is covered up to token 15, then nothing" for g in got)
 
 
 @pytest.mark.multirank

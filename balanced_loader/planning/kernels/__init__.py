@@ -1,7 +1,8 @@
 """Numba kernels of the planning core: small functions, arrays in and arrays out.
 
-Each kernel has a pure-Python reference in :mod:`balanced_loader.planning.packing` with the same
-tie-breaking; the tests compare them. Callers should use the wrappers in ``packing.py``,
+Each kernel has a pure-Python reference with the same tie-breaking (in :mod:`balanced_loader.planning.packing`;
+the repair, evaluate, polish and target-groups kernels keep theirs beside them); the tests compare them.
+Callers should use the wrappers in ``packing.py`` where there is one,
 which check their input; the kernels trust theirs (int64 / float64, 1-D, C order).
 
 Modules, by family:
@@ -17,10 +18,15 @@ Modules, by family:
 * :mod:`.place`: :func:`cost_pack_kernel`, :func:`block_place_kernel` (lazy versioned heaps),
   :func:`fill_passes_kernel`.
 * :mod:`.karmarkar_karp`: :func:`kk_kernel`, k-way largest differencing.
+* :mod:`.evaluate`: :func:`items_step_kernel`, the contract-2 step time of a per-item plan (hydra's portfolio
+  compares candidates with it before building any contract-1 object).
+* :mod:`.polish`: ``polish_tail_kernel``, a local search over the one-lane passes that end each lane; in
+  :mod:`.place` also ``target_groups_kernel`` (groups of their own degree filled to a time target).
 """
 
 from __future__ import annotations
 
+from balanced_loader.planning.kernels.evaluate import items_step_kernel
 from balanced_loader.planning.kernels.fit import bfd_kernel, ffd_kernel
 from balanced_loader.planning.kernels.karmarkar_karp import kk_kernel
 from balanced_loader.planning.kernels.order import argsort_stable, order_by_pair, order_desc
@@ -28,4 +34,4 @@ from balanced_loader.planning.kernels.place import block_place_kernel, cost_pack
 from balanced_loader.planning.kernels.repair import repair_kernel, repair_round
 
 __all__ = ["argsort_stable", "bfd_kernel", "block_place_kernel", "cost_pack_kernel", "ffd_kernel", "fill_passes_kernel",
-           "kk_kernel", "order_by_pair", "order_desc", "repair_kernel", "repair_round"]
+           "items_step_kernel", "kk_kernel", "order_by_pair", "order_desc", "repair_kernel", "repair_round"]

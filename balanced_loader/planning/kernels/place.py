@@ -174,14 +174,15 @@ def _heap_pop(keys, blks, vers, base, sizes, lv):
 
 
 @njit(cache=True)
-def block_place_kernel(times, pref, load0, next_k0, target):
+def block_place_kernel(times, pref, load0, next_k0, target, smallest=False):
     """Place items on aligned lane blocks, in the given order.
 
     ``times[i, v]`` is item i's time on a block of ``2**v`` lanes (``inf``: not allowed);
     ``pref[i]`` its preferred level. An item goes to the block of its preferred size with
     the smallest start (the largest lane load in the block; ties: the lower block), unless
     start + time exceeds ``target``: then every allowed level from ``pref`` up is tried and
-    the one finishing first wins (ties: the smaller level). All lanes of the block then
+    the one finishing first wins (ties: the smaller level); with ``smallest``, the smallest level
+    that finishes by ``target`` wins instead (the one finishing first when none does). All lanes of the block then
     finish at start + time, and the item's microbatch is one past the latest microbatch
     of any of its lanes. Returns (level ``[n]``, first lane ``[n]``, start ``[n]``,
     microbatch ``[n]``, lane loads ``[num_lanes]``, next microbatch per lane); level -1
@@ -250,7 +251,7 @@ def block_place_kernel(times, pref, load0, next_k0, target):
             if sizes[lv] == 0 or not keys[off] < np.inf:
                 continue
             fin = keys[off] + times[i, lv]
-            if lv == p and fin <= target:
+            if (lv == p or smallest) and fin <= target:
                 best_lv = lv
                 break
             if fin < best_fin:
@@ -451,3 +452,75 @@ def fill_passes_kernel(tokens, work, load0, cap, beta):
             rver[best] += 1
         min8_set(tree, inner, best, load[best])
     return out_lane, out_pass, npass, load
+
+
+# ------------------------------------------------------------------------------------------
+# groups filled to a time target
+# ------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def target_groups_kernel(tokens, seg, fit, beta, cap, target):
+    """Items (longest first) into groups of their own level, each filled to ``target`` ms.
+
+    ``seg[i, v]`` is the time item i adds to a group of ``2**v`` lanes, ``fit[i]`` its memory-fit level. The
+    first item left opens a group at the smallest level from its fit whose time ``beta + seg`` is at most
+    ``target`` (else its fastest level); every later item left joins while the group's tokens stay within
+    ``cap * 2**v`` and its time within ``target``. Returns (group of each item ``[n]``, level ``[groups]``,
+    time ``[groups]``)."""
+    n, nlev = seg.shape
+    group = np.full(n, -1, np.int64)
+    levels = np.empty(n, np.int64)
+    times = np.empty(n, np.float64)
+    ng = 0
+    for a in range(n):
+        if group[a] >= 0:
+            continue
+        v = -1
+        best = np.inf
+        bv = fit[a]
+        for lv in range(fit[a], nlev):
+            t = beta + seg[a, lv]
+            if t <= target:
+                v = lv
+                break
+            if t < best:
+                best = t
+                bv = lv
+        if v < 0:
+            v = bv
+        group[a] = ng
+        t = beta + seg[a, v]
+        tok = tokens[a]
+        room = cap << v
+        for b in range(a + 1, n):
+            if group[b] < 0 and tok + tokens[b] <= room and t + seg[b, v] <= target:
+                group[b] = ng
+                t += seg[b, v]
+                tok += tokens[b]
+        levels[ng] = v
+        times[ng] = t
+        ng += 1
+    return group, levels[:ng].copy(), times[:ng].copy()
+
+
+def target_groups_reference(tokens, seg, fit, beta: float, cap: int, target: float):
+    """Pure-Python twin of :func:`target_groups_kernel`."""
+    n, nlev = seg.shape
+    group = [-1] * n
+    levels, times = [], []
+    for a in range(n):
+        if group[a] >= 0:
+            continue
+        fits = [lv for lv in range(int(fit[a]), nlev) if beta + seg[a, lv] <= target]
+        v = fits[0] if fits else min(range(int(fit[a]), nlev), key=lambda lv: (beta + seg[a, lv], lv))
+        group[a] = len(levels)
+        t, tok = beta + float(seg[a, v]), int(tokens[a])
+        for b in range(a + 1, n):
+            if group[b] < 0 and tok + int(tokens[b]) <= cap << v and t + seg[b, v] <= target:
+                group[b] = len(levels)
+                t += float(seg[b, v])
+                tok += int(tokens[b])
+        levels.append(v)
+        times.append(t)
+    return np.asarray(group, dtype=np.int64), np.asarray(levels, dtype=np.int64), np.asarray(times)

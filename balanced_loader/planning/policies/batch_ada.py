@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from balanced_loader.cost import CostModel
+from balanced_loader.cost import CostModel, ShapeCost
 from balanced_loader.plan import BatchItems, Group, StepPlan
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.packing import pack
+from balanced_loader.planning.packing import BFD_MAX_CAPACITY, pack
 from balanced_loader.planning.policies.common import check_fits, one_pool_plan, pool_setup, sp_degrees
 from balanced_loader.planning.solvers.bins import lpt_blocks
 from balanced_loader.simulate import makespan_ms
@@ -37,23 +37,17 @@ def _options(config: PlanConfig) -> tuple[float, int]:
     return float(fill), int(mind)
 
 
-def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
-    fill, min_degree = _options(config)
-    setup = pool_setup(items, cost, config, "batch-ada")
-    tp, pp, sc, num_lanes = setup.tp, setup.pp, setup.shape, setup.lanes
-    degrees = sp_degrees(config, num_lanes, min_degree, "batch-ada")
+def best_degree(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, degrees: list[int], fill: float, pp: int
+                ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """The fastest single degree (module docstring): ``(d, bin per doc [n], block per bin, position per bin)``."""
     cap = sc.max_tokens_per_lane
-    lengths = np.asarray(items.lengths, dtype=np.int64)
-    check_fits(items, cap, degrees[-1], "batch-ada")
-    if len(items) == 0:
-        return one_pool_plan(step, config.world_size, tp, pp, ())
     longest = int(lengths.max())
     best: tuple[float, int, np.ndarray, np.ndarray, np.ndarray] | None = None
     for d in degrees:
         if longest > cap * d:
             continue
         capacity = min(cap * d, max(int(fill * cap * d), longest))
-        bins = pack(lengths, capacity, "bfd")  # [n]
+        bins = pack(lengths, capacity, "bfd" if capacity <= BFD_MAX_CAPACITY else "ffd")  # [n] (bfd: a leaf per token)
         nb = int(bins.max()) + 1
         seg = np.asarray(sc.segment_ms(lengths.astype(np.float64), d))  # [n]
         times = sc.microbatch_ms + np.bincount(bins, weights=seg, minlength=nb)  # [num_bins]
@@ -64,7 +58,28 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         if best is None or span < best[0] - 1e-9:
             best = (span, d, bins, block, pos)
     assert best is not None
-    _, d, bins, block, pos = best
+    return best[1:]
+
+
+def batch_ada_arrays(lengths: np.ndarray, sc: ShapeCost, num_lanes: int, degrees: list[int], pp: int,
+                     fill: float = _DEFAULTS["fill"]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """BatchAda's plan as per-item ``(microbatch, first lane, degree)`` ``[n]`` each (bin ``b`` of a block
+    runs in microbatch ``position[b]``, as :func:`plan_step` lays it out)."""
+    d, bins, block, pos = best_degree(np.asarray(lengths, dtype=np.int64), sc, num_lanes, degrees, fill, pp)
+    return pos[bins], block[bins] * d, np.full(len(bins), d, dtype=np.int64)
+
+
+def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
+    fill, min_degree = _options(config)
+    setup = pool_setup(items, cost, config, "batch-ada")
+    tp, pp, sc, num_lanes = setup.tp, setup.pp, setup.shape, setup.lanes
+    degrees = sp_degrees(config, num_lanes, min_degree, "batch-ada")
+    cap = sc.max_tokens_per_lane
+    lengths = np.asarray(items.lengths, dtype=np.int64)
+    check_fits(items, cap, degrees[-1], "batch-ada")
+    if len(items) == 0:
+        return one_pool_plan(step, config.world_size, tp, pp, ())
+    d, bins, block, pos = best_degree(lengths, sc, num_lanes, degrees, fill, pp)
     microbatches: list[list[Group]] = [[] for _ in range(int(pos.max()) + 1)]
     for b in range(len(block)):
         docs = np.flatnonzero(bins == b)

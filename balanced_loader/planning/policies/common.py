@@ -201,8 +201,6 @@ def static_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: in
                 algorithm: str) -> StepPlan:
     """A static trainer: one fixed CP/SP degree for every doc, docs packed into bins of
     ``degree * max_tokens_per_lane`` tokens, bins dealt to the CP/SP groups in order."""
-    from balanced_loader.planning.packing import pack
-
     setup = pool_setup(items, cost, config, policy)
     lanes, cap = setup.lanes, setup.cap
     if config.cp is not None:
@@ -215,11 +213,19 @@ def static_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: in
     check_fits(items, cap, cp, policy, what="cp", fix="raise --cp")
     if not len(items):
         return empty_plan(step, config, setup)
-    groups = lanes // cp
-    bins = pack(items.lengths, cap * cp, algorithm)
-    mb, grp = deal_bins(bins, int(bins.max()) + 1, groups)
-    micro = assemble(items, mb, grp * cp, np.full(len(items), cp, dtype=np.int64))
+    micro = assemble(items, *static_arrays(items.lengths, lanes, cap, cp, algorithm))
     return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+
+
+def static_arrays(lengths: np.ndarray, lanes: int, cap: int, cp: int, algorithm: str
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A static trainer's plan (:func:`static_plan`) as per-item ``(microbatch, first lane, degree)`` ``[n]``
+    each: docs packed into bins of ``cp * cap`` tokens, bins dealt to the ``lanes // cp`` groups in order."""
+    from balanced_loader.planning.packing import pack
+
+    bins = pack(lengths, cap * cp, algorithm)
+    mb, grp = deal_bins(bins, int(bins.max()) + 1, lanes // cp)
+    return mb, grp * cp, np.full(len(lengths), cp, dtype=np.int64)
 
 
 # ---- what a policy tells the loader and the runtime before it plans ----------------------------

@@ -12,11 +12,11 @@ import heapq
 
 import numpy as np
 
-from balanced_loader.cost import CostModel, allowed_degrees
+from balanced_loader.cost import CostModel, ShapeCost, allowed_degrees
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies.common import (
-    MicrobatchBuilder,
+    assemble,
     check_fits,
     max_cp_degree,
     one_pool_plan,
@@ -26,26 +26,39 @@ from balanced_loader.planning.policies.common import (
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     setup = pool_setup(items, cost, config, "greedy")
-    sc, lanes = setup.shape, setup.lanes
-    top = max_cp_degree(config, lanes, "greedy")  # cp caps the degree; cp=1: plain DP
-    degrees = [d for d in allowed_degrees(lanes) if d <= top]
+    top = max_cp_degree(config, setup.lanes, "greedy")  # cp caps the degree; cp=1: plain DP
+    degrees = [d for d in allowed_degrees(setup.lanes) if d <= top]
+    check_fits(items, setup.cap, degrees[-1], "greedy")
+    if not len(items):
+        return one_pool_plan(step, config.world_size, setup.tp, setup.pp, ())
+    micro = assemble(items, *greedy_arrays(items.lengths, setup.shape, setup.lanes, degrees))
+    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+
+
+def greedy_arrays(lengths: np.ndarray, sc: ShapeCost, lanes: int, degrees: list[int]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The greedy plan (module docstring) as per-item ``(microbatch, first lane, degree)`` ``[n]`` each."""
+    ln = np.asarray(lengths, dtype=np.int64)
+    n = len(ln)
     cap = sc.max_tokens_per_lane
-    mbs = MicrobatchBuilder(lanes)
+    mb = np.empty(n, dtype=np.int64)
+    lane0 = np.empty(n, dtype=np.int64)
+    deg = np.ones(n, dtype=np.int64)
+    next_k = np.zeros(lanes, dtype=np.int64)  # [lanes] a group goes one past its lanes' latest microbatch
     load = np.zeros(lanes, dtype=np.float64)  # [lanes] ms
-    order = np.argsort(-items.lengths, kind="stable")
+    order = np.argsort(-ln, kind="stable")
     short: list[int] = []
-    check_fits(items, cap, degrees[-1], "greedy")
-    for i in order:
-        s = int(items.lengths[i])
+    for i in order.tolist():
+        s = int(ln[i])
         d = next(x for x in degrees if s <= cap * x)
         if d == 1:
-            short.append(int(i))
+            short.append(i)
             continue
         blocks = load[: lanes // d * d].reshape(-1, d).max(axis=1)  # [lanes // d] aligned blocks
         b = int(np.argmin(blocks))
-        block = list(range(b * d, (b + 1) * d))
-        mbs.add(block, [items.segment(i)])
-        load[block] = blocks[b] + float(sc.segment_ms(s, d)) + sc.microbatch_ms
+        mb[i], lane0[i], deg[i] = int(next_k[b * d:(b + 1) * d].max()), b * d, d
+        next_k[b * d:(b + 1) * d] = mb[i] + 1
+        load[b * d:(b + 1) * d] = blocks[b] + float(sc.segment_ms(s, d)) + sc.microbatch_ms
     # LPT of short sequences onto lanes, then first-fit packing per lane under the cap.
     heap = [(float(load[lane]), lane) for lane in range(lanes)]
     heapq.heapify(heap)
@@ -53,20 +66,17 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     for i in short:
         t, lane = heapq.heappop(heap)
         per_lane[lane].append(i)
-        heapq.heappush(heap, (t + float(sc.compute_ms(int(items.lengths[i]))), lane))
+        heapq.heappush(heap, (t + float(sc.compute_ms(int(ln[i]))), lane))
     for lane, idx in enumerate(per_lane):
-        bins: list[list[int]] = []
         room: list[int] = []
         for i in idx:  # already longest first
-            s = int(items.lengths[i])
+            s = int(ln[i])
             for b, r in enumerate(room):
                 if s <= r:
-                    bins[b].append(i)
                     room[b] -= s
                     break
             else:
-                bins.append([i])
+                b = len(room)
                 room.append(cap - s)
-        for b in bins:
-            mbs.add([lane], [items.segment(i) for i in b])
-    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, mbs.build())
+            mb[i], lane0[i] = next_k[lane] + b, lane
+    return mb, lane0, deg

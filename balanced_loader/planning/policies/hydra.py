@@ -44,6 +44,14 @@ The degree-1 docs, longest first, then fill the deficits: each goes to the lane 
 least loaded counting ``beta`` when it must open a new pass, best fit among that lane's
 passes (:func:`balanced_loader.planning.packing.fill_passes`), so lanes run few passes.
 
+**Portfolio.** Where this placement is out of its regime (docs few per lane, a fixed cost per pass worth
+thousands of tokens of work, the placement far above ``T*``), the plans of
+:mod:`balanced_loader.planning.policies.portfolio` compete with it (co-packed wide groups, wide docs packed
+together, single-degree plans, placements without escalation, the simpler policies' plans, FlexSP's blaster):
+each is timed by the contract-2 model before any contract-1 object is built, the fastest is kept and the
+plan's ``notes`` record the choice. The gates are properties of the batch and the cost file, never the clock.
+``PlanConfig.extra["portfolio"] = False`` keeps the load-target placement alone.
+
 **Bound.** ``T*`` is hydra's own target, not a lower bound on other plans (it fixes aligned
 power-of-two degrees and charges ``beta`` per ``cap`` tokens rounded up). Plans are measured
 against :func:`balanced_loader.planning.solvers.bound.step_lower_bound`, the one home of step
@@ -61,6 +69,7 @@ from balanced_loader.cost import CostModel, ShapeCost, floor_level
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import block_place, fill_passes
+from balanced_loader.planning.policies import portfolio
 from balanced_loader.planning.policies.common import (
     assemble,
     empty_plan,
@@ -264,6 +273,41 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
             best = placed
         if best[3] <= tgt.target_ms * (1 + RETARGET_SLACK):
             break
-    mb, lane0, deg, _ = best
+    mb, lane0, deg, own_ms = best
+    notes: tuple[str, ...] = ()
+    use = config.extra.get("portfolio", True)
+    if not isinstance(use, bool):
+        raise ValueError(f"policy 'hydra': option 'portfolio' must be true or false, got {use!r}")
+    if use and portfolio.wanted(len(items), setup.shape, setup.lanes, top, tgt.levels, tgt.target_ms, own_ms):
+        (mb, lane0, deg), notes = _portfolio(items, setup, tgt, desc, top, (mb, lane0, deg), own_ms)
     micro = assemble(items, mb, lane0, deg)
-    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+    plan = one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+    return plan.with_timing(notes=notes) if notes else plan
+
+
+def _portfolio(items: BatchItems, setup, tgt: LoadTarget, desc: np.ndarray, top: int, own: portfolio.Arrays,
+               own_ms: float) -> tuple[portfolio.Arrays, tuple[str, ...]]:
+    """The fastest of hydra's own placement and the portfolio's candidates, by contract 2 (ties: the earlier),
+    and the note that records the choice."""
+    ev = portfolio.Evaluator(items.lengths, setup.shape, setup.lanes, setup.pp)
+    best, win, win_ms, tried = own, "load-target", ev.ms(own), 0
+    enough = ev.floor_ms(top) * (1 + portfolio.STOP) if setup.pp == 1 else 0.0  # no candidate can do much better
+    for name, build in portfolio.candidates(ev, tgt.levels, desc, top, int(tgt.memory_levels.max()), tgt.target_ms,
+                                            own_ms):
+        if win_ms <= enough:
+            break
+        cand = build()
+        if cand is None:
+            continue
+        tried += 1
+        t = ev.ms(cand)
+        if t < win_ms * (1 - 1e-9):
+            best, win, win_ms = cand, name, t
+    if not tried:
+        return own, ()
+    polished = portfolio.polish(ev, best)
+    t = ev.ms(polished)
+    if t < win_ms * (1 - 1e-9):
+        best, win, win_ms = polished, f"{win}, tail polished", t
+    return best, (f"hydra: portfolio of {tried + 1} plans chose {win} ({win_ms:.1f} ms; load-target placement "
+                  f"{own_ms:.1f} ms)",)

@@ -1,8 +1,8 @@
-"""``hydraulis``: heterogeneous pipelines per step (papers/hydraulis.md).
+"""``hydraulis``: heterogeneous pipelines per step (papers/hydraulis.md), with CP inside pools of one shape.
 
-Every pipeline is its own pool of shape ``(tp, pp)`` (from the cost file's ``strategies``)
-with exactly one lane; pools take consecutive rank ranges, largest first (TP inside a node).
-Each microbatch is one group ``lanes=[0]`` of packed docs, so a pool's contract-2 time is
+**As published** (:func:`_classic`): every pipeline is its own pool of shape ``(tp, pp)`` (from the cost
+file's ``strategies``) with exactly one lane; pools take consecutive rank ranges, largest first (TP inside a
+node). Each microbatch is one group ``lanes=[0]`` of packed docs, so a pool's contract-2 time is
 ``sum_j t_j / pp + (pp - 1) max_j t_j / pp``: the paper's 1F1B ``(m + pp - 1) t_max`` when the
 microbatches are equal (the preset's whole-model coefficients are the paper's per-stage
 ones times pp). Replicas of a shape are separate pools.
@@ -14,6 +14,14 @@ docs to pipelines, stage 2 packs each pipeline's docs into microbatches
 ``extra["length_histogram"]`` (lengths, or a mapping length -> count), else from the current
 batch's own lengths (:mod:`balanced_loader.planning.solvers.candidates`). If no candidate holds the
 longest doc, the homogeneous plan of the fastest shape that holds it is added (noted).
+
+**With CP inside pools** (:func:`pooled_candidates`): a one-lane pipeline holds no doc longer than its
+shape's ``max_tokens_per_lane``. The same strategies are also planned as one pool per shape whose lanes
+are all its replicas, docs balanced across the pools and hydra inside each (policy ``pools``), so a doc
+may run as a CP group over several replicas of one shape: every homogeneous shape (the best homogeneous
+shape is always a candidate) and the classic plan's own strategy. The fastest plan by contract 2 wins
+(a note names it when it is not the one-lane pipelines); docs longer than every pipeline are planned by
+the pooled candidates alone. ``cp`` caps the CP degree inside the pools (``cp=1``: no CP).
 
 Cost-aware pruning keeps the ILPs few: every candidate is first planned with greedy stage 2;
 candidates are then refined in order of that time, and only while their lower bound can still
@@ -37,10 +45,11 @@ import numpy as np
 from balanced_loader.cost import CostModel, ShapeCost
 from balanced_loader.plan import BatchItems, Group, Pool, StepPlan, single_pool_ranks
 from balanced_loader.planning.config import PlanConfig
-from balanced_loader.planning.policies.common import refuse_flags
+from balanced_loader.planning.policies import pools
+from balanced_loader.planning.policies.common import longest_on, refuse_flags
 from balanced_loader.planning.solvers import candidates as cands
 from balanced_loader.planning.solvers.assign import Packing, dispatch, pack_pipeline
-from balanced_loader.simulate import serial_pool_ms
+from balanced_loader.simulate import serial_pool_ms, step_ms
 from balanced_loader.strict import check_keys, number
 
 _DEFAULTS: dict[str, object] = {"restarts": 50, "node_limit": 100, "stage2_time_limit_s": 0.5, "max_v": 16,
@@ -125,17 +134,60 @@ def _pipeline_lower(work: np.ndarray, lengths: np.ndarray, cap: int, c: float, p
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     opts = HydraulisOptions.from_config(config)
-    # every pipeline is a one-lane pool, so cp=1 holds by construction
-    refuse_flags(config, "hydraulis", ("tp", "pp", "cp"), "it picks the pipelines' tp and pp per step and runs "
-                 "one lane per pipeline (no CP); use policy 'pools' for a fixed layout, or drop the flag", cp1_ok=True)
+    refuse_flags(config, "hydraulis", ("tp", "pp"), "it picks the pipelines' tp and pp per step; use policy "
+                 "'pools' for a fixed layout, or drop the flag")
+    if config.cp is not None and config.cp & (config.cp - 1):
+        raise ValueError(f"policy 'hydraulis' cannot honour --cp {config.cp}: it must be a power of two (it caps "
+                         f"the CP degree inside every pool of one shape)")
     shapes = cands.usable_shapes(cost, config.world_size)
     lengths = np.asarray(items.lengths, dtype=np.int64)
-    biggest = max(shapes, key=lambda s: s.max_tokens_per_lane)
-    if len(lengths) and int(lengths.max()) > biggest.max_tokens_per_lane:
+    longest = int(lengths.max()) if len(lengths) else 0
+    holds = longest_segment(cost, config)
+    if longest > holds:
         i = int(np.argmax(lengths))
-        raise ValueError(f"policy 'hydraulis': doc {int(items.doc_ids[i])} ({int(lengths[i])} tokens) fits no "
-                         f"shape: the largest max_tokens_per_lane is {biggest.max_tokens_per_lane} "
-                         f"(tp={biggest.tp}, pp={biggest.pp}); split long docs (long_docs: split) or add a shape")
+        raise ValueError(f"policy 'hydraulis': doc {int(items.doc_ids[i])} ({longest} tokens) fits no shape: the "
+                         f"most any shape holds is {holds} tokens (max_tokens_per_lane x its replicas' largest "
+                         f"CP block); split long docs (long_docs: split) or add a shape")
+    classic: StepPlan | None = None
+    if longest <= max(sc.max_tokens_per_lane for sc in shapes):
+        classic = _classic(items, cost, config, opts, step)
+        if len(lengths) == 0:
+            return classic
+    best, best_ms, name = classic, step_ms(classic, cost) if classic is not None else np.inf, "pipelines"
+    for cand in pooled_candidates(cost, config.world_size, classic):
+        layout = [{"tp": tp, "pp": pp, "lanes": n} for tp, pp, n in cand.pipelines]
+        try:
+            plan = pools.plan_step(items, cost, PlanConfig(policy="pools", world_size=config.world_size, cp=config.cp,
+                                                           seed=config.seed, extra={"pools": layout}), step)
+        except ValueError:  # some doc fits none of this candidate's pools
+            continue
+        t = step_ms(plan, cost)
+        if t < best_ms * (1 - 1e-9):
+            best, best_ms, name = plan, t, f"pools {cand.label()} with CP inside"
+    assert best is not None  # the shape that holds the longest doc gives a pooled candidate
+    notes = [] if classic is None or best is classic else list(classic.notes)
+    if name != "pipelines":
+        notes.append(f"hydraulis: {name} kept ({best_ms:.1f} ms"
+                     + (f"; one-lane pipelines {step_ms(classic, cost):.1f} ms)" if classic is not None else ")"))
+    return best.with_timing(notes=tuple(notes))
+
+
+def pooled_candidates(cost: CostModel, world: int, classic: StepPlan | None) -> list[cands.Candidate]:
+    """Strategies planned as one pool per shape (its replicas the pool's lanes, hydra inside, so CP groups span
+    replicas): every homogeneous shape that divides the world, then the classic plan's own strategy."""
+    out = [cands.normalize({(sc.tp, sc.pp): world // sc.gpus}) for sc in cands.usable_shapes(cost, world)
+           if world % sc.gpus == 0]
+    if classic is not None:
+        mine = cands.normalize([(p.tp, p.pp) for p in classic.pools])
+        if mine not in out:
+            out.append(mine)
+    return out
+
+
+def _classic(items: BatchItems, cost: CostModel, config: PlanConfig, opts: HydraulisOptions, step: int
+             ) -> StepPlan:
+    """Hydraulis as published: one-lane pipelines, docs dispatched to them and packed (module docstring)."""
+    lengths = np.asarray(items.lengths, dtype=np.int64)
     notes: list[str] = []
     if len(lengths) == 0 and not config.candidates and "length_histogram" not in config.extra:
         empty = _homogeneous_for(0, cost, config.world_size, lengths)
@@ -259,13 +311,15 @@ def _plan(step: int, world: int, pipes: list[tuple[int, int]], bins: list[list[l
 
 
 def longest_segment(cost: CostModel, config: PlanConfig) -> int:
-    """One lane per pipeline, on any usable shape: the largest lane cap."""
-    return max(sc.max_tokens_per_lane for sc in cands.usable_shapes(cost, config.world_size))
+    """The largest lane cap times the largest aligned CP block of a shape's replicas (``cp`` when set)."""
+    shapes = cands.usable_shapes(cost, config.world_size)
+    return longest_on([(sc, config.world_size // sc.gpus) for sc in shapes], config.cp)
 
 
 def pool_shapes(cost: CostModel, config: PlanConfig) -> dict[tuple[int, int], int]:
-    """Every usable shape dividing the world, one lane per pipeline."""
-    return {(s.tp, s.pp): 1 for s in cost.shapes() if config.world_size % s.gpus == 0}
+    """Every usable shape dividing the world, with all the world's replicas of it as lanes (one pool per shape
+    with CP inside, or one-lane pipelines)."""
+    return {(s.tp, s.pp): config.world_size // s.gpus for s in cost.shapes() if config.world_size % s.gpus == 0}
 
 
 def fixed_pools(config: PlanConfig) -> None:

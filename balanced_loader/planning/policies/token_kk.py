@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from balanced_loader.cost import CostModel
+from balanced_loader.cost import CostModel, ShapeCost
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.packing import karmarkar_karp
@@ -41,13 +41,21 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     if d > lanes or lanes % d:
         raise ValueError(f"policy 'token-kk': SP degree {d} must divide the {lanes} lanes per stage; "
                          f"choose --cp among the divisors of {lanes}")
-    cap_tok = cap * d
     check_fits(items, cap, d, "token-kk", what="SP degree", fix="raise --cp")
     if not len(items):
         return empty_plan(step, config, setup)
+    mb, lane0, deg = kk_arrays(items.lengths, setup.shape, lanes, d)
+    micro = assemble(items, mb, lane0, deg)
+    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+
+
+def kk_arrays(lengths: np.ndarray, sc: ShapeCost, lanes: int, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """verl's plan at SP degree ``d`` (module docstring) as per-item ``(microbatch, first lane, degree)``
+    ``[n]`` each; the docs must fit ``d * max_tokens_per_lane`` and ``d`` must divide ``lanes``."""
+    cap_tok = sc.max_tokens_per_lane * d
     groups = lanes // d
-    ln = items.lengths
-    work = np.asarray(setup.shape.compute_ms(ln.astype(np.float64)))  # [n]
+    ln = np.asarray(lengths, dtype=np.int64)
+    work = np.asarray(sc.compute_ms(ln.astype(np.float64)))  # [n]
     part = karmarkar_karp(work, groups)  # [n] SP group of each doc
     members = [np.flatnonzero(part == g) for g in range(groups)]
     m = max(-(-int(ln[idx].sum()) // cap_tok) for idx in members)
@@ -57,7 +65,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
                for s, idx in zip(sub, members) if len(idx)):
             break
         m += 1
-    mb = np.empty(len(items), dtype=np.int64)
+    mb = np.empty(len(ln), dtype=np.int64)
     for idx, s in zip(members, sub):
         if not len(idx):
             continue
@@ -65,8 +73,7 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
         rank = np.empty(m, dtype=np.int64)
         rank[heavy] = np.arange(m)
         mb[idx] = rank[s]
-    micro = assemble(items, mb, part * d, np.full(len(items), d, dtype=np.int64))
-    return one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
+    return mb, part * d, np.full(len(ln), d, dtype=np.int64)
 
 
 def longest_segment(cost: CostModel, config: PlanConfig) -> int:

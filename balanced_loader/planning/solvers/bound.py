@@ -18,6 +18,15 @@ All terms hold for any plan that keeps each item one segment (every policy does)
   second pass to the lanes that need one. Docs are merged into at most ``BUCKETS`` density
   buckets, each at its lowest work per token, and the lanes with ``g >= CLASSES`` groups into one
   class without a token limit (further relaxations, so still a bound).
+* **widths** (dual feasible functions, :func:`widths_bound`): groups that are wide leave lanes no
+  other group can use (two docs that each need 6 of 8 lanes never run side by side), which the area
+  term does not see. A function ``u`` on ``[0, 1]`` with ``sum u(x_i) <= 1`` whenever ``sum x_i <= 1``
+  (a *dual feasible function*, Fekete and Schepers) turns the widths ``x = ranks / W`` of the groups
+  running at any instant into weights summing to at most 1, so ``sum_g u(x_g) t(g) / pp`` is at most
+  the last lane's finish. Each doc adds at least ``min_d u(x_d) (seg(s, d) + beta s / (d cap)) / pp``
+  over the shapes and degrees that hold it (any number of lanes: contract 1 allows any group). With
+  ``u = (1 - lam) x + lam u_k(x)``, ``u_k(x) = floor((k + 1) x) / k`` (``x`` where ``(k + 1) x`` is an
+  integer), the largest over ``k`` and ``lam`` is a bound; ``u(x) = x`` is the area term again.
 """
 
 from __future__ import annotations
@@ -39,14 +48,15 @@ class StepBound:
     area_ms: float
     longest_ms: float
     passes_ms: float = 0.0  # 0 when not computed (several shapes, or no fixed cost)
+    widths_ms: float = 0.0  # the dual-feasible-function term (0 when no doc needs several lanes)
 
     @property
     def bound_ms(self) -> float:
-        return max(self.area_ms, self.longest_ms, self.passes_ms)
+        return max(self.area_ms, self.longest_ms, self.passes_ms, self.widths_ms)
 
     def to_json(self) -> dict[str, float]:
         return {"bound_ms": self.bound_ms, "area_ms": self.area_ms, "longest_ms": self.longest_ms,
-                "passes_ms": self.passes_ms}
+                "passes_ms": self.passes_ms, "widths_ms": self.widths_ms}
 
 
 def cheapest(sc: ShapeCost, s: np.ndarray, lanes: int, degrees: Sequence[int] | None = None
@@ -136,6 +146,76 @@ def passes_bound(lane_ms: np.ndarray, s: np.ndarray, sc: ShapeCost, lanes: int, 
     return lo
 
 
+KMAX = 64  # the largest k of u_k tried
+LAMBDAS = np.linspace(0.0, 1.0, 11)  # [m] mixtures of u_k with the identity
+
+
+def dff(k: int, d: np.ndarray, lanes: int) -> np.ndarray:
+    """Fekete-Schepers ``u_k(d / lanes)`` (``[...]`` float64): ``floor((k + 1) x) / k``, or ``x`` itself where
+    ``(k + 1) x`` is an integer; exact integer arithmetic on the degrees ``d`` (any int array)."""
+    num = (k + 1) * np.asarray(d, dtype=np.int64)
+    return np.where(num % lanes == 0, d / lanes, (num // lanes) / k)
+
+
+def _width_degrees(c: np.ndarray, lanes: int, ks: Sequence[int], keys: Sequence[int],
+                   degrees: Sequence[int] | None) -> np.ndarray:
+    """``[n, m]`` the degrees where ``u(d / lanes) * seg`` can be least for each doc (memory-fit degree ``c``
+    ``[n]``; entries above ``lanes`` mean none). Between two steps of every ``u_k`` and two bandwidth keys,
+    ``u(x) / x`` falls and ``d * seg`` is constant, so the product is least at such a run's last degree: the
+    step points and one below, the keys minus one, 1 and ``lanes``, each raised to ``c``. A given degree set is
+    taken as is."""
+    if degrees is not None:
+        cand = np.asarray(sorted({int(d) for d in degrees if 1 <= d <= lanes}), dtype=np.int64)
+        return np.where(cand[None, :] >= c[:, None], cand[None, :], lanes + 1)
+    pts = {1, lanes, *(k - 1 for k in keys), *keys}
+    for k in ks:
+        for j in range(1, k + 2):
+            q = -(-j * lanes // (k + 1))  # the first degree at or above the j-th step
+            pts.update((q - 1, q))
+    cand = np.asarray(sorted(p for p in pts if 1 <= p <= lanes), dtype=np.int64)  # [m]
+    return np.maximum(cand[None, :], c[:, None])
+
+
+def widths_bound(s: np.ndarray, scs: Sequence[ShapeCost], world_size: int, rank_ms: np.ndarray,
+                 degrees: Sequence[int] | None = None) -> float:
+    """The widths term (module docstring): the largest over ``k`` and ``lam`` of the summed least weighted
+    group time of every doc ``s`` ``[n]``, over the shapes ``scs``; ``rank_ms`` ``[n]`` is each doc's least
+    rank-time (the area term's), which bounds the identity part of any doc (``u_k >= 0``)."""
+    big = np.zeros(len(s), dtype=bool)  # [n] docs that need several lanes on some shape
+    for sc in scs:
+        big |= s > sc.max_tokens_per_lane
+    if not big.any():
+        return 0.0
+    sb = s[big]
+    base = rank_ms / world_size  # [n] identity part: x * t at the cheapest shape and degree
+    small_area = float(base[~big].sum())
+    ks: set[int] = set(range(1, 9))
+    for sc in scs:
+        lanes = world_size // sc.gpus
+        c = np.maximum(1, -(-sb.astype(np.int64) // sc.max_tokens_per_lane))
+        ks.update(int(lanes // x) for x in np.unique(c) if 1 <= lanes // x <= KMAX)
+    best = 0.0
+    for k in sorted(ks):
+        # [n_big, lambdas] least weighted time of each big doc over shapes and degrees
+        least = np.full((len(sb), len(LAMBDAS)), np.inf)
+        for sc in scs:
+            lanes = world_size // sc.gpus
+            cap = sc.max_tokens_per_lane
+            c = np.maximum(1, -(-sb.astype(np.int64) // cap))  # [n_big] memory-fit degree
+            d = _width_degrees(c, lanes, [k], [key for key, _ in sc.bandwidth_gbs], degrees)  # [n_big, m]
+            ok = d <= lanes
+            dd = np.where(ok, d, 1).astype(np.float64)
+            y = (np.asarray(sc.segment_ms(sb[:, None], dd)) + sc.microbatch_ms * sb[:, None] / (dd * cap)) / sc.pp
+            x = dd / lanes
+            u = dff(k, np.where(ok, d, 1), lanes)  # [n_big, m]
+            w = ((1 - LAMBDAS)[None, None, :] * x[..., None] + LAMBDAS[None, None, :] * u[..., None]) * y[..., None]
+            w = np.where(ok[..., None], w, np.inf)  # [n_big, m, lambdas]
+            least = np.minimum(least, w.min(axis=1))
+        total = least.sum(axis=0) + (1 - LAMBDAS) * small_area  # [lambdas]
+        best = max(best, float(total.max()))
+    return best
+
+
 def step_lower_bound(lengths: np.ndarray, cost: CostModel, world_size: int,
                      shapes: Sequence[tuple[int, int]] | None = None, *, passes: bool = True,
                      degrees: Sequence[int] | None = None) -> StepBound:
@@ -167,9 +247,12 @@ def step_lower_bound(lengths: np.ndarray, cost: CostModel, world_size: int,
     if not np.isfinite(area):
         raise ValueError("a doc fits no shape of the cost model at any degree"
                          + ("" if degrees is None else f" in {sorted(set(degrees))}"))
-    out = StepBound(area_ms=area, longest_ms=float(longest.max()))
+    widths = widths_bound(s, scs, world_size, rank_ms, degrees)
+    if widths and len(scs) == 1:  # one pool: its pipeline fill and drain come on top of the last finish
+        widths += (scs[0].pp - 1) / scs[0].pp * float(longest.max())
+    out = StepBound(area_ms=area, longest_ms=float(longest.max()), widths_ms=widths)
     if passes and len(scs) == 1:
         sc = scs[0]
         u = passes_bound(tables[0], s, sc, world_size // sc.gpus, area * sc.pp)
-        out = StepBound(area_ms=out.area_ms, longest_ms=out.longest_ms, passes_ms=u / sc.pp)
+        out = StepBound(area_ms=out.area_ms, longest_ms=out.longest_ms, passes_ms=u / sc.pp, widths_ms=widths)
     return out

@@ -7,8 +7,9 @@ most 2**20 ranks (as a plan file), at most :func:`max_planner_workers` planner p
 multiple of the cores this process may use), at most ``MAX_PREFETCH_STEPS`` plans ahead. ``pad_id``
 must be a token id, inside the source's vocabulary when the source knows it.
 
-A loader state's cursor (:func:`read_cursor`) must be well formed, and must sit on a step boundary of
-the epoch it names (:func:`check_step_start`): a position moved inside a step would replay docs.
+Every step's ``global_batch_tokens`` must hold one sequence of that step's ``max_seq_len``
+(:func:`check_budget_holds_a_sequence`; the command line's form :func:`check_cli_budget`). A loader
+state's cursor is checked where it is read (:meth:`balanced_loader.batches.stream.BatchStream.load`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 from typing import Any
 
 import numpy as np
+
+from balanced_loader.schedule import Schedule, schedule
 
 MAX_RANKS = 1 << 20  # ranks of a world (a plan file's limit too)
 MAX_TOKENS = 1 << 40  # tokens of a doc, a segment or a global batch
@@ -132,46 +135,25 @@ def check_pad_id(pad_id: int, source: Any) -> None:
                          f"0..{int(vocab) - 1}); pass a pad_id below {int(vocab)}")
 
 
-def read_cursor(state: dict[str, Any], *, epochs: int | None, num_docs: int) -> tuple[int, int, int, int]:
-    """``(epoch, step_in_epoch, step, position)`` of a loader state, checked for form (integers >= 0 that
-    agree with each other and with ``epochs``); :func:`check_step_start` checks the position itself."""
-    cursor = []
-    for key in ("epoch", "step_in_epoch", "step", "position"):
-        v = state.get(key)
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise ValueError(f"malformed loader state: the cursor's {key!r} must be an integer >= 0, got "
-                             f"{v!r}; pass a dict from BalancedLoader.state_dict()")
-        cursor.append(int(v))
-    epoch, s, step, pos = cursor
-    if epochs is not None and (epoch > epochs or (epoch == epochs and s)):
-        raise ValueError(f"loader state cursor (epoch {epoch}, step {s}) is past the last of this "
-                         f"loader's {epochs} epoch(s)")
-    if step < s or (epoch == 0 and step != s):
-        raise ValueError(f"malformed loader state: global step {step} cannot be step {s} of epoch {epoch}")
-    # a step starts at position 0 only as the first of its epoch, and before the last doc
-    if (s == 0) != (pos == 0) or pos >= max(1, num_docs):
-        raise ValueError(f"loader state cursor (epoch {epoch}, step {s}, position {pos}) is outside the epoch")
-    return epoch, s, step, pos
+def smallest(s: Schedule) -> int:
+    """The smallest value of a schedule."""
+    return int(min(v for _, v in s.points))
 
 
-def check_step_start(batches: Any, epoch: int, s: int, pos: int) -> None:
-    """Position ``pos`` must be where step ``s`` of the epoch begins: the epoch is cut from its start up to
-    ``pos`` (lengths only, one streaming pass over that part of the epoch; no tokens are read). A cursor
-    moved inside a step, onto another step, or past the epoch's last step is one ``ValueError``."""
-    where = f"loader state cursor (epoch {epoch}, step {s}, position {pos})"
-    fix = "pass a dict from BalancedLoader.state_dict(), unchanged, to a loader of the same source and config"
-    prev, at, k = 0, 0, 0  # step k starts at position `at`; step k - 1 started at `prev`
-    while k < s and at < pos:
-        end = batches.cut(at).end
-        if end >= batches.num_docs:
-            raise ValueError(f"{where}: epoch {epoch} has only {k + 1} step(s); {fix}")
-        prev, at, k = at, end, k + 1
-    if at == pos and k == s:
-        return
-    if k == s:
-        raise ValueError(f"{where} is not on a step boundary: step {s} of epoch {epoch} begins at position {at} "
-                         f"(a cursor moved inside a step would replay or skip docs); {fix}")
-    if at == pos:
-        raise ValueError(f"{where}: position {pos} is where step {k} begins, not step {s}; {fix}")
-    raise ValueError(f"{where} is not on a step boundary: it lies inside step {k - 1}, which begins at position "
-                     f"{prev} (a cursor moved inside a step would replay or skip docs); {fix}")
+def check_budget_holds_a_sequence(budget: Schedule, limit: Schedule) -> None:
+    """Every step's ``global_batch_tokens`` must hold one sequence of that step's ``max_seq_len``: then every
+    step holds between ``B - max_seq_len`` and ``B`` tokens. Both are piecewise linear, so their points
+    decide (rounding to integers keeps the order)."""
+    for step in sorted({s for s, _ in budget.points} | {s for s, _ in limit.points}):
+        b, m = int(budget.at(step)), int(limit.at(step))
+        if b < m:
+            at = "" if budget.constant and limit.constant else f" at step {step}"
+            raise ValueError(f"global_batch_tokens {b} is smaller than max_seq_len {m}{at}: a step must hold one "
+                             f"sequence; raise global_batch_tokens or lower max_seq_len")
+
+
+def check_cli_budget(budget: Any, limit: Any) -> None:
+    """``--global-batch-tokens`` must hold one sequence of ``--max-seq-len`` at every step (numbers or
+    schedules; either absent: nothing to check)."""
+    if budget is not None and limit is not None:
+        check_budget_holds_a_sequence(schedule(budget, "--global-batch-tokens"), schedule(limit, "--max-seq-len"))

@@ -12,7 +12,7 @@ remote reader transfers. Stdlib only::
 Faults, for the retry tests: ``errors=N`` answers the next N requests ``503 Service Unavailable``,
 ``drops=N`` closes the connection of the next N requests without an answer, ``stall_s`` makes every
 request wait that long before its answer (a stalled server).
-Also ``python -m balanced_loader.data.httpserve DIR [PORT]``.
+Also ``python -m balanced_loader.diagnostics.range_server DIR [PORT]``.
 """
 
 from __future__ import annotations

@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from balanced_loader.data.files import remove_partials
+from balanced_loader.outputs.files import remove_partials
 from balanced_loader.data.index import META_FILE, read_index_json
-from balanced_loader.data.locks import OutputLock
-from balanced_loader.data.shards import ShardWriter
+from balanced_loader.outputs.locks import OutputLock
+from balanced_loader.build.writer import ShardWriter
 from balanced_loader.data.sources import jsonl_text
 from balanced_loader.data.tokenizers import encode_many, get_tokenizer, token_dtype
 

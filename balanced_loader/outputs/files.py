@@ -221,7 +221,7 @@ class StagedFolder:
 
 def remove_partials(target: str | os.PathLike[str]) -> None:
     """Remove the staging folders a killed :class:`StagedFolder` of ``target`` left behind (call while
-    holding ``target``'s :class:`~balanced_loader.data.locks.OutputLock`: no one else is writing it)."""
+    holding ``target``'s :class:`~balanced_loader.outputs.locks.OutputLock`: no one else is writing it)."""
     import shutil
 
     target = os.path.normpath(os.path.abspath(os.fspath(target)))

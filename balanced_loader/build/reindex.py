@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from balanced_loader.data.files import write_json
+from balanced_loader.outputs.files import write_json
 from balanced_loader.data.index import (
     INDEX_FILE,
     META_FILE,
@@ -38,7 +38,7 @@ from balanced_loader.data.index import (
     save_array,
 )
 from balanced_loader.data.integrity import file_crc32
-from balanced_loader.data.locks import OutputLock
+from balanced_loader.outputs.locks import OutputLock
 
 
 @dataclass(kw_only=True, slots=True)

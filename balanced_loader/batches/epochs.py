@@ -1,9 +1,8 @@
 """One epoch's global batches as the loader's cursor reaches them (:class:`EpochCuts`).
 
-``batches`` is an epoch's batch cutter: :class:`~balanced_loader.data.batching.EpochBatches` (one
-source; a batch starts at an epoch position) or :class:`~balanced_loader.data.mixing.MixtureEpoch`
-(a mixture or a schedule; a batch starts at a cursor). Either has ``first`` (where the epoch's
-first batch starts), ``cut(start) -> Cut``, ``is_end(cut)`` and ``summary()``.
+``batches`` is an epoch of a :class:`~balanced_loader.batches.stream.BatchStream`
+(:class:`~balanced_loader.batches.stream.StreamEpoch`): ``first`` (the cursor of the epoch's first
+step), ``cut(start) -> Cut``, ``is_end(cut)`` and ``summary()``.
 """
 
 from __future__ import annotations
@@ -11,7 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from balanced_loader.data.batching import Cut, DocStats
+from balanced_loader.batches.items import DocStats
+from balanced_loader.batches.stream import Cut
 
 
 class EpochCuts:

@@ -40,7 +40,7 @@ def stdlib_shards(out_dir: str, *, limit: int | None = None, max_shard_bytes: in
     A folder whose index holds the same number of docs from the byte-level tokenizer is
     reused; an incomplete or different folder is rebuilt (only shard and index files are removed).
     """
-    from balanced_loader.data.build import build_from_files
+    from balanced_loader.build.builder import build_from_files
     from balanced_loader.data.index import INDEX_FILE, META_FILE
     from balanced_loader.data.shards import ShardSource
 
