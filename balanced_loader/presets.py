@@ -137,16 +137,59 @@ class Hardware:
 # ---- memory: the formulas behind the analytic lane caps and the runtime's per-rank report ----------
 # (parallel_runtime reports measured figures beside these in metrics.jsonl; tests hold them within 20%)
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reserve:
+    """Device memory a rank cannot give to tensors: the CUDA context (with the kernels' libraries), NCCL's
+    buffers for every communicator the rank uses (each holds its own, per channel and peer: 0.5-3 GB were
+    measured for one, NVIDIA/nccl#864 and #1685), and the caching allocator's slack (fragmentation)."""
+
+    context_gib: float = 1.0
+    nccl_gib_per_communicator: float = 0.5
+    slack: float = 0.05  # of the device
+    communicators: int = 8  # assumed where a plan's are not known (the lane caps)
+
+    def bytes(self, device_gib: float, communicators: int | None = None) -> float:
+        n = self.communicators if communicators is None else communicators
+        return (self.context_gib + self.nccl_gib_per_communicator * n + self.slack * device_gib) * 2**30
+
+
+RESERVE = Reserve()
+
 OPTIMIZER_BYTES_PER_PARAM = 16  # fp32 master, two AdamW moments, fp32 gradient shard (4 B each; the shard lives inside
 # the working gradients on a whole-model fp32 rank, so there it is 12)
 
 
-def state_bytes(model: ModelShape, *, world_size: int, tp: int = 1, pp: int = 1, itemsize: int = 2) -> dict[str, float]:
-    """Bytes per rank of the model's state: working ``params`` and their ``grads`` (one stage's TP slice, in
-    the compute dtype of ``itemsize`` bytes) and the ``optimizer`` shard (fixed, over the whole world)."""
-    local = model.params / (tp * pp)
-    return {"params": itemsize * local, "grads": itemsize * local,
+def state_bytes(model: ModelShape, *, world_size: int, tp: int = 1, pp: int = 1, itemsize: int = 2,
+                stage: int | None = None) -> dict[str, float]:
+    """Bytes per rank of the model's state: working ``params`` (one stage's TP slice, in the compute dtype of
+    ``itemsize`` bytes), their ``grads`` (fp32: the runtime sums microbatch gradients in fp32 whatever the
+    compute dtype) and the ``optimizer`` shard (fixed, over the whole world). ``stage``: that stage's own
+    parameters (its layers, and the embedding or the head at the ends); default an even share."""
+    if stage is None:
+        local = model.params / (tp * pp)
+    else:
+        local = stage_params(model, pp, stage) / tp
+    return {"params": itemsize * local, "grads": 4 * local,
             "optimizer": OPTIMIZER_BYTES_PER_PARAM * model.params / world_size}
+
+
+def stage_layers(layers: int, pp: int, stage: int) -> int:
+    """Layers of pipeline ``stage`` (contiguous; sizes differ by at most one, earlier stages larger: the
+    runtime's split)."""
+    base, extra = divmod(layers, pp)
+    return base + (1 if stage < extra else 0)
+
+
+def stage_params(model: ModelShape, pp: int, stage: int) -> float:
+    """Parameters one pipeline stage holds: its layers, the embedding on the first, norm and head on the last."""
+    h, d = model.hidden, model.head_dim
+    layer = h * model.heads * d * 2 + h * model.kv_heads * d * 2 + (3 if model.gated else 2) * h * model.ffn + 2 * h
+    out = stage_layers(model.layers, pp, stage) * layer
+    if stage == 0:
+        out += model.vocab * h
+    if stage == pp - 1:
+        out += h + (model.vocab * h if not model.tied or pp > 1 else 0)
+    return out
 
 
 def layer_activation_bytes(model: ModelShape, *, tp: int = 1, itemsize: int = 2) -> float:
@@ -174,6 +217,45 @@ def activation_bytes_per_token(model: ModelShape, *, layers: int | None = None, 
     if ends:
         out += 4 * model.hidden + 2 * itemsize * model.hidden + 4 + 4 * model.vocab / tp + 16
     return out
+
+
+def cp_bytes_per_token(model: ModelShape, *, degree: int, inner: int, tp: int = 1, itemsize: int = 2,
+                       layers: int | None = None) -> float:
+    """Bytes one lane of a CP group of ``degree`` lanes sends per token it holds, forward and backward, over
+    ``layers`` layers (default all), as the runtime's engines move them: Ulysses over ``inner`` lanes, the
+    all-to-alls of Q, K, V and of the output, forward and backward (their buffers, the lane's own chunk
+    included); a ring over ``degree / inner`` outer ranks, K and V for r - 1 hops forward, again backward
+    with dK and dV, which travel in fp32. Contract 2's one ``comm_bytes_per_token`` is the Ulysses term."""
+    n = model.layers if layers is None else layers
+    h, hkv, d = model.heads / tp, model.kv_heads / tp, model.head_dim
+    r = degree // inner
+    ulysses = 2 * (2 * h + 2 * hkv) * d * itemsize if inner > 1 else 0.0
+    ring = (r - 1) * 2 * hkv * d * (2 * itemsize + 4) if r > 1 else 0.0
+    return n * (ulysses + ring)
+
+
+def in_flight(pp: int, stage: int) -> int:
+    """Microbatches whose activations 1F1B stage ``stage`` of ``pp`` holds at once (with enough microbatches):
+    the warmup's ``pp - stage - 1`` forwards and the one being run."""
+    return pp - stage
+
+
+def lane_cap(model: ModelShape, *, usable_bytes: float, world_size: int, tp: int = 1, pp: int = 1,
+             itemsize: int = 2, bucket_bytes: float = 0.0) -> int:
+    """``max_tokens_per_lane`` of a ``(tp, pp)`` shape from the memory formulas: the most tokens one lane may
+    hold in one microbatch so that every stage fits in ``usable_bytes`` (the device less its
+    :class:`Reserve`), with :func:`in_flight` microbatches of that many tokens at each 1F1B stage, its state
+    (:func:`state_bytes`), the optimizer's bucket buffers, and one more layer's activations for what a
+    layer's backward allocates beside them (gradients of activations, the attention kernel's workspace).
+    A multiple of 128; 0 when the state alone does not fit."""
+    caps = []
+    for s in range(pp):
+        state = sum(state_bytes(model, world_size=world_size, tp=tp, pp=pp, itemsize=itemsize, stage=s).values())
+        act = activation_bytes_per_token(model, layers=stage_layers(model.layers, pp, s), tp=tp, itemsize=itemsize,
+                                         ends=s == pp - 1)
+        per_token = in_flight(pp, s) * act + layer_activation_bytes(model, tp=tp, itemsize=itemsize)
+        caps.append(max(0.0, usable_bytes - state - bucket_bytes) / per_token)
+    return int(min(caps)) // 128 * 128
 
 
 MODELS: dict[str, ModelShape] = {
@@ -210,11 +292,11 @@ def analytic_cost(model: ModelShape, hw: Hardware, *, world_size: int = 64,
     * microbatch: reading the weights three times (fwd, bwd, grads) from HBM plus 0.2 ms of
       launch overhead per layer.
     * comm: Ulysses all-to-all of Q, K, V, O in fwd and bwd: ``4*(D_q + D_kv)*2 bytes*layers``.
-    * memory (:func:`state_bytes`, :func:`activation_bytes_per_token`, the formulas the runtime's
-      memory report is checked against): the optimizer shard over the world (17 B/param: fp32
-      master, Adam moments, gradient shard, mask) plus bf16 weights and grads of one stage
-      (4 B/param / (tp*pp)); bf16 activations of all layers per token (the first 1F1B stage holds
-      pp microbatches of layers/pp layers).
+    * memory (:func:`lane_cap` over :func:`state_bytes` and :func:`activation_bytes_per_token`, the
+      formulas the runtime's memory report and ``python -m parallel_runtime estimate`` are checked
+      against): per stage, the optimizer shard over the world (16 B/param), bf16 weights and fp32 grads
+      of the stage (6 B/param / tp), and bf16 activations of the stage's layers for the microbatches
+      1F1B keeps in flight there (pp - stage), in ``memory_fraction`` of the device.
     """
     flops = hw.peak_tflops * 1e12
     d_q = model.heads * model.head_dim
@@ -229,10 +311,8 @@ def analytic_cost(model: ModelShape, hw: Hardware, *, world_size: int = 64,
             lin += 4 * model.layers * model.hidden * 2 * 2 * (tp - 1) / tp / (hw.intra_node_gbs * 1e9) * 1e3
         quad = 6 * model.layers * d_q / 2 / (flops * hw.attn_efficiency * tp) * 1e3 * 2
         mb = 3 * model.params * 2 / tp / (hw.hbm_gbs * 1e9) * 1e3 + 0.2 * model.layers
-        states = sum(state_bytes(model, world_size=world_size, tp=tp, pp=pp, itemsize=2).values())
-        act = activation_bytes_per_token(model, tp=tp, itemsize=2)
-        free = hw.memory_gib * 2**30 * memory_fraction - states
-        cap = max(0, int(free / act) // 128 * 128)
+        cap = lane_cap(model, usable_bytes=hw.memory_gib * 2**30 * memory_fraction, world_size=world_size, tp=tp,
+                       pp=pp)
         out.append(ShapeCost(tp=tp, pp=pp, quadratic_ms=quad, linear_ms=lin, microbatch_ms=mb,
                              comm_bytes_per_token=comm, bandwidth_gbs=bw, max_tokens_per_lane=cap))
     base = next((s for s in out if s.tp == 1 and s.pp == 1), None)

@@ -5,9 +5,11 @@
     python -m parallel_runtime --recipe R.yaml [--steps K] [--out DIR] [--set key=value ...] [--reference]
     python -m parallel_runtime selfcheck --world-size N [--tp T --cp C --cp-engine E ...]   # a layout vs one process
     python -m parallel_runtime profile --recipe R.yaml [--out cost.yaml ...]                 # calibrate the cost file
+    python -m parallel_runtime estimate --recipe R.yaml [--steps K] --out DIR                # GPU memory, NCCL replay
 
 The first word picks a diagnostic (``selfcheck``: :mod:`parallel_runtime.diagnostics.selfcheck`,
-``profile``: :mod:`parallel_runtime.diagnostics.profile`; ``--help`` after it lists its options);
+``profile``: :mod:`parallel_runtime.diagnostics.profile`, ``estimate``:
+:mod:`parallel_runtime.diagnostics.estimate`; ``--help`` after it lists its options);
 anything else is training. Real training runs are started by a launcher that sets RANK /
 WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK on every process::
 
@@ -47,13 +49,19 @@ def _profile(argv: list[str]) -> int:
     return profile_main(argv)
 
 
+def _estimate(argv: list[str]) -> int:
+    from parallel_runtime.diagnostics.estimate import main as estimate_main
+
+    return estimate_main(argv)
+
+
 # the diagnostics are imported only when asked for: training never loads them
-COMMANDS = {"selfcheck": _selfcheck, "profile": _profile}
+COMMANDS = {"selfcheck": _selfcheck, "profile": _profile, "estimate": _estimate}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m parallel_runtime", description=__doc__.splitlines()[0],
-                                 epilog="diagnostics: python -m parallel_runtime {selfcheck,profile} --help")
+                                 epilog="diagnostics: python -m parallel_runtime {selfcheck,profile,estimate} --help")
     ap.add_argument("--recipe", required=True, help="recipe YAML (see recipes/ and docs/runtime.md)")
     ap.add_argument("--steps", type=int, default=None, help="train until this global step (default: the recipe's)")
     ap.add_argument("--out", default=None, help="output folder: metrics.jsonl and checkpoint/ (default runs/<recipe>)")

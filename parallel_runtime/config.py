@@ -27,6 +27,7 @@ from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
 from balanced_loader.schedule import setting, weight_schedule
 from balanced_loader.strict import from_dict, read_yaml, yaml_loads
+from parallel_runtime.engines.attention import DENSE_IMPLS, IMPLS
 from parallel_runtime.engines.context import ENGINES
 from parallel_runtime.hf.config import (
     PRETRAINED,
@@ -381,6 +382,12 @@ def validate(r: Recipe) -> None:
         raise ValueError(f"optimizer.betas must be in [0, 1), got {list(o.betas)}")
     if t.dtype not in DTYPES:
         raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
+    if t.attention not in IMPLS:
+        raise ValueError(f"train.attention must be one of {', '.join(IMPLS)}, got '{t.attention}'")
+    if w.device == "cuda" and t.attention in DENSE_IMPLS:
+        raise ValueError(f"train.attention {t.attention} builds a dense [T, T] mask per microbatch (25 GB at 159K "
+                         f"tokens); on world.device cuda use auto (flash-attention when installed, else per-doc "
+                         f"SDPA), flash or loop")
     _positive(t.checkpoint_every, "train.checkpoint_every", zero=True)
     r.cost_model()  # a missing or malformed cost file fails here
     if r.model.hf is not None:

@@ -67,6 +67,11 @@ class GroupLookup:
                              f"needs first (ProcessGroups.build with its plans or sizes, or GroupCache.ensure)")
         return pg
 
+    def members(self) -> list[dist.ProcessGroup]:
+        """The distinct process groups this rank is a member of (on NCCL, each a communicator with buffers of
+        its own once used; none is destroyed while the run lasts)."""
+        return list({id(g): g for g in self._groups.values()}.values())
+
     def has(self, ranks: Sequence[int]) -> bool:
         key = tuple(sorted(int(r) for r in ranks))
         return len(key) <= 1 or key in self._groups

@@ -22,12 +22,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel_runtime.engines.attention import varlen_attention
+from parallel_runtime.engines.attention import host_bounds, varlen_attention
 from parallel_runtime.engines.tensor import (
     NO_TP,
     ColumnParallelLinear,
@@ -320,11 +321,15 @@ def chunked_loss_sum(loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     return torch.stack(parts).sum()
 
 
-def local_attention(cu_seqlens: torch.Tensor, impl: str = "auto") -> Attn:
-    """The attention callable of a lane that holds whole docs (no context parallelism)."""
-    return partial(_local, cu_seqlens=cu_seqlens, impl=impl)
+def local_attention(cu_seqlens: torch.Tensor, impl: str = "auto", *,
+                    host_cu_seqlens: np.ndarray | None = None) -> Attn:
+    """The attention callable of a lane that holds whole docs (no context parallelism); ``host_cu_seqlens``:
+    the bounds on the host, so no layer reads lengths or the longest doc from the device."""
+    host = host_bounds(cu_seqlens, host_cu_seqlens)  # [docs + 1], read once per microbatch at most
+    max_seqlen = int(np.diff(host).max(initial=0))
+    return partial(_local, cu_seqlens=cu_seqlens, impl=impl, host=host, max_seqlen=max_seqlen)
 
 
-def _local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor,
-           impl: str) -> torch.Tensor:
-    return varlen_attention(q, k, v, cu_seqlens, impl=impl)
+def _local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor, impl: str,
+           host: np.ndarray, max_seqlen: int) -> torch.Tensor:
+    return varlen_attention(q, k, v, cu_seqlens, impl=impl, max_seqlen=max_seqlen, host_cu_seqlens=host)

@@ -9,6 +9,10 @@ difference exceeds the tolerance, 2 on a bad layout. ``--doc-tokens N`` fills ea
 microbatch with docs of N tokens instead (one long doc spans the whole CP group) and the JSON
 adds the peak resident memory of the worst rank (``peak_rss_mb``).
 
+``--dtype bfloat16`` runs the layout in bf16 (on CUDA the flash-attention kernels of every ring block) and
+passes when its error against the fp32 reference is at most three times that of the same model in bf16 in
+one process (the dtype's own round-off; at least 3e-2).
+
 Gradients are compared in full-model coordinates: each rank writes its local gradients at
 their place in a full-size buffer (replicated parameters from tp index 0 only) and the
 buffers are summed over the world, which also checks the loss normalisation (token sum /
@@ -38,6 +42,13 @@ from parallel_runtime.training.metrics import peak_rss_mb
 
 TOLERANCE = 1e-5  # fp32, relative
 CUDA_TOLERANCE = 1e-4  # fp32 CUDA kernels reduce in other orders
+# half precision: the layout's error against the fp32 reference may be at most this many times the error of
+# the same model in the same dtype in one process (the dtype's own round-off), or HALF_FLOOR. Why 3: a CP
+# layout rounds every block's partial output to the dtype before merging, and small parameters (norm weights,
+# gradients summed over every token) vary run to run by 2-3x the one-process figure; a broken path is off by 1.
+HALF_FACTOR = 3.0
+HALF_FLOOR = 3e-2
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DENSE_REFERENCE_TOKENS = 4096  # the reference uses the dense masked formula up to this many tokens
 
 
@@ -60,8 +71,11 @@ class LayoutSpec:
     overlap: bool = True
     device: str = "cpu"
     doc_tokens: int | None = None  # every doc this long (long docs spanning the CP group)
+    dtype: str = "float32"  # the layout's compute dtype (bfloat16: the CP path a GPU run takes, flash blocks)
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
         if self.engine not in ENGINES:
             raise ValueError(f"--cp-engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
         if self.doc_tokens is not None and self.doc_tokens < 1:
@@ -138,10 +152,11 @@ def make_case(spec: LayoutSpec) -> tuple[StepPlan, list[np.ndarray]]:
     return StepPlan(step=0, world_size=spec.world_size, pools=(pool,)), docs
 
 
-def reference(spec: LayoutSpec, docs: list[np.ndarray]) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and gradients of the single-process model on all docs, whole and unpadded."""
+def reference(spec: LayoutSpec, docs: list[np.ndarray], *,
+              dtype: torch.dtype = torch.float32) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of the single-process model on all docs, whole and unpadded (on the CPU)."""
     cfg = spec.model_config()
-    model = Transformer(cfg, seed=spec.seed)
+    model = Transformer(cfg, seed=spec.seed).to(dtype)
     mb = shard_microbatch(docs, 1, 0)
     valid = int((mb["labels"] != -100).sum())
     # the textbook dense mask for small batches; per-doc fused SDPA (memory linear in tokens) for long ones
@@ -151,6 +166,19 @@ def reference(spec: LayoutSpec, docs: list[np.ndarray]) -> tuple[float, dict[str
                  num_valid_tokens=valid)
     loss.backward()
     return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worst(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str, float]:
+    """Largest relative (to the parameter's largest reference gradient) and absolute difference, and where."""
+    worst, name, worst_abs = 0.0, "", 0.0
+    for n, r in ref.items():
+        r = r.to(torch.float64)
+        diff = float((grads[n].to(torch.float64) - r).abs().max())
+        rel = diff / max(float(r.abs().max()), 1e-30)
+        if rel > worst:
+            worst, name = rel, n
+        worst_abs = max(worst_abs, diff)
+    return worst, name, worst_abs
 
 
 def run_rank(rank: int, world_size: int, spec: LayoutSpec) -> dict | None:
@@ -164,7 +192,7 @@ def run_rank(rank: int, world_size: int, spec: LayoutSpec) -> dict | None:
     coord = topo.coord(rank)
     device = torch.device(spec.device)
     tp = TensorParallel(size=spec.tp, index=coord.tp_index, group=groups.get(topo.tp_ranks(rank)))
-    model = Transformer(cfg, tp=tp, seed=spec.seed, device=device)
+    model = Transformer(cfg, tp=tp, seed=spec.seed, device=device, dtype=DTYPES[spec.dtype])
     all_docs = shard_microbatch(docs, 1, 0)
     num_valid = int((all_docs["labels"] != -100).sum())
     stats = CommStats()
@@ -207,24 +235,25 @@ def run_rank(rank: int, world_size: int, spec: LayoutSpec) -> dict | None:
     if rank != 0:
         return None
     ref_loss, ref_grads = reference(spec, docs)
-    worst, worst_name, worst_abs = 0.0, "", 0.0
-    off = 0
+    got, off = {}, 0
     for name, size in zip(names, sizes):
-        got = flat[off:off + size].view(shapes[name][0])
-        ref = ref_grads[name].to(torch.float64)
-        diff = float((got - ref).abs().max())
-        rel = diff / max(float(ref.abs().max()), 1e-30)
-        if rel > worst:
-            worst, worst_name = rel, name
-        worst_abs = max(worst_abs, diff)
+        got[name] = flat[off:off + size].view(shapes[name][0])
         off += size
+    worst, worst_name, worst_abs = _worst(got, ref_grads)
     tol = CUDA_TOLERANCE if device.type == "cuda" else TOLERANCE
     loss = float(local_loss)
     rel_loss = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+    half = {}
+    if spec.dtype != "float32":  # the dtype's own round-off: the same model in one process, against fp32
+        loss16, grads16 = reference(spec, docs, dtype=DTYPES[spec.dtype])
+        floor = _worst(grads16, ref_grads)[0]
+        tol = max(HALF_FACTOR * floor, HALF_FLOOR)
+        half = {"dtype": spec.dtype, "one_process_rel_diff_grad": floor,
+                "one_process_rel_diff_loss": abs(loss16 - ref_loss) / max(abs(ref_loss), 1e-30)}
     return {
         "layout": {"world_size": spec.world_size, "tp": spec.tp, "cp": spec.cp, "cp_engine": spec.engine,
                    "ulysses": inner, "ring": spec.cp // inner, "dp": spec.world_size // (spec.tp * spec.cp),
-                   "overlap": spec.overlap, "device": spec.device, "seed": spec.seed},
+                   "overlap": spec.overlap, "device": spec.device, "seed": spec.seed, "dtype": spec.dtype},
         "model": {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.dim_per_head,
                   "hidden": cfg.hidden, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
                   "ffn_hidden": cfg.ffn_hidden},
@@ -242,6 +271,7 @@ def run_rank(rank: int, world_size: int, spec: LayoutSpec) -> dict | None:
         "peak_rss_mb": round(float(peak.item()), 1),  # worst rank, CP run only
         "reference_peak_rss_mb": round(peak_rss_mb(), 1),  # rank 0 after the one-process reference too
         "tolerance": tol,
+        **({"half": half} if half else {}),
         "ok": bool(rel_loss <= tol and worst <= tol),
         "rank0_seconds": round(time.perf_counter() - t0, 3),
     }
@@ -274,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="every doc this many tokens (one long doc spans the CP group); reports peak memory")
     ap.add_argument("--no-overlap", action="store_true", help="wait for each ring transfer before computing")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (all ranks share cuda:0 through gloo)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                    help="the layout's dtype (bfloat16: flash-attention blocks on CUDA; compared with the fp32 "
+                         "reference within 3x the same model's error in one process)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before the world is ended")
     args = ap.parse_args(argv)
 
@@ -284,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = LayoutSpec(world_size=args.world_size, tp=args.tp, cp=args.cp, engine=args.cp_engine,
                           ulysses=args.ulysses, seed=args.seed, heads=args.heads, kv_heads=args.kv_heads,
                           num_layers=args.layers, overlap=not args.no_overlap, device=args.device,
-                          doc_tokens=args.doc_tokens,
+                          doc_tokens=args.doc_tokens, dtype=args.dtype,
                           docs_per_group=args.docs_per_group if args.docs_per_group is not None else long_default(5),
                           microbatches=args.microbatches if args.microbatches is not None else long_default(2))
         if spec.device.startswith("cuda") and not torch.cuda.is_available():

@@ -5,9 +5,10 @@ Three families:
 * :func:`varlen_attention` -- the model's attention when a lane holds whole docs
   (``cu_seqlens`` marks them). Differentiable through torch autograd. Implementations:
   ``masked`` (one dense block-diagonal causal mask: the textbook formula, used as the
-  reference), ``loop`` (per-doc causal fused SDPA, CPU default), ``tiled`` (the tiled kernels
-  below), ``sdpa`` (SDPA with a dense mask, CUDA fallback), ``flash`` (flash-attention varlen,
-  CUDA default when installed and the dtype is fp16/bf16).
+  reference), ``loop`` (per-doc causal fused SDPA: the CPU default and the CUDA fallback), ``tiled``
+  (the tiled kernels below), ``sdpa`` (SDPA with a dense mask; never chosen by ``auto``), ``flash``
+  (flash-attention varlen, CUDA default when installed and the dtype is fp16/bf16). A dense
+  ``[T, T]`` mask is never built on a GPU unless asked for by name (recipes refuse it there).
 * :func:`tiled_forward` / :func:`tiled_backward` -- one (queries x keys) block whose mask is
   given by doc ids and positions, by online softmax over score tiles of at most
   ``TILE_SIZE x TILE_SIZE`` (FlashAttention-2 on the CPU): the forward returns the
@@ -30,9 +31,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from parallel_runtime.engines.device import on_gpu
 from parallel_runtime.engines.flash import flash_available
 
 IMPLS = ("auto", "masked", "loop", "sdpa", "flash", "tiled")
+DENSE_IMPLS = ("masked", "sdpa")  # a [T, T] mask over the whole microbatch: tests and small CPU batches only
 
 
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -62,21 +65,36 @@ def causal_doc_mask(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tenso
 
 
 def resolve_impl(impl: str, q: torch.Tensor) -> str:
+    """The kernel ``impl`` names for ``q``: ``auto`` is flash-attention on a GPU in fp16/bf16 when it is
+    installed, else the per-doc fused SDPA loop (linear memory in tokens); never a dense ``[T, T]`` mask."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl '{impl}'; choose one of {', '.join(IMPLS)}")
     if impl != "auto":
         return impl
-    if q.is_cuda:
-        return "flash" if q.dtype in (torch.float16, torch.bfloat16) and flash_available() else "sdpa"
+    if on_gpu(q) and q.dtype in (torch.float16, torch.bfloat16) and flash_available():
+        return "flash"
     return "loop"  # per-doc work (sum of L^2), not one dense T x T mask
 
 
+def host_bounds(cu_seqlens: torch.Tensor | np.ndarray, host: np.ndarray | None = None) -> np.ndarray:
+    """``[docs + 1]`` int64 doc bounds on the host: ``host`` when the caller has them (no device read), else
+    read from ``cu_seqlens`` (a host sync on a GPU: the runtime always passes them)."""
+    if host is not None:
+        return np.asarray(host, dtype=np.int64)
+    if isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens.detach().cpu().numpy().astype(np.int64)
+    return np.asarray(cu_seqlens, dtype=np.int64)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                     impl: str = "auto", max_seqlen: int | None = None) -> torch.Tensor:
-    """Causal attention inside each doc of a packed batch. Returns ``[T, H, D]``."""
+                     impl: str = "auto", max_seqlen: int | None = None,
+                     host_cu_seqlens: np.ndarray | None = None) -> torch.Tensor:
+    """Causal attention inside each doc of a packed batch. Returns ``[T, H, D]``. ``host_cu_seqlens``: the same
+    bounds on the host (then nothing is read from the device: lengths, ``max_seqlen``)."""
     t, h, d = q.shape
-    if int(cu_seqlens[-1]) != t:
-        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the batch has {t} tokens")
+    bounds = host_bounds(cu_seqlens, host_cu_seqlens)  # [docs + 1]
+    if int(bounds[-1]) != t:
+        raise ValueError(f"cu_seqlens ends at {int(bounds[-1])} but the batch has {t} tokens")
     impl = resolve_impl(impl, q)
     scale = 1.0 / math.sqrt(d)
     if impl == "flash":
@@ -84,15 +102,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         q, k, v = (x.contiguous() for x in (q, k, v))  # token-major rows, whatever views the caller passed
-        ms = max_seqlen if max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+        ms = max_seqlen if max_seqlen is not None else int(np.diff(bounds).max(initial=0))
         return flash_attn_varlen_func(q, k, v, cu, cu, ms, ms, softmax_scale=scale, causal=True)
     if impl == "tiled":
         return tiled_varlen(q, k, v, cu_seqlens)
     kx, vx = _expand_kv(k, h), _expand_kv(v, h)
     if impl == "loop":
         outs = []
-        bounds = cu_seqlens.tolist()
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             if b > a:
                 # [1, H, L, D]: with a batch dim CPU SDPA takes its fused (flash) kernel, not the
                 # materialized [H, L, L] math path (3-4x faster at L = 1024, the same result)
@@ -193,10 +210,16 @@ def _spans(doc: torch.Tensor, tile: int) -> _Spans:
 
 
 def visible_tiles(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor, k_pos: torch.Tensor,
-                   tile: int):
+                  tile: int, host: HostTiles | None = None):
     """Per query tile ``(a, b, [(c, e, mask or None), ...])``: the key tiles it can see. Tiles whose doc
     ranges are disjoint or whose mask is all False are skipped (half the work of a causal block);
-    ``mask`` is None where the whole tile is visible."""
+    ``mask`` is None where the whole tile is visible. ``host``: the same decisions made on the host
+    (:func:`host_tiles`), so nothing is read from the device (masks are built only for partial tiles)."""
+    if host is not None:
+        for a, b, row in host:
+            yield a, b, [(c, e, causal_doc_mask(q_doc[a:b], q_pos[a:b], k_doc[c:e], k_pos[c:e]) if partial else None)
+                         for c, e, partial in row]
+        return
     qs, ks = _spans(q_doc, tile), _spans(k_doc, tile)
     for qi, (a, b) in enumerate(qs.bounds):
         row = []
@@ -208,6 +231,31 @@ def visible_tiles(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor,
                 continue
             row.append((c, e, None if bool(mask.all()) else mask))
         yield a, b, row
+
+
+HostTiles = list[tuple[int, int, list[tuple[int, int, bool]]]]  # per query tile (a, b, [(c, e, partial)])
+
+
+def host_tiles(q_doc: np.ndarray, q_pos: np.ndarray, k_doc: np.ndarray, k_pos: np.ndarray,
+               tile: int | None = None) -> HostTiles:
+    """:func:`visible_tiles`' decisions from host arrays (``[Tq]``, ``[Tk]`` int64): which key tiles each query
+    tile sees and whether partly (a mask is needed) or wholly."""
+    tile = tile or TILE_SIZE
+    out: HostTiles = []
+    for a in range(0, len(q_doc), tile):
+        b = min(a + tile, len(q_doc))
+        qd, qp = q_doc[a:b], q_pos[a:b]
+        row = []
+        for c in range(0, len(k_doc), tile):
+            e = min(c + tile, len(k_doc))
+            kd, kp = k_doc[c:e], k_pos[c:e]
+            if kd.max() < qd.min() or kd.min() > qd.max():
+                continue
+            m = (qd[:, None] == kd[None, :]) & (kp[None, :] <= qp[:, None]) & (kp[None, :] >= 0) & (qp[:, None] >= 0)
+            if m.any():
+                row.append((c, e, not bool(m.all())))
+        out.append((a, b, row))
+    return out
 
 
 def _heads_major(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -224,7 +272,7 @@ def _rows_major(x: torch.Tensor, h: int) -> torch.Tensor:
 
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc: torch.Tensor, q_pos: torch.Tensor,
                   k_doc: torch.Tensor, k_pos: torch.Tensor, scale: float, *,
-                  tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tile: int | None = None, host: HostTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`block_forward` with the mask given by doc ids and positions (``causal_doc_mask``), by
     online softmax over ``tile x tile`` score tiles. ``q_doc``/``q_pos`` ``[Tq]``, ``k_doc``/``k_pos``
     ``[Tk]``; doc ids must be non-decreasing for the tile skipping to pay off (correct either way).
@@ -236,7 +284,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc: torc
     kh, vh = k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
     out = torch.zeros_like(q)
     lse = torch.full((tq, h), float("-inf"), dtype=q.dtype, device=q.device)
-    for a, b, row in visible_tiles(q_doc, q_pos, k_doc, k_pos, tile):
+    for a, b, row in visible_tiles(q_doc, q_pos, k_doc, k_pos, tile, host):
         if not row:
             continue
         n = b - a
@@ -266,8 +314,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc: torc
 
 def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
                    lse: torch.Tensor, q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor,
-                   k_pos: torch.Tensor, scale: float, *,
-                   tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   k_pos: torch.Tensor, scale: float, *, tile: int | None = None,
+                   host: HostTiles | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`block_backward` by tiles: P is recomputed per tile from Q, K and the final ``lse``
     (FlashAttention-2): ``dV += P^T dO``, ``dS = P * (dO V^T - delta)``, ``dQ += dS K``, ``dK += dS^T Q``."""
     tile = tile or TILE_SIZE
@@ -276,7 +324,7 @@ def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     kh, vh = k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)  # [Hkv, Tk, D]
-    for a, b, row in visible_tiles(q_doc, q_pos, k_doc, k_pos, tile):
+    for a, b, row in visible_tiles(q_doc, q_pos, k_doc, k_pos, tile, host):
         if not row:
             continue
         n = b - a

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from balanced_loader.materialize import cp_positions, padded_length
 from parallel_runtime.engines.attention import varlen_attention
+from parallel_runtime.engines.device import to_device
 from parallel_runtime.engines.ring import CommStats, RingPass, ring_attention
 from parallel_runtime.engines.tensor import via_host
 
@@ -201,14 +202,14 @@ class _Bound:
             gather = inv = None
             if e.inner > 1:
                 g = lay.gather_index()
-                gather = torch.from_numpy(g).to(device)
-                inv = torch.from_numpy(np.argsort(g)).to(device)
+                gather = to_device(g, device)
+                inv = to_device(np.argsort(g), device)
             ring = None
             if e.outer > 1:
                 ring = RingPass([lay.ring_positions(s) for s in range(e.outer)], lay.padded // (2 * e.outer),
                                 e.outer_index, e.outer_group, e.outer_ranks, e.overlap, e.stats, device)
-            padded = torch.from_numpy(np.concatenate([[0], np.cumsum(lay.padded)])).to(device)
-            self._cache[device] = (gather, inv, ring, padded)
+            host = np.concatenate([[0], np.cumsum(lay.padded)])  # [segments + 1] padded bounds
+            self._cache[device] = (gather, inv, ring, (to_device(host, device), host, int(lay.padded.max())))
         return self._cache[device]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -232,7 +233,8 @@ class _Bound:
         if ring is not None:
             o = ring_attention(q, k, v, ring)
         else:
-            o = varlen_attention(q, k, v, padded, impl=e.impl)
+            cu, host, longest = padded
+            o = varlen_attention(q, k, v, cu, impl=e.impl, max_seqlen=longest, host_cu_seqlens=host)
         if u > 1:  # back: [u*T, H/u, D] -> [u, T, H/u, D] -> a2a -> [T, H, D]
             o = o.index_select(0, inv).reshape(u, t, h // u, d)
             o = _AllToAllFn.apply(o, e.inner_a2a).permute(1, 0, 2, 3).reshape(t, h, d)
@@ -269,11 +271,16 @@ class ContextParallel:
         """The attention callable for a microbatch of segments with these true lengths."""
         if self.degree == 1:
             lengths = np.asarray(segment_lengths, dtype=np.int64)
-            cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+            host = np.concatenate([[0], np.cumsum(lengths)])  # [segments + 1]
+            max_seqlen = int(lengths.max(initial=0))
             impl = self.impl
+            cus: dict[torch.device, torch.Tensor] = {}  # one host-to-device copy per microbatch, not per layer
 
             def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return varlen_attention(q, k, v, cu.to(q.device), impl=impl)
+                cu = cus.get(q.device)
+                if cu is None:
+                    cu = cus[q.device] = to_device(host, q.device)
+                return varlen_attention(q, k, v, cu, impl=impl, max_seqlen=max_seqlen, host_cu_seqlens=host)
 
             return attn
         return _Bound(self, segment_lengths)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from parallel_runtime.engines.device import on_gpu
+
 
 @functools.cache  # asked per ring block and attention call: a failed import is not cached by Python
 def flash_available() -> bool:
@@ -36,7 +38,7 @@ def flash_available() -> bool:
 
 def flash_blocks_usable(q: torch.Tensor) -> bool:
     """True when a ring block of ``q`` runs through flash-attention (CUDA, fp16/bf16, installed)."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_available()
+    return on_gpu(q) and q.dtype in (torch.float16, torch.bfloat16) and flash_available()
 
 
 def _call(fn: Callable[..., Any], values: dict[str, Any]) -> Any:

@@ -24,17 +24,21 @@ import torch
 import torch.distributed as dist
 
 from parallel_runtime.engines.attention import (
+    HostTiles,
     Piece,
     fused_block_backward,
     fused_block_forward,
+    host_tiles,
     merge_block,
     tiled_backward,
     tiled_forward,
 )
+from parallel_runtime.engines.device import on_gpu, to_device
 from parallel_runtime.engines.flash import flash_block_backward, flash_block_forward, flash_blocks_usable
 from parallel_runtime.engines.tensor import via_host
 
 _TAG_KV, _TAG_DKV = 1, 2
+HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -113,6 +117,14 @@ class _Block:
     max_k: int
     causal: bool  # diagonal blocks: causal with bottom-right alignment on padded positions
     pieces: tuple[Piece, ...] | None  # the fused CPU kernels' pieces (None: run the tiled kernel)
+    host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # q_doc, q_pos, k_doc, k_pos on the host
+    cache: dict = field(default_factory=dict, compare=False)  # the tiled kernel's host tile plan, made once
+
+    def tiles(self) -> HostTiles | None:
+        """The tiled kernel's visible tiles decided on the host (GPU: no per-tile device reads); None on CPU."""
+        if "tiles" not in self.cache:
+            self.cache["tiles"] = host_tiles(*self.host) if on_gpu(self.q_rows) else None
+        return self.cache["tiles"]
 
 
 Runs = list[tuple[int, int]]  # row ranges [lo, hi) of one segment, positions increasing, padding (-1) last
@@ -164,17 +176,17 @@ def _make_block(q_runs: list[Runs], k_runs: list[Runs], q_pos: np.ndarray, q_seg
     if not kept_q:
         return None
     qi, ki = np.concatenate(kept_q), np.concatenate(kept_k)
-
-    def t(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x)).to(device)
-
-    def cu(parts: list[np.ndarray]) -> torch.Tensor:
-        return t(np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int32))
-
+    cu_q = np.concatenate([[0], np.cumsum([len(p) for p in kept_q])])
+    cu_k = np.concatenate([[0], np.cumsum([len(p) for p in kept_k])])
+    # every index array of the block in one host-to-device copy (pinned, not waited on a GPU), then views
+    parts = [qi, ki, q_seg[qi], q_pos[qi], k_seg[ki], k_pos[ki], cu_q, cu_k]
+    ends = np.cumsum([len(x) for x in parts])
+    packed = to_device(np.concatenate(parts).astype(np.int64), device)  # [sum of the parts]
+    v = [packed[e - len(x):e] for x, e in zip(parts, ends)]
     fused = fusable and len(pieces) * FUSED_MIN_ROWS <= len(qi)  # few large pieces: the fused kernels pay off
-    return _Block(q_rows=t(qi), k_rows=t(ki), q_doc=t(q_seg[qi]), q_pos=t(q_pos[qi]), k_doc=t(k_seg[ki]),
-                  k_pos=t(k_pos[ki]), cu_q=cu(kept_q), cu_k=cu(kept_k), max_q=max(len(p) for p in kept_q),
-                  max_k=max(len(p) for p in kept_k), causal=causal, pieces=tuple(pieces) if fused else None)
+    return _Block(q_rows=v[0], k_rows=v[1], q_doc=v[2], q_pos=v[3], k_doc=v[4], k_pos=v[5], cu_q=v[6].int(),
+                  cu_k=v[7].int(), max_q=max(len(p) for p in kept_q), max_k=max(len(p) for p in kept_k),
+                  causal=causal, pieces=tuple(pieces) if fused else None, host=tuple(parts[2:6]))
 
 
 class RingPass:
@@ -226,11 +238,12 @@ class RingPass:
         if flash_blocks_usable(q):
             o_b, l_b = flash_block_forward(qb, kb[:, :hkv], kb[:, hkv:], b.cu_q, b.cu_k, b.max_q, b.max_k,
                                            b.causal, scale)
-        elif b.pieces is not None and q.device.type == "cpu":
+        elif b.pieces is not None and not on_gpu(q):
             o_b, l_b = fused_block_forward(qb, kb[:, :hkv], kb[:, hkv:], b.pieces, scale)
         else:
             qb, kb = qb.to(out.dtype), kb.to(out.dtype)  # half inputs without flash: fp32 tiles
-            o_b, l_b = tiled_forward(qb, kb[:, :hkv], kb[:, hkv:], b.q_doc, b.q_pos, b.k_doc, b.k_pos, scale)
+            o_b, l_b = tiled_forward(qb, kb[:, :hkv], kb[:, hkv:], b.q_doc, b.q_pos, b.k_doc, b.k_pos, scale,
+                                     host=b.tiles())
         o_m, l_m = merge_block(out[b.q_rows], lse[b.q_rows], o_b.to(out.dtype), l_b.to(lse.dtype))
         out.index_copy_(0, b.q_rows, o_m)
         lse.index_copy_(0, b.q_rows, l_m)
@@ -246,14 +259,16 @@ class RingPass:
             dq_b, dk_b, dv_b = flash_block_backward(dob, qb, kb[:, :hkv], kb[:, hkv:], out.index_select(0, b.q_rows),
                                                     lse.index_select(0, b.q_rows), b.cu_q, b.cu_k, b.max_q,
                                                     b.max_k, b.causal, scale)
-        elif b.pieces is not None and q.device.type == "cpu":
+        elif b.pieces is not None and not on_gpu(q):
+            # torch's CPU flash kernels keep the log-sum-exp in fp32 for half inputs (in q's dtype otherwise)
+            lse_b = lse.index_select(0, b.q_rows).to(torch.float32 if q.dtype in HALF else q.dtype)
             dq_b, dk_b, dv_b = fused_block_backward(dob, qb, kb[:, :hkv], kb[:, hkv:], out.index_select(0, b.q_rows),
-                                                    lse.index_select(0, b.q_rows).to(q.dtype), b.pieces, scale)
+                                                    lse_b, b.pieces, scale)
         else:
             f = delta.dtype
             dq_b, dk_b, dv_b = tiled_backward(dob.to(f), qb.to(f), kb[:, :hkv].to(f), kb[:, hkv:].to(f),
                                               delta.index_select(0, b.q_rows), lse.index_select(0, b.q_rows),
-                                              b.q_doc, b.q_pos, b.k_doc, b.k_pos, scale)
+                                              b.q_doc, b.q_pos, b.k_doc, b.k_pos, scale, host=b.tiles())
         dq.index_add_(0, b.q_rows, dq_b.to(dq.dtype))
         dkv.index_add_(0, b.k_rows, torch.cat([dk_b, dv_b], dim=1).to(dkv.dtype))
 
@@ -291,9 +306,12 @@ class RingPass:
         hkv = k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[2])
         delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [T, H]
-        dq = torch.zeros_like(q)
+        # fp32 accumulators for half inputs: dq sums r blocks, a source's dK/dV sums a block per hop (it
+        # travels the ring in fp32: rounding it to bf16 at every hop grows the error with the ring)
+        acc_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         kv = torch.cat([k, v], dim=1).contiguous()
-        own = torch.zeros_like(kv)  # dK/dV of our own K/V (diagonal blocks)
+        own = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)  # dK/dV of our own K/V (diagonal blocks)
         acc = None  # running dK/dV of the current source
         nxt, prv = self._peers()
         kinds = {_TAG_KV: "ring_kv", _TAG_DKV: "ring_dkv"}
@@ -310,13 +328,13 @@ class RingPass:
                 incoming = torch.empty_like(kv)
                 ops += [("send", kv, nxt, _TAG_KV), ("recv", incoming, prv, _TAG_KV)]
             if i >= 2:  # pass the previous source's running dK/dV on; receive this source's
-                acc_in = torch.empty_like(kv)
+                acc_in = torch.empty_like(own)
                 ops += [("send", acc, nxt, _TAG_DKV), ("recv", acc_in, prv, _TAG_DKV)]
             wait = post(ops) if ops else None
             if i == 0:
                 self._bwd(self.diag_second, dout, q, kv, hkv, out, delta, lse, scale, dq, own)
             else:
-                part = torch.zeros_like(kv)
+                part = torch.zeros_like(own)
                 self._bwd(self.off[i - 1], dout, q, kv, hkv, out, delta, lse, scale, dq, part)
             if wait is not None:
                 wait()
@@ -330,7 +348,7 @@ class RingPass:
         self._bwd(self.diag_first, dout, q, torch.cat([k, v], dim=1), hkv, out, delta, lse, scale, dq, own)
         wait()
         own += mine
-        return dq, own[:, :hkv], own[:, hkv:]
+        return dq.to(q.dtype), own[:, :hkv].to(k.dtype), own[:, hkv:].to(v.dtype)
 
 
 class _RingFn(torch.autograd.Function):

@@ -19,11 +19,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from balanced_loader.calibration.samples import Samples
 from balanced_loader.cost import CostModel
 from balanced_loader.loader import BalancedLoader, StepBatch
+from parallel_runtime.engines.device import on_gpu
 from parallel_runtime.training.step import FBResult
 
 # Test seam: ``(rank, samples) -> samples`` applied to this rank's measurements before they are shared, so
@@ -31,12 +33,24 @@ from parallel_runtime.training.step import FBResult
 MEASURED: Callable[[int, Samples], Samples] | None = None
 
 
+def check_timer(timer: str, *, gpu: bool) -> None:
+    """Calibration samples on a GPU must be device time: CPU timers there measure kernel launches (the
+    host runs ahead of the device), which would fit a cost model to nothing. Refuse them."""
+    if gpu and timer != "cuda-events":
+        raise RuntimeError(f"calibration on a GPU needs device time from CUDA events; this step was timed by "
+                           f"'{timer}' (set train.calibrate: false, or run the runtime's own step, which times "
+                           f"compute with CUDA events)")
+
+
 class ClosedLoop:
     """Per-step calibration and trace collection for one rank (collective when either is on)."""
 
     def __init__(self, *, calibrate: bool, trace: bool, rank: int, world_size: int, reference: bool,
-                 loader: BalancedLoader, others: Sequence[BalancedLoader], out_dir: str) -> None:
+                 loader: BalancedLoader, others: Sequence[BalancedLoader], out_dir: str,
+                 device: torch.device | None = None) -> None:
+        """``device``: where the steps run; on a GPU every sample must be device time (CUDA events)."""
         self.calibrate, self.trace = calibrate, trace
+        self.gpu = device is not None and on_gpu(device)
         self.rank, self.world_size, self.reference = rank, world_size, reference
         self.loader, self.others = loader, list(others)
         self.path = os.path.join(out_dir, "trace.json")
@@ -69,6 +83,7 @@ class ClosedLoop:
         t0 = time.perf_counter()
         out: dict[str, Any] = {}
         if self.calibrate:
+            check_timer(res.timer, gpu=self.gpu)
             mine = res.samples if MEASURED is None else MEASURED(self.rank, res.samples)
             rows = self._gather(mine.rows())
             samples = Samples.concat([Samples.from_rows(r) for r in rows])

@@ -244,20 +244,58 @@ def uncovered(buckets: tuple[Bucket, ...], size: int) -> list[tuple[int, int]]:
     return out
 
 
+def tp_group_needs(layout: FlatLayout, rows: np.ndarray, buckets: tuple[Bucket, ...]) -> list[int]:
+    """For each row (parameter, tp index, tp size): the last bucket that holds part of that parameter's slice
+    of *any* tp index of the group, -1 if none. Why: a module's forward runs TP collectives, so every rank
+    of a TP group must have waited for the same buckets before it; waiting only for its own slice's (the
+    vocab rows of tp index 3 sit in a later bucket than those of tp index 0) lets one member enter the
+    module's all-reduce while another waits for a bucket the first posts only after it: a deadlock."""
+    size = layout.shard_size
+    starts = np.array([b.a for b in buckets], dtype=np.int64)  # [buckets] ascending windows
+    out = []
+    for p, _, tsize in rows.tolist():
+        last = -1
+        for t in range(tsize):
+            s, n = _param_runs(layout, p, t, tsize)
+            e = s + n
+            # relative end of each run in its last shard, or the shard's end when it crosses a boundary
+            y = np.where(s // size == (e - 1) // size, e - (e - 1) // size * size, size)
+            last = max(last, int(np.searchsorted(starts, int(y.max()), "left")) - 1)
+        out.append(last)
+    return out
+
+
 def plan_exchange(layout: FlatLayout, rows: np.ndarray, every: list[np.ndarray], rank: int, bucket_elems: int,
                   reduce_max: Callable[[np.ndarray], np.ndarray]) -> ExchangePlan:
     """The buckets of one exchange: this rank's slices ``rows`` (``[n, 3]``: parameter, tp index, tp size),
     every rank's (``every[q]``), windows of at most ``bucket_elems`` elements of every rank's send and
     receive buffer. ``reduce_max`` makes the per-cell loads common (a MAX all-reduce; the identity in
     a world of one), so every rank cuts the same windows."""
-    world, size = layout.world_size, layout.shard_size
     own, theirs = own_runs(layout, rows), their_runs(layout, every, rank)
-    # per cell of the shard-relative space: the most any rank receives (from all owners) or sends (to all)
-    cell = max(1, bucket_elems // (4 * world))
+    load = reduce_max(cell_load(layout, own, theirs, bucket_elems))
+    cell = _cell(layout, bucket_elems)
+    return ExchangePlan(buckets=tuple(_bucket(own, theirs, a, b, layout.world_size, layout.shard_size)
+                                      for a, b in _windows(load, cell, layout.shard_size, bucket_elems)))
+
+
+def _cell(layout: FlatLayout, bucket_elems: int) -> int:
+    return max(1, bucket_elems // (4 * layout.world_size))
+
+
+def cell_load(layout: FlatLayout, own: Runs, theirs: Runs, bucket_elems: int) -> np.ndarray:
+    """``[cells]`` int64: per cell of the shard-relative space, the most this rank receives (from all owners)
+    or sends (to all) there; the MAX of every rank's is what windows are cut by."""
+    world, size = layout.world_size, layout.shard_size
+    cell = _cell(layout, bucket_elems)
     shards = np.arange(world, dtype=np.int64) * size
     rs, re, _, rw = own.clip(shards, shards + size)
     ts, te, _, tw = theirs.clip(shards, shards + size)
-    load = reduce_max(np.maximum(_cell_loads(rs - rw * size, re - rw * size, cell, size),
-                                 _cell_loads(ts - tw * size, te - tw * size, cell, size)))
-    return ExchangePlan(buckets=tuple(_bucket(own, theirs, a, b, world, size)
-                                      for a, b in _windows(load, cell, size, bucket_elems)))
+    return np.maximum(_cell_loads(rs - rw * size, re - rw * size, cell, size),
+                      _cell_loads(ts - tw * size, te - tw * size, cell, size))
+
+
+def world_load(layout: FlatLayout, every: list[np.ndarray], bucket_elems: int) -> np.ndarray:
+    """What the MAX all-reduce of :func:`plan_exchange` gives, computed from every rank's slices in one
+    process (``diagnostics.estimate``, where the collective moves nothing)."""
+    return np.max([cell_load(layout, own_runs(layout, rows), their_runs(layout, every, q), bucket_elems)
+                   for q, rows in enumerate(every)], axis=0)

@@ -28,6 +28,13 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
+def grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """A working parameter's accumulated gradient: its fp32 ``main_grad`` where it has one (half-precision
+    parameters, :class:`~parallel_runtime.training.runtime.GradBuffer`), else its ``.grad``."""
+    g = getattr(t, "main_grad", None)
+    return g if g is not None else t.grad
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LocalParam:
     """A working parameter on this rank: which full parameter it is and which TP slice."""

@@ -59,12 +59,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from parallel_runtime.engines.device import on_gpu
 from parallel_runtime.training.exchange import Bucket, ExchangePlan, plan_exchange, put, take, uncovered
-from parallel_runtime.training.layout import FlatLayout, LocalParam, ParamSpec
+from parallel_runtime.training.layout import FlatLayout, LocalParam, ParamSpec, grad_of
 
 __all__ = ["AdamWConfig", "FlatLayout", "LocalParam", "ParamSpec", "ShardedOptimizer"]
 
 STEP_CHUNK = 1 << 20  # elements of the shard the optimizer step updates at a time (bounded temporaries)
+PEER_BYTES = 256 << 10  # a full bucket carries at least this much to (or from) each peer: see bucket_limit
+PEER_BYTES_GPU = 1 << 20  # ... on GPUs (NCCL's all-to-all: fewer, larger messages; 64 MiB buckets at 64 ranks)
 NORM_CHUNK = 1 << 16  # elements per piece of the gradient norm (fp64 copies of 512 kB)
 
 
@@ -109,22 +112,28 @@ _MAX_PLANS = 64  # exchange plans kept (distinct layout sets seen); oldest dropp
 class ShardedOptimizer:
     """fp32 master shard + AdamW moments of this rank; pull/push against any local layout."""
 
+    # False only in diagnostics.estimate: its fake tensors hold no values, so the copies between slices and
+    # bucket buffers (views into buffers that exist anyway; tens of thousands of ops a step) are skipped
+    copy_slices = True
+
     def __init__(self, layout: FlatLayout, full_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                  config: AdamWConfig, *, rank: int = 0, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str = "cpu", bucket_elems: int = 2 << 20) -> None:
+                 device: torch.device | str = "cpu", bucket_elems: int | None = None) -> None:
         """``full_params``: every full parameter's initial value, as a mapping or as ``(name, tensor)``
         pairs (a generator keeps only one piece of the model in memory at a time); only the part
         inside this rank's shard is kept. Shards, moments and the pull/push buckets live on ``device``
         (the device of the working parameters; NCCL needs CUDA tensors). ``bucket_elems`` bounds
-        the send and the receive buffer of every pull/push collective (default 8 MB of fp32)."""
-        if bucket_elems < 1:
+        the send and the receive buffer of every pull/push collective (default 8 MB of fp32, raised in
+        worlds over 8 ranks to :data:`PEER_BYTES` per peer: :func:`bucket_limit`)."""
+        if bucket_elems is not None and bucket_elems < 1:
             raise ValueError(f"bucket_elems must be >= 1, got {bucket_elems}")
         self.layout = layout
         self.config = config
         self.rank = rank
         self.group = group
         self.device = torch.device(device)
-        self.bucket_elems = bucket_elems
+        self.bucket_elems = bucket_elems if bucket_elems is not None else bucket_limit(
+            2 << 20, layout.world_size, gpu=on_gpu(self.device))
         lo, hi = self._bounds()
         self.master = torch.zeros(layout.shard_size, dtype=torch.float32, device=self.device)  # [shard_size]
         pairs = full_params.items() if isinstance(full_params, Mapping) else full_params
@@ -282,7 +291,7 @@ class ShardedOptimizer:
         rows, tensors = [], []
         for lp in local:
             spec = lp.spec
-            has_grad = lp.tensor.grad is not None if contributes is None else contributes
+            has_grad = grad_of(lp.tensor) is not None if contributes is None else contributes
             if push and (not has_grad or (spec.tp_dim is None and lp.tp_index != 0)):
                 continue  # no gradient here, or replicated inside the TP group: tp index 0 contributes it once
             p = self.layout.index.get(spec.name)
@@ -300,7 +309,7 @@ class ShardedOptimizer:
                 raise ValueError(f"{spec.name}: the working tensor has shape {tuple(lp.tensor.shape)}, its slice "
                                  f"(tp {lp.tp_index}/{lp.tp_size}) has {tuple(shape)}")
             rows.append((p, lp.tp_index, lp.tp_size))
-            tensors.append(lp.tensor.grad if push and contributes is None else lp.tensor)
+            tensors.append(grad_of(lp.tensor) if push and contributes is None else lp.tensor)
         return np.array(rows, dtype=np.int64).reshape(-1, 3), tensors
 
     def plan_for(self, rows: np.ndarray) -> ExchangePlan:
@@ -308,33 +317,35 @@ class ShardedOptimizer:
         per call; on a miss also one of the descriptions and a MAX all-reduce of the cell loads. The key
         is every rank's (fingerprint, length), so all ranks hit or miss together."""
         fp = int.from_bytes(hashlib.blake2b(rows.tobytes(), digest_size=8).digest(), "little", signed=True)
-        meta = torch.tensor([fp, len(rows)], dtype=torch.int64, device=self.device)
-        world = self.layout.world_size
-        if self.distributed:
-            metas = [torch.empty_like(meta) for _ in range(world)]
-            t0 = time.perf_counter()
-            dist.all_gather(metas, meta, group=self.group)
-            self.comm_s += time.perf_counter() - t0
-            key = tuple(int(v) for m in metas for v in m.tolist())
-        else:
-            key = (fp, len(rows))
+        key = self._gather_key(fp, len(rows)) if self.distributed else (fp, len(rows))
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        every = [rows]
-        if self.distributed:  # the descriptions themselves, padded to the longest
-            longest = max(key[1::2])
-            mine = torch.full((longest, 3), -1, dtype=torch.int64, device=self.device)
-            mine[:len(rows)] = torch.from_numpy(rows).to(self.device)
-            got = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(got, mine, group=self.group)
-            every = [g[:n].cpu().numpy() for g, n in zip(got, key[1::2])]
+        every = self._gather_rows(rows, key) if self.distributed else [rows]
         plan = plan_exchange(self.layout, rows, every, self.rank, self.bucket_elems, self._reduce_max)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
         self.plans_built += 1
         return plan
+
+    def _gather_key(self, fp: int, n: int) -> tuple[int, ...]:
+        """Every rank's (fingerprint, rows) of its description, flat (collective)."""
+        meta = torch.tensor([fp, n], dtype=torch.int64, device=self.device)
+        metas = [torch.empty_like(meta) for _ in range(self.layout.world_size)]
+        t0 = time.perf_counter()
+        dist.all_gather(metas, meta, group=self.group)
+        self.comm_s += time.perf_counter() - t0
+        return tuple(int(v) for m in metas for v in m.tolist())
+
+    def _gather_rows(self, rows: np.ndarray, key: tuple[int, ...]) -> list[np.ndarray]:
+        """Every rank's description, padded to the longest for the all-gather (collective)."""
+        longest = max(key[1::2])
+        mine = torch.full((longest, 3), -1, dtype=torch.int64, device=self.device)
+        mine[:len(rows)] = torch.from_numpy(rows).to(self.device)
+        got = [torch.empty_like(mine) for _ in range(self.layout.world_size)]
+        dist.all_gather(got, mine, group=self.group)
+        return [g[:n].cpu().numpy() for g, n in zip(got, key[1::2])]
 
     def _reduce_max(self, load: np.ndarray) -> np.ndarray:
         if not self.distributed:
@@ -365,14 +376,16 @@ class ShardedOptimizer:
         ``flats`` -> owners). ``slot``: which pair of reusable buffers it uses (one per bucket in flight)."""
         mine = self._buffer(2 * slot, sum(bk.mine_n))
         if push:
-            for j, off, loc, n in bk.parts:  # gradients of local parameter j -> send buffer
+            for j, off, loc, n in bk.parts if self.copy_slices else ():  # gradients of parameter j -> send buffer
                 put(mine, off, off + n, take(flats[j], loc, loc + n), add=False)
             peer = self._buffer(2 * slot + 1, sum(bk.peer_n))
             work = self._all_to_all(peer, bk.peer_n, mine, bk.mine_n, async_op)
             self.bytes_pushed += mine.numel() * 4
             self.bytes_push_received += peer.numel() * 4
         else:
-            peer = take(self.master, bk.ps, bk.pe, out=self._buffer(2 * slot + 1, sum(bk.peer_n)))
+            peer = self._buffer(2 * slot + 1, sum(bk.peer_n))
+            if self.copy_slices:
+                peer = take(self.master, bk.ps, bk.pe, out=peer)
             work = self._all_to_all(mine, bk.mine_n, peer, bk.peer_n, async_op)
             self.bytes_pulled += mine.numel() * 4
             self.bytes_pull_sent += peer.numel() * 4
@@ -388,6 +401,8 @@ class ShardedOptimizer:
         waited = time.perf_counter() - t0
         self.comm_s += waited
         bk = f.bucket
+        if not self.copy_slices:
+            return waited
         if f.push:
             if self.grad_shared:  # the window's local gradients are in the send buffer by now: the sum goes there
                 self.grad[bk.a:bk.b].zero_()
@@ -476,6 +491,16 @@ class ShardedOptimizer:
                 w.sub_(w * decay * (lr * c.weight_decay))
             denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
             w.addcdiv_(m, denom, value=-lr / bc1)
+
+
+def bucket_limit(bucket_elems: int, world_size: int, *, gpu: bool = False) -> int:
+    """The elements of one bucket's send or receive buffer: ``bucket_elems``, or more in a large world, so that
+    a rank exchanging with every peer (a whole-model rank pulls from every owner) still moves
+    :data:`PEER_BYTES` (:data:`PEER_BYTES_GPU` on a GPU) per peer per collective. Why: a fixed buffer cut
+    ``world_size`` ways gave 32 KiB messages and 2,163 all-to-alls per step at 64 GPUs; 1 MiB per peer makes
+    that 136 of 64 MiB buffers (256 MiB with two in flight), and on CPU (256 KiB per peer) nothing changes
+    up to 8 ranks."""
+    return max(bucket_elems, world_size * (PEER_BYTES_GPU if gpu else PEER_BYTES) // 4)
 
 
 def _decay_runs(layout: FlatLayout, lo: int, hi: int) -> dict[bool, list[tuple[int, int]]]:

@@ -10,7 +10,9 @@ descending), which is what pairs them up across ranks.
 * **pull**: :meth:`Overlap.begin` derives both exchange plans (collectives, before anything is in
   flight) and starts the first ``depth`` pull buckets. A forward pre-hook on every module that holds
   parameters waits for the buckets its parameters need (starting later ones as earlier ones finish),
-  so the first microbatch's first layers compute while the later layers' parameters arrive. The pull
+  so the first microbatch's first layers compute while the later layers' parameters arrive. What a
+  module needs is the same on every rank of its TP group (the last bucket of any tp index's slice:
+  :func:`~parallel_runtime.training.exchange.tp_group_needs`), since its forward holds TP collectives. The pull
   is finished (:meth:`StepExchange.settle`) after this rank's first forward and before the pipeline
   blocks on a peer (a receive, a barrier): a rank never waits on a bucket that a blocked peer has not
   started, so nothing deadlocks.
@@ -36,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_runtime.launch import new_group
-from parallel_runtime.training.layout import LocalParam
+from parallel_runtime.training.exchange import tp_group_needs
+from parallel_runtime.training.layout import LocalParam, grad_of
 from parallel_runtime.training.optimizer import InFlight, ShardedOptimizer
 
 DEPTH = 2  # buckets in flight at once (each a pair of reusable buffers)
@@ -117,11 +120,9 @@ class StepExchange:
             self._push_local = [j for j, lp in enumerate(params) if microbatches > 0
                                 and (lp.spec.tp_dim is not None or lp.tp_index == 0)]
             opt.begin_push(self.push)
-        # pull: the last bucket each local parameter needs
-        self._need = [-1] * len(params)
-        for k, bk in enumerate(self.pull):
-            for j, *_ in bk.parts:
-                self._need[j] = k
+        # pull: the last bucket each local parameter needs, the same on every rank of its TP group (a
+        # module's forward holds TP collectives: its members must have waited for the same buckets)
+        self._need = tp_group_needs(opt.layout, pull_rows, self.pull)
         # push: parameters not yet final per bucket, and the buckets each local parameter is in
         self._pending = [len(bk.parts) for bk in self.push]
         self._push_of: list[list[int]] = [[] for _ in params]
@@ -212,7 +213,7 @@ class StepExchange:
                 self._complete_oldest()
                 continue
             if self._grads is None:
-                self._grads = [self.params[j].tensor.grad.reshape(-1) for j in self._push_local]
+                self._grads = [grad_of(self.params[j].tensor).reshape(-1) for j in self._push_local]
             self._start(self.push[self._push_next], self._grads, push=True)
             self._push_next -= 1
 

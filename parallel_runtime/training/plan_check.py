@@ -51,7 +51,7 @@ def check_same_plan(plan: StepPlan, comm_device: torch.device) -> None:
     mine = torch.tensor([fingerprint_int(plan), plan.step], dtype=torch.int64, device=comm_device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    fps = [int(t[0]) for t in every]
+    fps = [int(f) for f in torch.stack(every)[:, 0].tolist()]  # one read of the device (NCCL: comm_device is it)
     if len(set(fps)) > 1:
         odd = [r for r, f in enumerate(fps) if f != fps[0]]
         raise PlanMismatchError(

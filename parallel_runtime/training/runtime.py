@@ -6,11 +6,11 @@ stage, TP slices over the lane's TP group) and reuses it whenever the shape come
 parameters are refilled from the optimizer shards by every step's pull, so a cached model
 never carries stale weights.
 
-Gradients live in one flat buffer per rank (:class:`GradBuffer`), shared by every stage model
-(one is active per step): the parameters' ``.grad`` are views into it, so backward accumulates
-in place. Why: per-parameter gradients allocated by autograd inside backward land between the
-activations on the C heap, whose freed pages then stay resident (on CPU the step's peak grew
-by ~2x the gradients); one allocation made once never moves.
+Gradients live in one flat fp32 buffer per rank (:class:`GradBuffer`), shared by every stage model
+(one is active per step): the parameters' ``.grad`` (``main_grad`` for half-precision ones) are views
+into it, so backward accumulates in place, in fp32. Why: per-parameter gradients allocated by autograd
+inside backward land between the activations on the C heap, whose freed pages then stay resident (on
+CPU the step's peak grew by ~2x the gradients); one allocation made once never moves.
 """
 
 from __future__ import annotations
@@ -41,41 +41,70 @@ class StageModel:
 
 
 class GradBuffer:
-    """One flat gradient buffer per (rank, dtype), grown to the largest stage model seen."""
+    """One flat fp32 gradient buffer per rank, grown to the largest stage model seen.
+
+    fp32 parameters take their ``.grad`` as views of it (backward accumulates in place). Half-precision
+    parameters get fp32 views as ``main_grad`` instead (Megatron's name), and the hook that
+    :func:`accumulate_in_fp32` installs adds each backward's half gradient into it and drops it: the
+    gradients of several microbatches sum in fp32, not in bf16 (where every addition rounds to 8 bits)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._flat: dict[torch.dtype, torch.Tensor] = {}  # [capacity] per parameter dtype
+        self._flat: torch.Tensor | None = None  # [capacity] fp32
 
     def attach(self, params: Sequence[LocalParam], layout: FlatLayout | None = None) -> torch.Tensor | None:
-        """Point every parameter's ``.grad`` at a zeroed view of the buffer. With ``layout``, where ``params``
-        are the layout's own (:func:`in_layout_order`), the buffer is laid out as the layout, padding
-        included, and returned (``[padded]``): its windows can hold the optimizer's gradient shards
+        """Point every parameter's gradient (``.grad``, or ``main_grad`` for half ones) at a zeroed view of the
+        buffer. With ``layout``, where ``params`` are the layout's own (:func:`in_layout_order`), the buffer is
+        laid out as the layout, padding included, and returned (``[padded]``): its windows can hold the
+        optimizer's gradient shards
         (:meth:`~parallel_runtime.training.optimizer.ShardedOptimizer.share_grad`); else ``None``."""
-        need = _numel_by_dtype(params)
+        need = sum(lp.tensor.numel() for lp in params)
         shared = layout is not None and in_layout_order(params, layout)
         if shared:
-            need[torch.float32] = layout.padded  # the padding stays zero: backward never writes it
-        offsets = dict.fromkeys(need, 0)
-        for dtype, n in need.items():
-            flat = self._flat.get(dtype)
-            if flat is None or flat.numel() < n:
-                self._flat.pop(dtype, None)  # free the old buffer before the larger one is made
-                flat = self._flat[dtype] = torch.zeros(n, dtype=dtype, device=self.device)
-            else:
-                flat[:n].zero_()
+            need = layout.padded  # the padding stays zero: backward never writes it
+        flat = self._flat
+        if flat is None or flat.numel() < need:
+            self._flat = None  # free the old buffer before the larger one is made
+            flat = self._flat = torch.zeros(need, dtype=torch.float32, device=self.device)
+        else:
+            flat[:need].zero_()
+        o = 0
         for lp in params:
             t = lp.tensor
-            o = offsets[t.dtype]
-            t.grad = self._flat[t.dtype][o:o + t.numel()].view_as(t)
-            offsets[t.dtype] = o + t.numel()
-        return self._flat[torch.float32][:layout.padded] if shared else None
+            view = flat[o:o + t.numel()].view(t.shape)
+            if t.dtype == torch.float32:
+                t.grad = view
+            else:
+                t.grad = None
+                t.main_grad = view
+            o += t.numel()
+        return flat[:layout.padded] if shared else None
 
     @staticmethod
     def detach(params: Sequence[LocalParam]) -> None:
         """Drop the views (the buffer stays for the next step)."""
         for lp in params:
             lp.tensor.grad = None
+            if getattr(lp.tensor, "main_grad", None) is not None:
+                lp.tensor.main_grad = None
+
+
+def accumulate_in_fp32(params: Sequence[LocalParam]) -> None:
+    """Install on every half-precision parameter the hook that adds its gradient into its fp32 ``main_grad``
+    (when the buffer is attached) and frees it. Call once per model, before any other gradient hook (hooks
+    run in the order they were registered: the overlap's push reads ``main_grad`` after this one)."""
+    for lp in params:
+        t = lp.tensor
+        if t.dtype != torch.float32 and not getattr(t, "_fp32_hook", False):
+            t.register_post_accumulate_grad_hook(_add_to_main_grad)
+            t._fp32_hook = True
+
+
+def _add_to_main_grad(p: torch.Tensor) -> None:
+    main = getattr(p, "main_grad", None)
+    if main is not None and p.grad is not None:
+        main.add_(p.grad)
+        p.grad = None
 
 
 def in_layout_order(params: Sequence[LocalParam], layout: FlatLayout) -> bool:
@@ -153,5 +182,7 @@ class Runtime:
         return sm
 
     def _stage(self, model, params: tuple[LocalParam, ...]) -> StageModel:
-        """A new stage model, its parameters moved into one buffer (:func:`flatten_params`)."""
+        """A new stage model, its parameters moved into one buffer (:func:`flatten_params`), half-precision
+        gradients summed in fp32 (:func:`accumulate_in_fp32`)."""
+        accumulate_in_fp32(params)
         return StageModel(model=model, params=params, flat=flatten_params(params, self.layout))

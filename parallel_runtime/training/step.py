@@ -28,6 +28,7 @@ from balanced_loader.calibration.samples import Samples, sample_rows
 from balanced_loader.materialize import Microbatch
 from balanced_loader.plan import StepPlan
 from parallel_runtime.engines.context import make_engine, shard_microbatch
+from parallel_runtime.engines.device import to_device
 from parallel_runtime.engines.pipeline import Clock, PipelineStage, StageInput, StageLink
 from parallel_runtime.model import Transformer, local_attention
 from parallel_runtime.topology import Topology
@@ -49,21 +50,31 @@ class FBResult:
     samples: Samples = field(default_factory=Samples.empty)  # per microbatch: features and measured times
     spans: tuple[tuple[int, str, float, float], ...] = ()  # (microbatch, F|B, wall start, end) when asked
     start_s: float = 0.0  # time.perf_counter() when the forward/backward began
+    timer: str = "thread-cpu"  # what timed the compute blocks (pipeline.Clock.timer)
+    # not resolved yet (forward_backward(resolve=False)): what resolved() reads after the step
+    pending: Callable[[], FBResult] | None = field(default=None, repr=False, compare=False)
+
+    def resolved(self) -> FBResult:
+        """The figures read from the device (CUDA events, the loss): once, after the step's last collective."""
+        return self if self.pending is None else self.pending()
 
 
 def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: Sequence[Microbatch],
                      num_valid_tokens: int, *, step: int = 0, spans: bool = False,
                      sync_point: Callable[[], None] | None = None,
-                     after_backward: Callable[[], None] | None = None) -> tuple[FBResult, StageModel]:
+                     after_backward: Callable[[], None] | None = None,
+                     resolve: bool = True) -> tuple[FBResult, StageModel]:
     """Run this rank's microbatches of ``plan`` (gradients accumulate in the stage model); ``spans``: keep
     every compute block's wall start and end (the measured trace); ``sync_point``, ``after_backward``: see
-    :class:`~parallel_runtime.engines.pipeline.PipelineStage`."""
+    :class:`~parallel_runtime.engines.pipeline.PipelineStage`; ``resolve=False``: read nothing from the device
+    yet (times and loss come with :meth:`FBResult.resolved`, which the trainer calls after the push)."""
     t0 = time.perf_counter()
     c = topo.coord(rt.rank)
     pool = plan.pools[c.pool]
     sm = rt.stage_model(topo)
     prev, nxt = topo.stage_neighbours(rt.rank)
-    link = StageLink(prev=prev, next=nxt, group=rt.groups.get(topo.pipeline_ranks(rt.rank)) if pool.pp > 1 else None)
+    link = StageLink(prev=prev, next=nxt, group=rt.groups.get(topo.pipeline_ranks(rt.rank)) if pool.pp > 1 else None,
+                     dtype=rt.dtype, device=rt.device)
     clock = Clock(rt.device, spans=spans)
     stage = PipelineStage(sm.model, link, num_valid_tokens=num_valid_tokens, dtype=rt.dtype, device=rt.device,
                           clock=clock, sync_point=sync_point, after_backward=after_backward)
@@ -84,14 +95,24 @@ def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: 
         def barrier() -> None:
             dist.barrier(group=group)
     n = stage.run(len(pool.microbatches), c.stage, pool.pp, inputs, pool.barriers, barrier)
-    loss = stage.loss_sum if c.tp_index == 0 else 0.0  # TP ranks of a lane share one loss: count it once
-    clock.finish()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    loss = stage.loss_tensor if c.tp_index == 0 else None  # TP ranks of a lane share one loss: count it once
     ran = [mb for mb in microbatches if not mb.padding]
-    samples = sample_rows(step, rt.rank, [(pool.tp, pool.pp, mb.degree, mb.cp_inner, mb.seq_lengths) for mb in ran],
-                          [clock.cost_ms.get(mb.k, 0.0) for mb in ran], [clock.wall_ms.get(mb.k, 0.0) for mb in ran])
-    return FBResult(loss_sum=loss, compute_ms=clock.total_s * 1e3, wall_ms=(time.perf_counter() - t0) * 1e3,
-                    microbatches=n, pipeline_bytes=link.bytes_sent, busy_wall_ms=sum(clock.wall_ms.values()),
-                    samples=samples, spans=tuple(clock.spans or ()), start_s=t0), sm
+
+    def read() -> FBResult:
+        clock.finish()
+        shapes = [(pool.tp, pool.pp, mb.degree, mb.cp_inner, mb.seq_lengths) for mb in ran]
+        samples = sample_rows(step, rt.rank, shapes, [clock.cost_ms.get(mb.k, 0.0) for mb in ran],
+                              [clock.wall_ms.get(mb.k, 0.0) for mb in ran])
+        return FBResult(loss_sum=0.0 if loss is None else float(loss), compute_ms=clock.total_s * 1e3,
+                        wall_ms=wall_ms, microbatches=n, pipeline_bytes=link.bytes_sent,
+                        busy_wall_ms=sum(clock.wall_ms.values()), samples=samples, spans=tuple(clock.spans or ()),
+                        start_s=t0, timer=clock.timer)
+
+    if resolve:
+        return read(), sm
+    return FBResult(loss_sum=0.0, compute_ms=0.0, wall_ms=wall_ms, microbatches=n, pipeline_bytes=link.bytes_sent,
+                    start_s=t0, timer=clock.timer, pending=read), sm
 
 
 def _input_builder(rt: Runtime, mb: Microbatch, cp_ranks: tuple[int, ...], first: bool,
@@ -99,14 +120,14 @@ def _input_builder(rt: Runtime, mb: Microbatch, cp_ranks: tuple[int, ...], first
     def build() -> StageInput:
         dev = rt.device
         if mb.degree == 1:
-            attn = local_attention(torch.from_numpy(mb.cu_seqlens).to(dev), rt.attention)
+            attn = local_attention(to_device(mb.cu_seqlens, dev), rt.attention, host_cu_seqlens=mb.cu_seqlens)
         else:
             engine = make_engine(engine_kind(mb.degree, mb.cp_inner), rt.groups, cp_ranks, rt.rank,
                                  inner=mb.cp_inner, impl=rt.attention)
             attn = engine.bind(mb.seq_lengths)
-        return StageInput(num_tokens=mb.num_tokens, position_ids=torch.from_numpy(mb.position_ids).to(dev),
-                          input_ids=torch.from_numpy(mb.input_ids).to(dev) if first else None,
-                          labels=torch.from_numpy(mb.labels).to(dev) if last else None, attn=attn)
+        return StageInput(num_tokens=mb.num_tokens, position_ids=to_device(mb.position_ids, dev),
+                          input_ids=to_device(mb.input_ids, dev) if first else None,
+                          labels=to_device(mb.labels, dev) if last else None, attn=attn)
 
     return build
 
@@ -127,20 +148,23 @@ def reference_forward_backward(model: Transformer, plan: StepPlan, source, num_v
     microbatch of whole (unpadded) segments, token losses summed and divided by the global valid tokens."""
     t0 = time.perf_counter()
     clock = Clock(device)
-    loss_sum, n = 0.0, 0
+    losses: list[torch.Tensor] = []
+    n = 0
     for pool in plan.pools:
         for mb in pool.microbatches:
             for g in mb:
                 toks = [np.asarray(source.read(d, s, ln), dtype=np.int64) for d, s, ln in g.segments]
                 b = shard_microbatch(toks, 1, 0)
                 with clock:
-                    ids, pos, labels = (torch.from_numpy(b[k]).to(device) for k in ("input_ids", "position_ids",
-                                                                                    "labels"))
-                    attn = local_attention(torch.from_numpy(b["cu_seqlens"]).to(device), attention)
+                    ids, pos, labels = (to_device(b[k], device) for k in ("input_ids", "position_ids", "labels"))
+                    attn = local_attention(to_device(b["cu_seqlens"], device), attention,
+                                           host_cu_seqlens=b["cu_seqlens"])
                     loss = model(ids, pos, labels, attn=attn, num_valid_tokens=num_valid_tokens)
                     loss.backward()
-                loss_sum += float(loss.detach())
+                losses.append(loss.detach())
                 n += 1
+    loss_sum = sum(float(x) for x in losses)  # read once the work is queued (fp64 sums, in order)
+    clock.finish()
     return FBResult(loss_sum=loss_sum, compute_ms=clock.total_s * 1e3, wall_ms=(time.perf_counter() - t0) * 1e3,
-                    microbatches=n, pipeline_bytes=0, busy_wall_ms=sum(clock.wall_ms.values()))
+                    microbatches=n, pipeline_bytes=0, busy_wall_ms=sum(clock.wall_ms.values()), timer=clock.timer)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -51,13 +52,15 @@ from parallel_runtime.training import metrics as M
 from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.heap import set_heap_mmap_threshold
-from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
+from parallel_runtime.training.layout import grad_of
+from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer, bucket_limit
 from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, exchange_group
 from parallel_runtime.training.params import init_params, local_params, param_specs
 from parallel_runtime.training.peaks import PeakProbe
 from parallel_runtime.training.plan_check import check_plan_runs_here
-from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime
-from parallel_runtime.training.step import FBResult, forward_backward, reference_forward_backward
+from parallel_runtime.training.rank_step import StepHooks, execute_step
+from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime, accumulate_in_fp32
+from parallel_runtime.training.step import FBResult, reference_forward_backward
 
 
 def open_data(recipe: Recipe, *, build: bool):
@@ -76,6 +79,20 @@ def open_data(recipe: Recipe, *, build: bool):
 
         return stdlib_shards(d.shards_dir, limit=d.stdlib_limit) if build else ShardSource(d.shards_dir)
     return open_source(recipe.resolve(d.source), read_timeout_s=d.read_timeout_s)
+
+
+def recipe_loader(recipe: Recipe, source, policy: str, *, rank: int, cost=None, calibrate: bool = False,
+                  prefetch_steps: int | None = None) -> BalancedLoader:
+    """The loader a recipe's run plans with (the trainer's, and ``diagnostics.estimate``'s: the same plans)."""
+    r, d = recipe, recipe.data
+    return BalancedLoader(source, policy=policy, cost=cost if cost is not None else r.cost_model(),
+                          world_size=r.world.size, rank=rank, global_batch_tokens=d.global_batch_tokens, seed=r.seed,
+                          max_seq_len=d.max_seq_len, long_docs=d.long_docs, shuffle=d.shuffle,
+                          shuffle_window=d.shuffle_window, epochs=None,
+                          prefetch_steps=d.prefetch_steps if prefetch_steps is None else prefetch_steps,
+                          planner_workers=d.planner_workers, plan_config=r.plan_config(policy),
+                          cp_inner=r.loader_cp_inner(), order=d.order,
+                          calibrate=r.calibration if calibrate else False)
 
 
 DATA_BUILD_TIMEOUT_S = 3600.0  # how long ranks wait for the bundled corpus to be built (not world.timeout_s)
@@ -200,16 +217,18 @@ class Trainer:
         self.compare = {} if reference else {name: self._loader(name) for name in recipe.policy.compare}
         self.loop = ClosedLoop(calibrate=recipe.train.calibrate, trace=recipe.train.trace, rank=rank,
                                world_size=world, reference=reference, loader=self.loader,
-                               others=list(self.compare.values()), out_dir=out_dir)
+                               others=list(self.compare.values()), out_dir=out_dir, device=self.device)
         self._fb: FBResult | None = None  # this rank's forward/backward of the step being run
         hf = HFModel(recipe.model.hf, seed=recipe.seed) if recipe.model.hf is not None else None  # model.hf
         specs = hf.specs if hf else param_specs(recipe.model)
         overlap = distributed and recipe.train.overlap
+        gpu = self.device.type == "cuda"  # buckets of at least 1 MiB per peer there (bucket_limit)
         self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
                                           hf.init_params() if hf else init_params(recipe.model, recipe.seed),
                                           recipe.optimizer, rank=rank, device=self.device,
                                           group=exchange_group(world) if overlap else None,
-                                          **({"bucket_elems": BUCKET_ELEMS} if overlap else {}))
+                                          **({"bucket_elems": bucket_limit(BUCKET_ELEMS, world, gpu=gpu)}
+                                             if overlap else {}))
         self.overlap = Overlap(self.optimizer) if overlap else None  # train.overlap: buckets beside compute
         self.groups = None
         # small collectives (fingerprints, per-rank stats) on the backend's device: NCCL moves CUDA tensors only
@@ -227,6 +246,11 @@ class Trainer:
         else:
             self.model = Transformer(recipe.model, device=self.device, dtype=self.dtype, seed=None)
             self.ref_params = local_params(self.model, {s.name: s for s in specs})
+        # a half-precision reference sums its microbatches' gradients in fp32, as the runtime does
+        self._ref_grads = None
+        if reference and self.dtype != torch.float32:
+            accumulate_in_fp32(self.ref_params)
+            self._ref_grads = GradBuffer(self.device)
         self.metrics = M.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
         # samples from hooks in the models and between phases: no thread waking beside the compute
         # (heap trims below the process's high mark only with recompute: see peaks.py)
@@ -240,14 +264,8 @@ class Trainer:
         self._load_checkpoint(allow_changed, fresh)
 
     def _loader(self, policy: str, *, calibrate: bool = False) -> BalancedLoader:
-        r, d = self.recipe, self.recipe.data
-        return BalancedLoader(self.source, policy=policy, cost=self.cost, world_size=r.world.size,
-                              rank=self.info.rank, global_batch_tokens=d.global_batch_tokens, seed=r.seed,
-                              max_seq_len=d.max_seq_len, long_docs=d.long_docs, shuffle=d.shuffle,
-                              shuffle_window=d.shuffle_window, epochs=None, prefetch_steps=d.prefetch_steps,
-                              planner_workers=d.planner_workers, plan_config=r.plan_config(policy),
-                              cp_inner=r.loader_cp_inner(), order=d.order,
-                              calibrate=r.calibration if calibrate else False)
+        return recipe_loader(self.recipe, self.source, policy, rank=self.info.rank, cost=self.cost,
+                             calibrate=calibrate)
 
     # ---- the loop ---------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict[str, Any]]:
@@ -351,43 +369,13 @@ class Trainer:
         with phase(f"the plan check of step {s}", world), times.phase("plan_check"):
             topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, sequences=batch.sequences,
                                                     groups=self.groups, comm_device=self.comm_device)
-        sm = self.runtime.stage_model(topo)
-        sm.model.recompute = self.recipe.train.recompute
-        self.probe.watch(sm.model)
-        if sm.flat is not None:  # a whole fp32 model: its own shard of parameters is the master from now on
-            self.optimizer.share_master(sm.flat)
-        # the step's gradients, zeroed; the optimizer's gradient shard inside them where they are laid out as
-        # its layout (a whole fp32 model), unless another policy's pass runs between push and optimizer step
-        full = self.runtime.grads.attach(sm.params, self.optimizer.layout if push and not self.compare else None)
-        if push:
-            self.optimizer.share_grad(full)
-        ex = None  # with train.overlap: the step's pull and push in flight beside forward/backward
-        with phase(f"the parameter pull of step {s}", world), times.phase("pull"):
-            if self.overlap is not None:
-                ex = self.overlap.begin(sm.model, sm.params, microbatches=len(batch.microbatches), push=push)
-            else:
-                self.optimizer.pull(sm.params)
-        self._trim()
-        saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
-        with (phase(f"forward/backward of step {s}", _step_peers(topo, plan, self.info.rank)), saved.hooks(),
-              times.phase("forward_backward")):
-            res, _ = forward_backward(self.runtime, plan, topo, batch.microbatches, batch.num_valid_tokens,
-                                      step=s, spans=self.recipe.train.trace and push,
-                                      sync_point=ex.settle if ex is not None else None)
+        hooks = _TrainerHooks(self, topo, plan, s, push)
+        res = execute_step(self.runtime, self.optimizer, self.overlap, topo, plan, batch.microbatches,
+                           batch.num_valid_tokens, step=s, push=push, share_grad=not self.compare,
+                           recompute=self.recipe.train.recompute, spans=self.recipe.train.trace and push, hooks=hooks)
         if push:
             self._fb = res
-        if not res.microbatches:  # an idle rank contributes no gradient (and moves no bytes in the push)
-            GradBuffer.detach(sm.params)
-        self._trim()
-        with phase(f"the gradient push of step {s}", world), times.phase("push"):
-            if push:
-                self._note_memory(sm.params, saved)
-            if ex is not None:
-                ex.finish()
-            elif push:
-                self.optimizer.push(sm.params)
-            GradBuffer.detach(sm.params)
-            self._trim()
+        with phase(f"the gradient push of step {s}", world):
             stats = RankStats.of(res, batch.planner_wait_s).gather(self.comm_device)
         return stats, new_groups
 
@@ -408,6 +396,8 @@ class Trainer:
         self.model.recompute = self.recipe.train.recompute
         self.probe.watch(self.model)
         self.optimizer.pull(self.ref_params)
+        if self._ref_grads is not None:
+            self._ref_grads.attach(self.ref_params)
         saved = M.SavedActivations(exclude=[lp.tensor for lp in self.ref_params])
         with saved.hooks():
             res = reference_forward_backward(self.model, batch.plan, self.source, batch.num_valid_tokens,
@@ -421,7 +411,7 @@ class Trainer:
     def _note_memory(self, params, saved: M.SavedActivations) -> None:
         """This rank's working parameters, their gradients and the peak of saved activations, before the push."""
         self._memory = {"params_bytes": M.tensor_bytes(lp.tensor for lp in params),
-                        "grads_bytes": M.tensor_bytes(lp.tensor.grad for lp in params),
+                        "grads_bytes": M.tensor_bytes(grad_of(lp.tensor) for lp in params),
                         "activations_bytes": saved.peak}
 
     def _trim(self) -> None:
@@ -430,6 +420,16 @@ class Trainer:
         if self.device.type == "cpu":
             self.probe.between_phases()
 
+    def _process_groups(self) -> int:
+        """Process groups this rank is in: the world, the optimizer's exchange group and the plan groups (NCCL
+        makes a communicator, with its own device buffers, for each one used)."""
+        if self.info.reference:
+            return 0
+        groups = {id(g) for g in self.groups.members()} | {id(dist.group.WORLD)}
+        if self.optimizer.group is not None:
+            groups.add(id(self.optimizer.group))
+        return len(groups)
+
     def _memory_record(self) -> dict[str, Any]:
         """Every rank's peak and parts (collective unless a reference run); keys in docs/runtime.md."""
         o = self.optimizer
@@ -437,7 +437,8 @@ class Trainer:
         mine = {"peak_bytes": peak, "base_bytes": self.probe.base, **self._memory,
                 "optimizer_bytes": o.state_bytes,  # a gradient shard inside the working gradients is in grads_bytes
                 "comm_bytes": o.buffer_bytes,  # the reusable fp32 send and receive buffers of the buckets
-                "peak_exact": int(self.probe.exact), "heap_trims": self.probe.trims}
+                "peak_exact": int(self.probe.exact), "heap_trims": self.probe.trims,
+                "process_groups": self._process_groups()}
         self._memory = {}
         rows = M.gather_values(mine, None if self.info.reference else self.comm_device)
         return {**rows, "peak_exact": [bool(x) for x in rows["peak_exact"]]}
@@ -501,6 +502,38 @@ class Trainer:
             ld.close()
         if self._out_lock is not None:
             self._out_lock.release()
+
+
+class _TrainerHooks(StepHooks):
+    """The trainer around a step's pieces: failure phases (who a timeout waited on), phase times, memory probes."""
+
+    def __init__(self, trainer: Trainer, topo: Topology, plan, step: int, push: bool) -> None:
+        self.t, self.topo, self.plan, self.step, self.push = trainer, topo, plan, step, push
+        self.saved: M.SavedActivations | None = None
+
+    def phase(self, name: str) -> ExitStack:
+        t, s = self.t, self.step
+        what, peers = {"pull": (f"the parameter pull of step {s}", t._all),
+                       "push": (f"the gradient push of step {s}", t._all),
+                       "forward_backward": (f"forward/backward of step {s}",
+                                            _step_peers(self.topo, self.plan, t.info.rank))}[name]
+        stack = ExitStack()
+        stack.enter_context(phase(what, peers))
+        if name == "forward_backward":
+            stack.enter_context(self.saved.hooks())
+        stack.enter_context(t.times.phase(name))
+        return stack
+
+    def model(self, sm) -> None:
+        self.t.probe.watch(sm.model)
+        self.saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
+
+    def between(self) -> None:
+        self.t._trim()
+
+    def before_push(self, sm) -> None:
+        if self.push:
+            self.t._note_memory(sm.params, self.saved)
 
 
 def _ref_attention(recipe: Recipe) -> str:

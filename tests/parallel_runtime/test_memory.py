@@ -133,7 +133,7 @@ def test_gradients_accumulate_in_one_flat_buffer() -> None:
     for _ in range(2):  # the second attach must zero what the first step left
         buf.attach(params)
         two_microbatches()
-    flat = buf._flat[torch.float32]
+    flat = buf._flat
     assert flat.numel() == sum(lp.tensor.numel() for lp in params)
     for lp, w in zip(params, want, strict=True):
         assert lp.tensor.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()

@@ -138,16 +138,17 @@ def _perturbed(rank: int, world: int, sets: list[str], out: str) -> None:
 
 def _crash(rank: int, world: int, sets: list[str], out: str) -> None:
     from parallel_runtime.config import load_recipe
+    from parallel_runtime.training import rank_step
     from parallel_runtime.training import trainer as tr
 
-    real = tr.forward_backward
+    real = rank_step.forward_backward
 
     def fb(rt, plan, *a, **k):
         if rank == 1 and plan.step == 1:
             raise RuntimeError("rank 1 lost its device")
         return real(rt, plan, *a, **k)
 
-    tr.forward_backward = fb
+    rank_step.forward_backward = fb
     tr.Trainer(load_recipe(HETERO, sets), out).train(3)
 
 
