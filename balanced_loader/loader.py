@@ -44,7 +44,7 @@ import numpy as np
 from balanced_loader.batches.epochs import EpochCuts
 from balanced_loader.batches.items import LONG_DOC_MODES, DocStats
 from balanced_loader.batches.stream import BatchStream, Cut, stream_for
-from balanced_loader.calibration.schedule import CostSchedule
+from balanced_loader.calibration.cost_schedule import CostSchedule
 from balanced_loader.cost import CostModel
 from balanced_loader.data.mixture import MixtureSource
 from balanced_loader.data.open import open_source

@@ -67,7 +67,7 @@ def median_error(pred: Sequence[float] | np.ndarray, meas: Sequence[float] | np.
     return float(np.median(np.abs(p[ok] - m[ok]) / m[ok])) if ok.any() else 0.0
 
 
-def balance(plan: StepPlan, cost: CostModel, compute_ms: Sequence[float], wall_ms: Sequence[float],
+def step_balance(plan: StepPlan, cost: CostModel, compute_ms: Sequence[float], wall_ms: Sequence[float],
             busy_wall_ms: Sequence[float]) -> dict[str, Any]:
     """Predicted and measured balance of one executed plan with the cost model that planned it (keys as in
     ``metrics.jsonl``, docs/runtime.md): the contention-free part (the cost file's coefficients against

@@ -334,7 +334,8 @@ class Trainer:
             norm = self.optimizer.step()
         memory = self._memory_record()
         self.times.add("exposed_comm", self.optimizer.comm_s - comm0)
-        bal = M.balance(plan, self.loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms, stats.busy_wall_ms)
+        bal = M.step_balance(plan, self.loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms,
+                             stats.busy_wall_ms)
         if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
             bal.update(skew=1.0, wall_skew=1.0, measured_bubble=0.0)
         if self.loop.active:
@@ -390,7 +391,8 @@ class Trainer:
         plan = batch.plan
         stats, _ = self._execute(batch, push=False)
         return {"fingerprint": plan.fingerprint(), "loss": float(stats.loss_sum.sum()), **M.plan_shape(plan),
-                **M.balance(plan, loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms, stats.busy_wall_ms)}
+                **M.step_balance(plan, loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms,
+                                 stats.busy_wall_ms)}
 
     def _reference_fb(self, batch: StepBatch) -> FBResult:
         self.model.recompute = self.recipe.train.recompute
