@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import balanced_loader as bl
-from parallel_runtime.hf import enable_context_parallel
+from parallel_runtime.integrations import enable_context_parallel
 
 MAX_SEQ_LEN = 512  # the same docs (cut at the same length) whatever the number of processes
 

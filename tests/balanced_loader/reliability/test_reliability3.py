@@ -5,7 +5,7 @@ mixture weights and schedules in overflow-safe, bounded arithmetic; ``plan`` wit
 stating and bounding its steps; an empty plan, repeated step numbers and blank length lines refused.
 Calibration state, outputs, RL balancing and the HF integrations have files of their own
 (``test_calibration_state.py``, ``test_outputs_clobber.py``, ``test_rl_extremes.py``,
-``tests/parallel_runtime/hf/test_hf_cp_sync.py``).
+``tests/parallel_runtime/integrations/test_hf_cp_sync.py``).
 """
 
 from __future__ import annotations

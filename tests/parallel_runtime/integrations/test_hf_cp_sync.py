@@ -36,7 +36,7 @@ def _plan() -> StepPlan:
 def _per_rank(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from parallel_runtime.hf import enable_context_parallel
+    from parallel_runtime.integrations import enable_context_parallel
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, 128, n) for n in (24, 40, 16)]

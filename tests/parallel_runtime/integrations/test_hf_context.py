@@ -22,7 +22,7 @@ from distributed import accelerate_launch, run_commands  # noqa: E402
 
 from balanced_loader.cost import CostModel  # noqa: E402
 from balanced_loader.wrapping import wrap  # noqa: E402
-from parallel_runtime.hf import enable_context_parallel  # noqa: E402
+from parallel_runtime.integrations import enable_context_parallel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "hf_dynamic_cp.py"
