@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -442,8 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         if recipe.model.hf is not None:
             raise ValueError("estimate runs the native decoder; this recipe sets model.hf")
-        if args.steps < 1 or args.device_gib <= 0 or args.jobs < 1 or args.replay_layers < 0:
-            raise ValueError("--steps and --jobs must be >= 1, --device-gib > 0, --replay-layers >= 0")
+        if args.steps < 1 or not args.device_gib > 0 or not math.isfinite(args.device_gib) or args.jobs < 1 \
+                or args.replay_layers < 0:
+            raise ValueError("--steps and --jobs must be >= 1, --device-gib a finite number > 0, --replay-layers >= 0")
+        from balanced_loader.outputs.files import check_output
+
+        check_output(args.out, inputs=[args.recipe], folder=True, names=["estimate.json"])
     except ValueError as e:
         print(f"parallel_runtime estimate: error: {e}", file=sys.stderr)
         return 2

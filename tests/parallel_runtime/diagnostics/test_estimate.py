@@ -247,3 +247,23 @@ def test_tp_ranks_wait_for_the_same_pull_buckets(monkeypatch) -> None:
     recipe, ctx = _context([StepPlan.from_json(plan, 4)], ["train.overlap=true", "world.cp_engine=ring"])
     res = replay(replay_traces(ctx, recipe))
     assert res.ok, res.summary()
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--device-gib", "nan"], "--device-gib a finite number > 0"),
+    (["--out", "RECIPE"], "is a file, not a folder"),
+    (["--out", "/dev/full"], "names a device or process file"),
+])
+def test_estimate_refuses_bad_options_in_one_line(extra, says, capsys, tmp_path):
+    """A NaN device size, an --out that is its own recipe or a device: one line, exit 2, nothing written
+    (they were tracebacks on every fake rank, after the whole estimate)."""
+    from parallel_runtime.diagnostics.estimate import main
+
+    recipe = str(REPO / "recipes" / "gpu-h100x8-dcp.yaml")
+    before = Path(recipe).read_bytes()
+    args = ["--recipe", recipe, "--steps", "1", "--no-replay", "--out", str(tmp_path / "e")]
+    args += [recipe if x == "RECIPE" else x for x in extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+    assert Path(recipe).read_bytes() == before and not (tmp_path / "e").exists()
