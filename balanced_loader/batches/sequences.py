@@ -101,6 +101,14 @@ class Run:
                    doc_len=self.doc_len[a:b], units=self.units[a:b], offsets=self.offsets[a:b], epoch=self.epoch,
                    window=self.window, end=self.end)
 
+    def trained(self, offset: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(doc ids + offset, starts, tokens)`` of the sequences with tokens (``[m]`` each; views when every
+        sequence has tokens): what a step plans of this run."""
+        if self.tokens.all():
+            return (self.doc_ids + offset if offset else self.doc_ids), self.starts, self.tokens
+        keep = self.tokens > 0
+        return self.doc_ids[keep] + offset, self.starts[keep], self.tokens[keep]
+
     def positions(self) -> list[SeqPos]:
         """Every sequence's position (``[n]``)."""
         return [SeqPos(self.epoch, self.window, u, o) for u, o in zip(self.units.tolist(), self.offsets.tolist())]

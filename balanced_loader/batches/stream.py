@@ -270,15 +270,10 @@ class BatchStream:
             # next time, read about what this step took (a read-ahead past the step is read again)
             self._chunk[i] = min(max(sum(len(r) for r in parts) * 5 // 4 + 16, 64), 1 << 20)
             for r in parts:
-                if r.tokens.all():
-                    ids.append(r.doc_ids + self.offsets[i] if self.offsets[i] else r.doc_ids)
-                    starts.append(r.starts)
-                    lens.append(r.tokens)
-                else:
-                    keep = r.tokens > 0
-                    ids.append(r.doc_ids[keep] + self.offsets[i])
-                    starts.append(r.starts[keep])
-                    lens.append(r.tokens[keep])
+                d, a, n = r.trained(int(self.offsets[i]))
+                ids.append(d)
+                starts.append(a)
+                lens.append(n)
                 stats = stats + self.sources[i].stats(r, limit)
         items = BatchItems(doc_ids=_joined(ids), starts=_joined(starts), lengths=_joined(lens))
         end = self._after(cur, tuple(places), tuple(ahead), units, sum(units), w)
@@ -302,12 +297,8 @@ class BatchStream:
             return None
         part = run.slice(0, j)
         self._chunk[0] = min(max(j * 5 // 4 + 16, 64), 1 << 20)
-        tokens = part.tokens
-        if tokens.all():
-            items = BatchItems(doc_ids=part.doc_ids, starts=part.starts, lengths=tokens)
-        else:
-            keep = tokens > 0
-            items = BatchItems(doc_ids=part.doc_ids[keep], starts=part.starts[keep], lengths=tokens[keep])
+        d, a, n = part.trained()
+        items = BatchItems(doc_ids=d, starts=a, lengths=n)
         total = int(cum[j - 1]) if j else 0
         end = self._after(cur, (seq.normal(run.at(j)),), ((),), [float(total)], float(total), (1.0,))
         return Cut(items=items, start=cur, end=end, stats=seq.stats(part, limit), mixture_tokens=None)

@@ -115,7 +115,7 @@ def _target(path: str) -> str:
 
 
 def _temp_file(folder: str, base: str, suffix: str) -> tuple[int, str]:
-    """A new hidden temporary file for output ``base`` in ``folder``: ``.BASE.pPID-HOST.XXXXXXXX.tmp``. Its
+    """A new hidden temporary file for output ``base`` in ``folder``: ``.BASE.pPID-HOST.<random>.tmp``. Its
     name says which process made it, so a run first removes the ones of dead processes of this host (what a
     ``kill -9`` left: the output itself was never touched, only this file stayed behind)."""
     tag = f"p{os.getpid()}-{_HOST}"
