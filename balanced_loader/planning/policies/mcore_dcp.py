@@ -166,15 +166,16 @@ def _round(pending: list[int], need: list[int], work: list[float], lanes: int, m
             leftovers.append(last)
         else:
             break
-    # fill_empty_gpus
+    # fill_empty_gpus: double the smallest group while the idle lanes hold the doubling; degrees stay powers
+    # of two (the groups the runtime declares), so in a world that is not a power of two some lanes may idle
+    widest = 1 << floor_level(min(lanes, max_degree))
     while free and groups:
         smallest = min(g.size for g in groups)
-        gid = next(j for j, g in enumerate(groups) if g.size == smallest)
-        grow = min(min(2 * smallest, lanes, max_degree) - smallest, free)
-        if grow <= 0:  # every group is at the --cp cap: the empty lanes stay idle this round
+        if 2 * smallest > widest or smallest > free:  # at the --cp cap, or too few idle lanes to double
             break
-        groups[gid].size += grow
-        free -= grow
+        gid = next(j for j, g in enumerate(groups) if g.size == smallest)
+        groups[gid].size += smallest
+        free -= smallest
     return groups, leftovers
 
 
