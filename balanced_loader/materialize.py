@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from balanced_loader.plan import Group, StepPlan
+from balanced_loader.plan import Group, Segment, StepPlan
 
 if TYPE_CHECKING:
     from balanced_loader.data.sources import Source
@@ -261,6 +261,10 @@ def materialize_group(group: Group, lane: int, source: Source | None, *, cp_inne
     Every position is written once (the arrays start uninitialized).
     """
     d = len(group.lanes)
+    if d == 1:
+        if group.lanes[0] != lane:
+            raise ValueError(f"lane {lane} is not in the group of lane {group.lanes[0]}")
+        return _materialize_whole(group.segments, source, pad_id)
     j = group.lanes.index(lane)
     inner = math.gcd(cp_inner, d)
     offsets = list(accumulate((padded_length(s[2], d) // d for s in group.segments), initial=0))
@@ -297,6 +301,30 @@ def materialize_group(group: Group, lane: int, source: Source | None, *, cp_inne
                     runs.append((-1, 0, count))
             o += count
     return ids, labels, pos_ids, cu, runs
+
+
+def _materialize_whole(segments: tuple[Segment, ...], source: Source | None, pad_id: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """:func:`materialize_group` of a one-lane group (most groups of a step): each segment whole, in one read
+    and with no padding, so no per-run bookkeeping (the same arrays as the general path, which tests check)."""
+    offsets = list(accumulate((s[2] for s in segments), initial=0))
+    cu = np.array(offsets, dtype=np.int32)  # [num_segments + 1]
+    total = offsets[-1]
+    pos_ids = np.empty(total, dtype=np.int64)  # [T]
+    if source is None:
+        ids = np.full(total, pad_id, dtype=np.int64)  # [T]
+        labels = np.full(total, IGNORE_INDEX, dtype=np.int64)  # [T]
+    else:
+        ids = np.empty(total, dtype=np.int64)
+        labels = np.empty(total, dtype=np.int64)
+    for (doc, start, length), o in zip(segments, offsets):
+        pos_ids[o:o + length] = _iota(length)
+        if source is not None:
+            toks = source.read(doc, start, length)
+            ids[o:o + length] = toks
+            labels[o:o + length - 1] = toks[1:]
+            labels[o + length - 1] = IGNORE_INDEX
+    return ids, labels, pos_ids, cu, list(segments)
 
 
 def group_reads(group: Group, lane: int, *, cp_inner: int = 1) -> list[tuple[int, int, int]]:
