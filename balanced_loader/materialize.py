@@ -253,6 +253,20 @@ def _iota(n: int) -> np.ndarray:
     return _IOTA[:n]
 
 
+def _lane_arrays(offsets: list[int], source: Source | None, pad_id: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``input_ids, labels, position_ids`` (``[T]`` each, ``T = offsets[-1]``) and ``cu_seqlens`` of one lane:
+    uninitialized where a source will fill them, else padding and ignored labels (middle pipeline stages)."""
+    total = offsets[-1]
+    if source is None:
+        ids = np.full(total, pad_id, dtype=np.int64)  # [T]
+        labels = np.full(total, IGNORE_INDEX, dtype=np.int64)  # [T]
+    else:
+        ids = np.empty(total, dtype=np.int64)
+        labels = np.empty(total, dtype=np.int64)
+    return ids, labels, np.empty(total, dtype=np.int64), np.array(offsets, dtype=np.int32)
+
+
 def materialize_group(group: Group, lane: int, source: Source | None, *, cp_inner: int = 1, pad_id: int = 0
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
     """``input_ids, labels, position_ids, cu_seqlens, runs`` of one lane of a group.
@@ -268,15 +282,7 @@ def materialize_group(group: Group, lane: int, source: Source | None, *, cp_inne
     j = group.lanes.index(lane)
     inner = math.gcd(cp_inner, d)
     offsets = list(accumulate((padded_length(s[2], d) // d for s in group.segments), initial=0))
-    cu = np.array(offsets, dtype=np.int32)  # [num_segments + 1]
-    total = offsets[-1]
-    if source is None:
-        ids = np.full(total, pad_id, dtype=np.int64)  # [T]
-        labels = np.full(total, IGNORE_INDEX, dtype=np.int64)  # [T]
-    else:
-        ids = np.empty(total, dtype=np.int64)
-        labels = np.empty(total, dtype=np.int64)
-    pos_ids = np.empty(total, dtype=np.int64)  # [T]
+    ids, labels, pos_ids, cu = _lane_arrays(offsets, source, pad_id)
     runs: list[tuple[int, int, int]] = []
     for si, (doc, start, length) in enumerate(group.segments):
         o = offsets[si]
@@ -308,15 +314,7 @@ def _materialize_whole(segments: tuple[Segment, ...], source: Source | None, pad
     """:func:`materialize_group` of a one-lane group (most groups of a step): each segment whole, in one read
     and with no padding, so no per-run bookkeeping (the same arrays as the general path, which tests check)."""
     offsets = list(accumulate((s[2] for s in segments), initial=0))
-    cu = np.array(offsets, dtype=np.int32)  # [num_segments + 1]
-    total = offsets[-1]
-    pos_ids = np.empty(total, dtype=np.int64)  # [T]
-    if source is None:
-        ids = np.full(total, pad_id, dtype=np.int64)  # [T]
-        labels = np.full(total, IGNORE_INDEX, dtype=np.int64)  # [T]
-    else:
-        ids = np.empty(total, dtype=np.int64)
-        labels = np.empty(total, dtype=np.int64)
+    ids, labels, pos_ids, cu = _lane_arrays(offsets, source, pad_id)
     for (doc, start, length), o in zip(segments, offsets):
         pos_ids[o:o + length] = _iota(length)
         if source is not None:
