@@ -17,10 +17,10 @@ from contextlib import AbstractContextManager, nullcontext
 from balanced_loader.materialize import Microbatch
 from balanced_loader.plan import StepPlan
 from parallel_runtime.topology import Topology
-from parallel_runtime.training.optimizer import ShardedOptimizer
 from parallel_runtime.training.overlap import Overlap
 from parallel_runtime.training.runtime import GradBuffer, Runtime, StageModel
 from parallel_runtime.training.step import FBResult, forward_backward
+from parallel_runtime.training.transport import ShardExchange
 
 
 class StepHooks:
@@ -40,7 +40,7 @@ class StepHooks:
         """After forward/backward, before the push (the gradients are final)."""
 
 
-def execute_step(runtime: Runtime, optimizer: ShardedOptimizer, overlap: Overlap | None, topo: Topology,
+def execute_step(runtime: Runtime, exchange: ShardExchange, overlap: Overlap | None, topo: Topology,
                  plan: StepPlan, microbatches: Sequence[Microbatch], num_valid_tokens: int, *, step: int,
                  push: bool = True, share_grad: bool = True, recompute: bool = False, spans: bool = False,
                  hooks: StepHooks | None = None) -> FBResult:
@@ -48,6 +48,7 @@ def execute_step(runtime: Runtime, optimizer: ShardedOptimizer, overlap: Overlap
     ``share_grad``: the optimizer's gradient shard may live inside the working gradients (not when another
     policy's pass runs between this push and the optimizer step)."""
     hooks = hooks or StepHooks()
+    optimizer = exchange.optimizer
     sm = runtime.stage_model(topo)
     sm.model.recompute = recompute
     hooks.model(sm)
@@ -66,7 +67,7 @@ def execute_step(runtime: Runtime, optimizer: ShardedOptimizer, overlap: Overlap
             ex = overlap.begin(sm.model, sm.params, microbatches=sum(not mb.padding for mb in microbatches),
                                push=push)
         else:
-            optimizer.pull(sm.params)
+            exchange.pull(sm.params)
     hooks.between()
     with hooks.phase("forward_backward"):
         res, _ = forward_backward(runtime, plan, topo, microbatches, num_valid_tokens, step=step, spans=spans,
@@ -80,7 +81,7 @@ def execute_step(runtime: Runtime, optimizer: ShardedOptimizer, overlap: Overlap
         if ex is not None:
             ex.finish()
         elif push:
-            optimizer.push(sm.params)
+            exchange.push(sm.params)
         GradBuffer.detach(sm.params)
         hooks.between()
     return res.resolved()  # times and loss read from the device once, after the step's last collective

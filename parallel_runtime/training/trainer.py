@@ -53,14 +53,15 @@ from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.heap import set_heap_mmap_threshold
 from parallel_runtime.training.layout import grad_of
-from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer, bucket_limit
-from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, exchange_group
+from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
+from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap
 from parallel_runtime.training.params import init_params, local_params, param_specs
 from parallel_runtime.training.peaks import PeakProbe
 from parallel_runtime.training.plan_check import check_plan_runs_here
 from parallel_runtime.training.rank_step import StepHooks, execute_step
 from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime, accumulate_in_fp32
 from parallel_runtime.training.step import FBResult, reference_forward_backward
+from parallel_runtime.training.transport import ExchangeStats, ShardExchange, bucket_limit, exchange_group
 
 
 def open_data(recipe: Recipe, *, build: bool):
@@ -226,10 +227,11 @@ class Trainer:
         self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
                                           hf.init_params() if hf else init_params(recipe.model, recipe.seed),
                                           recipe.optimizer, rank=rank, device=self.device,
-                                          group=exchange_group(world) if overlap else None,
-                                          **({"bucket_elems": bucket_limit(BUCKET_ELEMS, world, gpu=gpu)}
-                                             if overlap else {}))
-        self.overlap = Overlap(self.optimizer) if overlap else None  # train.overlap: buckets beside compute
+                                          group=exchange_group(world) if overlap else None)
+        # pull and push between the shards and this rank's working parameters
+        self.exchange = ShardExchange(self.optimizer,
+                                      bucket_elems=bucket_limit(BUCKET_ELEMS, world, gpu=gpu) if overlap else None)
+        self.overlap = Overlap(self.exchange) if overlap else None  # train.overlap: buckets beside compute
         self.groups = None
         # small collectives (fingerprints, per-rank stats) on the backend's device: NCCL moves CUDA tensors only
         self.comm_device = self.device if distributed and dist.get_backend() == "nccl" else torch.device("cpu")
@@ -320,8 +322,7 @@ class Trainer:
         plan = batch.plan
         self._trim()
         self.probe.reset()
-        self.optimizer.peak_bucket_elems = 0
-        comm0 = self.optimizer.comm_s
+        self.exchange.take_stats()  # this step's record starts here
         if self.info.reference:
             self._fb = self._reference_fb(batch)
             stats = RankStats.of(self._fb, batch.planner_wait_s)
@@ -332,8 +333,9 @@ class Trainer:
         compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
         with phase(f"the optimizer step of step {batch.step}", self._all), self.times.phase("optimizer"):
             norm = self.optimizer.step()
+        moved: ExchangeStats = self.exchange.take_stats()  # the step's pulls and pushes, compare passes' included
         memory = self._memory_record()
-        self.times.add("exposed_comm", self.optimizer.comm_s - comm0)
+        self.times.add("exposed_comm", moved.comm_s + self.optimizer.norm_comm_s)
         bal = M.step_balance(plan, self.loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms,
                              stats.busy_wall_ms)
         if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
@@ -350,14 +352,13 @@ class Trainer:
                "microbatches": [int(x) for x in stats.microbatches],
                "planner_wait_ms": round(float(stats.planner_wait_ms.max()), 3),
                "grad_norm": norm, "lr": self.optimizer.config.lr_at(self.optimizer.steps - 1),
-               "pull_bytes": self.optimizer.bytes_pulled, "push_bytes": self.optimizer.bytes_pushed,
+               "pull_bytes": moved.bytes_pulled, "push_bytes": moved.bytes_pushed,
                "pipeline_bytes": int(stats.pipeline_bytes.sum()), "new_groups": new_groups,
                "step_ms": round((time.perf_counter() - t0) * 1e3, 3), "memory": memory, "time_ms": times}
         if batch.mixture_tokens is not None:
             rec["mixture_tokens"] = batch.mixture_tokens
         if compare:
             rec["compare"] = compare
-        self.optimizer.bytes_pulled = self.optimizer.bytes_pushed = 0
         if self.info.rank == 0:
             self.metrics.write(rec)
         return rec
@@ -371,7 +372,7 @@ class Trainer:
             topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, sequences=batch.sequences,
                                                     groups=self.groups, comm_device=self.comm_device)
         hooks = _TrainerHooks(self, topo, plan, s, push)
-        res = execute_step(self.runtime, self.optimizer, self.overlap, topo, plan, batch.microbatches,
+        res = execute_step(self.runtime, self.exchange, self.overlap, topo, plan, batch.microbatches,
                            batch.num_valid_tokens, step=s, push=push, share_grad=not self.compare,
                            recompute=self.recipe.train.recompute, spans=self.recipe.train.trace and push, hooks=hooks)
         if push:
@@ -397,7 +398,7 @@ class Trainer:
     def _reference_fb(self, batch: StepBatch) -> FBResult:
         self.model.recompute = self.recipe.train.recompute
         self.probe.watch(self.model)
-        self.optimizer.pull(self.ref_params)
+        self.exchange.pull(self.ref_params)
         if self._ref_grads is not None:
             self._ref_grads.attach(self.ref_params)
         saved = M.SavedActivations(exclude=[lp.tensor for lp in self.ref_params])
@@ -405,7 +406,7 @@ class Trainer:
             res = reference_forward_backward(self.model, batch.plan, self.source, batch.num_valid_tokens,
                                              device=self.device, attention=_ref_attention(self.recipe))
         self._note_memory(self.ref_params, saved)
-        self.optimizer.push(self.ref_params)
+        self.exchange.push(self.ref_params)
         GradBuffer.detach(self.ref_params)
         return res
 
@@ -438,7 +439,7 @@ class Trainer:
         peak = self.probe.peak()
         mine = {"peak_bytes": peak, "base_bytes": self.probe.base, **self._memory,
                 "optimizer_bytes": o.state_bytes,  # a gradient shard inside the working gradients is in grads_bytes
-                "comm_bytes": o.buffer_bytes,  # the reusable fp32 send and receive buffers of the buckets
+                "comm_bytes": self.exchange.buffer_bytes,  # the reusable fp32 send and receive buffers of the buckets
                 "peak_exact": int(self.probe.exact), "heap_trims": self.probe.trims,
                 "process_groups": self._process_groups()}
         self._memory = {}
