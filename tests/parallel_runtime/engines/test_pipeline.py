@@ -135,7 +135,7 @@ def run_plans_exact(rank: int, world: int, cases: list[dict]) -> list[dict] | No
             sm = rt.stage_model(topo)
             xc.pull(sm.params)
             mbs = materialize_rank(plan, rank, source, cp_inner=case["inner"])
-            res, _ = forward_backward(rt, plan, topo, mbs, num_valid_tokens(plan))
+            res = forward_backward(rt, sm, plan, topo, mbs, num_valid_tokens(plan))
             xc.push(sm.params)
             for lp in sm.params:
                 lp.tensor.grad = None
