@@ -52,7 +52,6 @@ from parallel_runtime.training import metrics as M
 from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.heap import set_heap_mmap_threshold
-from parallel_runtime.training.layout import grad_of
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
 from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap
 from parallel_runtime.training.params import init_params, local_params, param_specs
@@ -61,6 +60,7 @@ from parallel_runtime.training.plan_check import check_plan_runs_here
 from parallel_runtime.training.rank_step import StepHooks, execute_step
 from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime, accumulate_in_fp32
 from parallel_runtime.training.step import FBResult, reference_forward_backward
+from parallel_runtime.training.step_memory import StepMemory
 from parallel_runtime.training.transport import ExchangeStats, ShardExchange, bucket_limit, exchange_group
 
 
@@ -257,10 +257,9 @@ class Trainer:
         # samples from hooks in the models and between phases: no thread waking beside the compute
         # (heap trims below the process's high mark only with recompute: see peaks.py)
         trim = self.recipe.world.heap_trim_mb << 20
-        self.probe = PeakProbe(self.device, interval_s=None, trim_bytes=trim,
-                               margin_bytes=trim if self.recipe.train.recompute else 0)
+        self.memory = StepMemory(PeakProbe(self.device, interval_s=None, trim_bytes=trim,
+                                           margin_bytes=trim if self.recipe.train.recompute else 0))
         self.times = StepTimes()  # this rank's phase times in the step being run (metrics "time_ms")
-        self._memory: dict[str, int] = {}  # this rank's memory parts in the step being run
         self.step = 0
         self.resumed_from: int | None = None
         self._load_checkpoint(allow_changed, fresh)
@@ -320,19 +319,18 @@ class Trainer:
         """One optimizer step on ``batch``; returns the step's metrics (complete on rank 0)."""
         t0 = time.perf_counter()
         plan = batch.plan
-        self._trim()
-        self.probe.reset()
         self.exchange.take_stats()  # this step's record starts here
-        if self.info.reference:
-            self._fb = self._reference_fb(batch)
-            stats = RankStats.of(self._fb, batch.planner_wait_s)
-            new_groups = 0
-        else:
-            stats, new_groups = self._execute(batch, push=True)
+        with self.memory.step():  # heap trims between phases, the peak from here to the optimizer step's end
+            if self.info.reference:
+                self._fb = self._reference_fb(batch)
+                stats = RankStats.of(self._fb, batch.planner_wait_s)
+                new_groups = 0
+            else:
+                stats, new_groups = self._execute(batch, push=True)
+            compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
+            with phase(f"the optimizer step of step {batch.step}", self._all), self.times.phase("optimizer"):
+                norm = self.optimizer.step()
         fb = self._fb
-        compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
-        with phase(f"the optimizer step of step {batch.step}", self._all), self.times.phase("optimizer"):
-            norm = self.optimizer.step()
         moved: ExchangeStats = self.exchange.take_stats()  # the step's pulls and pushes, compare passes' included
         memory = self._memory_record()
         self.times.add("exposed_comm", moved.comm_s + self.optimizer.norm_comm_s)
@@ -397,32 +395,19 @@ class Trainer:
 
     def _reference_fb(self, batch: StepBatch) -> FBResult:
         self.model.recompute = self.recipe.train.recompute
-        self.probe.watch(self.model)
+        saved = self.memory.watch(self.model, self.ref_params)
         self.exchange.pull(self.ref_params)
         if self._ref_grads is not None:
             self._ref_grads.attach(self.ref_params)
-        saved = M.SavedActivations(exclude=[lp.tensor for lp in self.ref_params])
         with saved.hooks():
             res = reference_forward_backward(self.model, batch.plan, self.source, batch.num_valid_tokens,
                                              device=self.device, attention=_ref_attention(self.recipe))
-        self._note_memory(self.ref_params, saved)
+        self.memory.note(self.ref_params, saved)
         self.exchange.push(self.ref_params)
         GradBuffer.detach(self.ref_params)
         return res
 
     # ---- memory report ---------------------------------------------------------------------
-    def _note_memory(self, params, saved: M.SavedActivations) -> None:
-        """This rank's working parameters, their gradients and the peak of saved activations, before the push."""
-        self._memory = {"params_bytes": M.tensor_bytes(lp.tensor for lp in params),
-                        "grads_bytes": M.tensor_bytes(grad_of(lp.tensor) for lp in params),
-                        "activations_bytes": saved.peak}
-
-    def _trim(self) -> None:
-        """On CPU, between the step's phases: a memory sample, and freed heap pages back to the OS where
-        that can lower the peak (see PeakProbe.between_phases)."""
-        if self.device.type == "cpu":
-            self.probe.between_phases()
-
     def _process_groups(self) -> int:
         """Process groups this rank is in: the world, the optimizer's exchange group and the plan groups (NCCL
         makes a communicator, with its own device buffers, for each one used)."""
@@ -435,14 +420,10 @@ class Trainer:
 
     def _memory_record(self) -> dict[str, Any]:
         """Every rank's peak and parts (collective unless a reference run); keys in docs/runtime.md."""
-        o = self.optimizer
-        peak = self.probe.peak()
-        mine = {"peak_bytes": peak, "base_bytes": self.probe.base, **self._memory,
-                "optimizer_bytes": o.state_bytes,  # a gradient shard inside the working gradients is in grads_bytes
-                "comm_bytes": self.exchange.buffer_bytes,  # the reusable fp32 send and receive buffers of the buckets
-                "peak_exact": int(self.probe.exact), "heap_trims": self.probe.trims,
-                "process_groups": self._process_groups()}
-        self._memory = {}
+        mine = {**self.memory.figures(
+            optimizer_bytes=self.optimizer.state_bytes,  # a gradient shard inside the working gradients: grads_bytes
+            comm_bytes=self.exchange.buffer_bytes),  # the reusable fp32 send and receive buffers of the buckets
+            "process_groups": self._process_groups()}
         rows = M.gather_values(mine, None if self.info.reference else self.comm_device)
         return {**rows, "peak_exact": [bool(x) for x in rows["peak_exact"]]}
 
@@ -499,7 +480,7 @@ class Trainer:
 
     def close(self) -> None:
         self.loop.close()
-        self.probe.close()
+        self.memory.close()
         self.loader.close()
         for ld in self.compare.values():
             ld.close()
@@ -528,15 +509,14 @@ class _TrainerHooks(StepHooks):
         return stack
 
     def model(self, sm) -> None:
-        self.t.probe.watch(sm.model)
-        self.saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
+        self.saved = self.t.memory.watch(sm.model, sm.params)
 
     def between(self) -> None:
-        self.t._trim()
+        self.t.memory.between()
 
     def before_push(self, sm) -> None:
         if self.push:
-            self.t._note_memory(sm.params, self.saved)
+            self.t.memory.note(sm.params, self.saved)
 
 
 def _ref_attention(recipe: Recipe) -> str:
