@@ -121,8 +121,9 @@ class ShardExchange:
         if bucket_elems is not None and bucket_elems < 1:
             raise ValueError(f"bucket_elems must be >= 1, got {bucket_elems}")
         self.optimizer = optimizer
-        self.layout, self.rank, self.group, self.device = optimizer.layout, optimizer.rank, optimizer.group, \
-            optimizer.device
+        # the optimizer's coordinates, process group and device: one group for all of its collectives
+        self.layout, self.rank, self.group, self.device = (optimizer.layout, optimizer.rank, optimizer.group,
+                                                           optimizer.device)
         self.bucket_elems = bucket_elems if bucket_elems is not None else bucket_limit(
             BUCKET_ELEMS, self.layout.world_size, gpu=on_gpu(self.device))
         self._plans: dict[tuple[int, ...], ExchangePlan] = {}
