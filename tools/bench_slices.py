@@ -30,6 +30,7 @@ import torch.distributed as dist
 from parallel_runtime.launch import spawn_world
 from parallel_runtime.training.metrics import peak_rss_mb
 from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
+from parallel_runtime.training.transport import ShardExchange
 
 SIDE = 2048
 
@@ -44,27 +45,28 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _old_pull(opt: ShardedOptimizer, local: list[LocalParam]) -> None:
+def _old_pull(opt: ShardedOptimizer, local: list[LocalParam]) -> int:
     full = opt.gather_full()  # [padded]: the whole model on every rank
     for lp in local:
         lp.tensor.detach().copy_(opt.layout.slice_view(full, lp))
-    opt.bytes_pulled += full.numel() * 4
+    return full.numel() * 4  # bytes received
 
 
-def _old_push(opt: ShardedOptimizer, local: list[LocalParam]) -> None:
+def _old_push(opt: ShardedOptimizer, local: list[LocalParam]) -> int:
     full = torch.zeros(opt.layout.padded, dtype=torch.float32)  # [padded]
     for lp in local:
         if lp.tensor.grad is not None and (lp.spec.tp_dim is not None or lp.tp_index == 0):
             opt.layout.slice_view(full, lp).add_(lp.tensor.grad)
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     reduce_scatter(opt.grad, full, op=dist.ReduceOp.SUM)
-    opt.bytes_pushed += full.numel() * 4
+    return full.numel() * 4  # bytes sent
 
 
 def _rank(rank: int, world: int, mode: str, params: int, bucket_elems: int) -> dict:
     specs = _specs(params)
     init = ((s.name, torch.full(s.shape, 0.001 * i)) for i, s in enumerate(specs))  # one matrix at a time
-    opt = ShardedOptimizer(FlatLayout(specs, world), init, AdamWConfig(), rank=rank, bucket_elems=bucket_elems)
+    opt = ShardedOptimizer(FlatLayout(specs, world), init, AdamWConfig(), rank=rank)
+    xc = ShardExchange(opt, bucket_elems=bucket_elems)
     local = []
     for s in specs:
         shape = [SIDE, SIDE]
@@ -77,21 +79,23 @@ def _rank(rank: int, world: int, mode: str, params: int, bucket_elems: int) -> d
     before = _rss_mb()
     t0 = time.perf_counter()
     if mode == "old":
-        _old_pull(opt, local)
+        pulled = _old_pull(opt, local)
     else:
-        opt.pull(local)
+        xc.pull(local)
+        pulled = xc.take_stats().bytes_pulled
     t1 = time.perf_counter()
     if mode == "old":
-        _old_push(opt, local)
+        pushed = _old_push(opt, local)
     else:
-        opt.push(local)
+        xc.push(local)
+        pushed = xc.take_stats().bytes_pushed
     t2 = time.perf_counter()
     peak = peak_rss_mb()
     for i, lp in enumerate(local):  # every slice holds its matrix's value, every gradient element landed once
         if not torch.equal(lp.tensor.detach(), torch.full_like(lp.tensor, 0.001 * i)):
             raise AssertionError(f"rank {rank}: {mode} pull gave wrong values for {lp.spec.name}")
     return {"peak_mb": peak, "rss_before_mb": before, "added_mb": peak - before, "pull_s": t1 - t0,
-            "push_s": t2 - t1, "pulled_bytes": opt.bytes_pulled, "pushed_bytes": opt.bytes_pushed,
+            "push_s": t2 - t1, "pulled_bytes": pulled, "pushed_bytes": pushed,
             "grad_sum": float(opt.grad.double().sum())}
 
 

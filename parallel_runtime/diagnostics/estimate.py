@@ -160,7 +160,7 @@ def stage_names(cfg, pp: int, stage: int, cache: dict) -> list[str]:
 
 
 def world_rows(cfg, layout, topo: Topology, plan: StepPlan, *, push: bool, cache: dict) -> list[np.ndarray]:
-    """Every rank's exchange description (what its ``ShardedOptimizer.describe`` gives) for a pull or a push."""
+    """Every rank's exchange description (what its ``ShardExchange.describe`` gives) for a pull or a push."""
     out = []
     for q in range(topo.world_size):
         c = topo.coord(q)
@@ -175,20 +175,20 @@ def world_rows(cfg, layout, topo: Topology, plan: StepPlan, *, push: bool, cache
     return out
 
 
-def _known_world_optimizer():
-    """A :class:`ShardedOptimizer` whose exchange planning issues its collectives (for the trace) but takes
-    every rank's description from the plan (the fake process group moves nothing)."""
+def _known_world_exchange():
+    """A :class:`ShardExchange` whose planning issues its collectives (for the trace) but takes every rank's
+    description from the plan (the fake process group moves nothing)."""
     import hashlib
 
     import torch
     import torch.distributed as dist
 
     from parallel_runtime.training.exchange import world_load
-    from parallel_runtime.training.optimizer import ShardedOptimizer
+    from parallel_runtime.training.transport import ShardExchange
 
     loads: dict[tuple, np.ndarray] = {}  # shared by every rank of an estimate (same world, same layout)
 
-    class KnownWorld(ShardedOptimizer):
+    class KnownWorld(ShardExchange):
         expected: list[list[np.ndarray]]
         tracker: Any = None
         copy_slices = False  # fake tensors: the copies move nothing (the buffers and collectives stay)
@@ -261,7 +261,7 @@ class Context:
         self.microbatches = microbatches  # (step, rank) -> list[Microbatch]
         self.lengths = lengths  # step -> the sequences the plan tiles (BatchItems, or lengths by doc_id)
         self.names: dict = {}
-        self.optimizer_class = _known_world_optimizer()
+        self.exchange_class = _known_world_exchange()
 
 
 def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flash: bool = True) -> RankRun:
@@ -270,13 +270,14 @@ def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flas
     import torch.distributed as dist
 
     from parallel_runtime.groups import GroupCache, declared_groups
-    from parallel_runtime.training.optimizer import FlatLayout, bucket_limit
-    from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, exchange_group
+    from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
+    from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap
     from parallel_runtime.training.params import param_specs
     from parallel_runtime.training.plan_check import check_plan_runs_here
     from parallel_runtime.training.rank_step import execute_step
     from parallel_runtime.training.runtime import DTYPES, Runtime
     from parallel_runtime.training.trainer import declared_topologies
+    from parallel_runtime.training.transport import bucket_limit, exchange_group
 
     recipe = recipe or ctx.recipe
     w, t = recipe.world, recipe.train
@@ -294,11 +295,11 @@ def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flas
         xgroup = exchange_group(world) if t.overlap else None
         fr.label(xgroup, "exchange")
         with tracker.kind("optimizer"):
-            opt = ctx.optimizer_class(layout, ((s.name, torch.empty(s.shape)) for s in specs), recipe.optimizer,
-                                      rank=rank, device=cpu, group=xgroup,
-                                      bucket_elems=bucket_limit(BUCKET_ELEMS, world, gpu=True) if t.overlap else None)
-        opt.tracker = tracker
-        overlap = Overlap(opt) if t.overlap else None
+            opt = ShardedOptimizer(layout, ((s.name, torch.empty(s.shape)) for s in specs), recipe.optimizer,
+                                   rank=rank, device=cpu, group=xgroup)
+        xc = ctx.exchange_class(opt, bucket_elems=bucket_limit(BUCKET_ELEMS, world, gpu=True) if t.overlap else None)
+        xc.tracker = tracker
+        overlap = Overlap(xc) if t.overlap else None
         rt = Runtime(recipe.model, rank=rank, device=cpu, dtype=DTYPES[t.dtype], attention=t.attention,
                      groups=groups, specs=specs, layout=layout)
         for s in steps:
@@ -310,12 +311,12 @@ def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flas
             trace.phase = "plan check"
             topo, _ = check_plan_runs_here(plan, recipe=recipe, sequences=ctx.lengths[s], groups=groups,
                                            comm_device=cpu)
-            opt.expected = [world_rows(recipe.model, layout, topo, plan, push=push,
+            xc.expected = [world_rows(recipe.model, layout, topo, plan, push=push,
                                        cache=ctx.names.setdefault(id(recipe), {})) for push in (False, True)]
             hooks = _Hooks(fr, rt, fig)
             fig.host_reads["plan check"] = tracker.host_reads - reads0
             syncs0 = sum(1 for e in trace.events if e[0] == "sync")
-            execute_step(rt, opt, overlap, topo, plan, ctx.microbatches[(s, rank)], num_valid_tokens(plan),
+            execute_step(rt, xc, overlap, topo, plan, ctx.microbatches[(s, rank)], num_valid_tokens(plan),
                          step=s, push=True, share_grad=True, recompute=t.recompute, hooks=hooks)
             reads0 = tracker.host_reads
             trace.phase = "optimizer"

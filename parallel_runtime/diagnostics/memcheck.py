@@ -64,6 +64,7 @@ def measured(recipe, tokens: int, device: torch.device) -> dict[str, Any]:
     from parallel_runtime.training.params import init_params, param_specs
     from parallel_runtime.training.rank_step import execute_step
     from parallel_runtime.training.runtime import DTYPES, Runtime
+    from parallel_runtime.training.transport import ShardExchange
 
     plan, _ = one_microbatch_plan(tokens)
     mbs = materialize_rank(plan, 0, None)
@@ -76,7 +77,8 @@ def measured(recipe, tokens: int, device: torch.device) -> dict[str, Any]:
             specs = param_specs(recipe.model)
             opt = ShardedOptimizer(FlatLayout(specs, 1), init_params(recipe.model, recipe.seed), recipe.optimizer,
                                    rank=0, device=device)
-            overlap = Overlap(opt) if t.overlap else None
+            xc = ShardExchange(opt)
+            overlap = Overlap(xc) if t.overlap else None
             rt = Runtime(recipe.model, rank=0, device=device, dtype=DTYPES[t.dtype], attention=t.attention,
                          groups=GroupCache(rank=0), specs=specs, layout=opt.layout)
             topo = Topology.from_plan(plan)
@@ -86,7 +88,7 @@ def measured(recipe, tokens: int, device: torch.device) -> dict[str, Any]:
                     torch.cuda.reset_peak_memory_stats(device)
                 else:
                     tracker.reset_peak()
-                execute_step(rt, opt, overlap, topo, plan, mbs, num_valid_tokens(plan), step=0, push=True,
+                execute_step(rt, xc, overlap, topo, plan, mbs, num_valid_tokens(plan), step=0, push=True,
                              recompute=t.recompute)
                 opt.step()
         if device.type == "cuda":

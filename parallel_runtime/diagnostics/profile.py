@@ -187,7 +187,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
 
     def run(i: int) -> float:
         plan, topo, sm, mbs, valid = prepared[i]
-        res, _ = forward_backward(rt, plan, topo, mbs, valid)
+        res = forward_backward(rt, sm, plan, topo, mbs, valid)
         for lp in sm.params:
             lp.tensor.grad = None
         return res.compute_ms

@@ -1,6 +1,7 @@
 """The step's pull and push overlapped with forward and backward (hooks per bucket, as DDP and FSDP do).
 
-The buckets are the optimizer's (:mod:`parallel_runtime.training.exchange`): bucket ``k`` is the same
+The buckets are the exchange's (:class:`~parallel_runtime.training.transport.ShardExchange`, over the
+pure :mod:`parallel_runtime.training.exchange`): bucket ``k`` is the same
 window of every shard, so a whole-model rank of a 2-rank world needs buckets ``0..k`` for its first
 layers and its last layers' gradients fill the *last* buckets first. Their collectives are started
 asynchronously (gloo and NCCL return a work handle) on a process group of their own, at most
@@ -22,7 +23,7 @@ descending), which is what pairs them up across ranks.
   ``depth`` in flight waits for the next hook: a hook never blocks, since the backward may hold a CP
   collective a peer waits on). :meth:`StepExchange.finish` sends the rest and waits for all.
 
-The result is the same as :meth:`ShardedOptimizer.pull` then :meth:`ShardedOptimizer.push`: the same
+The result is the same as :meth:`ShardExchange.pull` then :meth:`ShardExchange.push`: the same
 buckets, bytes and sums (tests/parallel_runtime/training/test_overlap.py). Parameters must be used inside the
 forward of the module that holds them, or after it (true of the native decoder and of the HF causal
 LMs the runtime accepts); the pull is complete after the first forward in any case.
@@ -34,13 +35,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from parallel_runtime.launch import new_group
 from parallel_runtime.training.exchange import tp_group_needs
 from parallel_runtime.training.layout import LocalParam, grad_of
-from parallel_runtime.training.optimizer import InFlight, ShardedOptimizer
+from parallel_runtime.training.transport import InFlight, ShardExchange
 
 DEPTH = 2  # buckets in flight at once (each a pair of reusable buffers)
 BUCKET_ELEMS = 1 << 19  # elements per bucket buffer when overlapping: DEPTH x 2 x 2 MB in flight
@@ -74,12 +73,12 @@ class _Hooks:
 
 
 class Overlap:
-    """Overlapped exchanges for one optimizer: its process group of their own, hooks per stage model."""
+    """Overlapped buckets of one :class:`ShardExchange` (on its process group of their own), hooks per stage model."""
 
-    def __init__(self, optimizer: ShardedOptimizer, *, depth: int = DEPTH) -> None:
+    def __init__(self, exchange: ShardExchange, *, depth: int = DEPTH) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        self.optimizer = optimizer
+        self.exchange = exchange
         self.depth = depth
         self._hooks: dict[int, _Hooks] = {}
         # buckets that overlapped compute, over the run: pulls done before the first forward ended, pushes
@@ -94,7 +93,7 @@ class Overlap:
         hooks = self._hooks.get(id(model))
         if hooks is None:
             hooks = self._hooks[id(model)] = _Hooks(model, params)
-        ex = StepExchange(self.optimizer, params, hooks, microbatches=microbatches, push=push, depth=self.depth,
+        ex = StepExchange(self.exchange, params, hooks, microbatches=microbatches, push=push, depth=self.depth,
                           overlapped=self.overlapped)
         hooks.active = ex
         return ex
@@ -103,26 +102,26 @@ class Overlap:
 class StepExchange:
     """One step's pull and push in flight (made by :meth:`Overlap.begin`)."""
 
-    def __init__(self, opt: ShardedOptimizer, params: Sequence[LocalParam], hooks: _Hooks, *, microbatches: int,
+    def __init__(self, xc: ShardExchange, params: Sequence[LocalParam], hooks: _Hooks, *, microbatches: int,
                  push: bool, depth: int, overlapped: dict[str, int]) -> None:
-        self.opt, self.params, self.hooks, self.depth = opt, params, hooks, depth
+        self.xc, self.params, self.hooks, self.depth = xc, params, hooks, depth
         self.overlapped = overlapped
         self.microbatches = microbatches
-        pull_rows, targets = opt.describe(params, push=False)
-        self.pull = opt.plan_for(pull_rows).buckets
+        pull_rows, targets = xc.describe(params, push=False)
+        self.pull = xc.plan_for(pull_rows).buckets
         self._pull_flats = [t.detach().view(-1) for t in targets]
         self.push = ()
         self._push_local: list[int] = []  # push part index -> local parameter index
         if push:
-            push_rows, _ = opt.describe(params, push=True, contributes=microbatches > 0)
-            self.push = opt.plan_for(push_rows).buckets
+            push_rows, _ = xc.describe(params, push=True, contributes=microbatches > 0)
+            self.push = xc.plan_for(push_rows).buckets
             # the parameters describe() kept, in its order (tp index 0 contributes replicated ones)
             self._push_local = [j for j, lp in enumerate(params) if microbatches > 0
                                 and (lp.spec.tp_dim is not None or lp.tp_index == 0)]
-            opt.begin_push(self.push)
+            xc.begin_push(self.push)
         # pull: the last bucket each local parameter needs, the same on every rank of its TP group (a
         # module's forward holds TP collectives: its members must have waited for the same buckets)
-        self._need = tp_group_needs(opt.layout, pull_rows, self.pull)
+        self._need = tp_group_needs(xc.layout, pull_rows, self.pull)
         # push: parameters not yet final per bucket, and the buckets each local parameter is in
         self._pending = [len(bk.parts) for bk in self.push]
         self._push_of: list[list[int]] = [[] for _ in params]
@@ -144,13 +143,13 @@ class StepExchange:
     # ---- in flight -----------------------------------------------------------------------------
     def _start(self, bk, flats, *, push: bool) -> None:
         slot = self._slots.pop()
-        f = self.opt.launch(bk, flats, push=push, slot=slot, async_op=True)
+        f = self.xc.launch(bk, flats, push=push, slot=slot, async_op=True)
         self._slot_of[id(f)] = slot
         self._flight.append(f)
 
     def _complete_oldest(self) -> None:
         f = self._flight.pop(0)
-        self.opt.complete(f)  # its wait counts in the optimizer's comm_s
+        self.xc.complete(f)  # its wait counts in the exchange's comm_s
         self._slots.append(self._slot_of.pop(id(f)))
         if not f.push:
             self._pulled += 1
@@ -232,8 +231,3 @@ class StepExchange:
         finally:
             self.hooks.active = None
 
-
-def exchange_group(world: int) -> dist.ProcessGroup | None:
-    """A process group over the whole world for the optimizer's collectives alone: asynchronous buckets in
-    flight during forward/backward must never interleave with the world group's CP or barrier collectives."""
-    return new_group(range(world)) if world > 1 else None

@@ -1,12 +1,15 @@
 """One rank's step after its plan is checked: pull, forward/backward, push (the trainer's and the estimate's).
 
 :func:`execute_step` is the sequence every rank runs once the plan's topology is known: the stage model
-for this rank's place, its gradients attached (in fp32), the parameter pull (in flight beside the first
-forward with ``train.overlap``), :func:`~parallel_runtime.training.step.forward_backward`, the gradient
-push, and only then the figures read from the device (:meth:`FBResult.resolved`: CUDA events and the
-loss, one synchronize after the step's last collective). The caller adds what it needs around each piece
-through :class:`StepHooks`: the trainer its failure phases, phase times and memory probes;
-:mod:`parallel_runtime.diagnostics.estimate` the kinds of the memory it tracks.
+for this rank's place, with its gradients attached in fp32 and the optimizer's shards inside its buffers
+where they fit (:meth:`~parallel_runtime.training.runtime.Runtime.prepare_step`); the parameter pull (in
+flight beside the first forward with ``train.overlap``);
+:func:`~parallel_runtime.training.step.forward_backward`; the gradient push (both through the
+:class:`~parallel_runtime.training.transport.ShardExchange`); and only then the figures read from the
+device (:meth:`FBResult.resolved`: CUDA events and the loss, one synchronize after the step's last
+collective). The caller adds what it needs around each piece through :class:`StepHooks`: the trainer its
+failure phases, phase times and memory probes; :mod:`parallel_runtime.diagnostics.estimate` the kinds of
+the memory it tracks.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ from contextlib import AbstractContextManager, nullcontext
 from balanced_loader.materialize import Microbatch
 from balanced_loader.plan import StepPlan
 from parallel_runtime.topology import Topology
-from parallel_runtime.training.optimizer import ShardedOptimizer
 from parallel_runtime.training.overlap import Overlap
 from parallel_runtime.training.runtime import GradBuffer, Runtime, StageModel
 from parallel_runtime.training.step import FBResult, forward_backward
+from parallel_runtime.training.transport import ShardExchange
 
 
 class StepHooks:
@@ -40,7 +43,7 @@ class StepHooks:
         """After forward/backward, before the push (the gradients are final)."""
 
 
-def execute_step(runtime: Runtime, optimizer: ShardedOptimizer, overlap: Overlap | None, topo: Topology,
+def execute_step(runtime: Runtime, exchange: ShardExchange, overlap: Overlap | None, topo: Topology,
                  plan: StepPlan, microbatches: Sequence[Microbatch], num_valid_tokens: int, *, step: int,
                  push: bool = True, share_grad: bool = True, recompute: bool = False, spans: bool = False,
                  hooks: StepHooks | None = None) -> FBResult:
@@ -48,39 +51,32 @@ def execute_step(runtime: Runtime, optimizer: ShardedOptimizer, overlap: Overlap
     ``share_grad``: the optimizer's gradient shard may live inside the working gradients (not when another
     policy's pass runs between this push and the optimizer step)."""
     hooks = hooks or StepHooks()
-    sm = runtime.stage_model(topo)
+    sm = runtime.prepare_step(topo, exchange.optimizer, push=push, share_grad=share_grad)
     sm.model.recompute = recompute
     hooks.model(sm)
-    if sm.flat is not None:  # a whole fp32 model: its own shard of parameters is the master from now on
-        optimizer.share_master(sm.flat)
-    # the step's gradients, zeroed; the optimizer's gradient shard inside them where they are laid out as
-    # its layout (a whole fp32 model)
-    full = runtime.grads.attach(sm.params, optimizer.layout if push and share_grad else None)
-    if push:
-        optimizer.share_grad(full)
-    ex = None  # with train.overlap: the step's pull and push in flight beside forward/backward
+    live = None  # with train.overlap: the step's pull and push in flight beside forward/backward
     with hooks.phase("pull"):
         if overlap is not None:
             # passes that run (cp=1's padding fillers run none: such a rank contributes no gradient, as without
             # overlap, where the idle rank's gradients are detached below)
-            ex = overlap.begin(sm.model, sm.params, microbatches=sum(not mb.padding for mb in microbatches),
+            live = overlap.begin(sm.model, sm.params, microbatches=sum(not mb.padding for mb in microbatches),
                                push=push)
         else:
-            optimizer.pull(sm.params)
+            exchange.pull(sm.params)
     hooks.between()
     with hooks.phase("forward_backward"):
-        res, _ = forward_backward(runtime, plan, topo, microbatches, num_valid_tokens, step=step, spans=spans,
-                                  sync_point=ex.settle if ex is not None else None, resolve=False)
+        res = forward_backward(runtime, sm, plan, topo, microbatches, num_valid_tokens, step=step, spans=spans,
+                               sync_point=live.settle if live is not None else None, resolve=False)
     if not res.microbatches:  # an idle rank contributes no gradient (and moves no bytes in the push)
         GradBuffer.detach(sm.params)
     hooks.between()
     with hooks.phase("push"):
         if push:
             hooks.before_push(sm)
-        if ex is not None:
-            ex.finish()
+        if live is not None:
+            live.finish()
         elif push:
-            optimizer.push(sm.params)
+            exchange.push(sm.params)
         GradBuffer.detach(sm.params)
         hooks.between()
     return res.resolved()  # times and loss read from the device once, after the step's last collective

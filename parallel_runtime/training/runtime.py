@@ -25,7 +25,7 @@ from parallel_runtime.engines.tensor import TensorParallel
 from parallel_runtime.groups import GroupCache
 from parallel_runtime.model import ModelConfig, Transformer
 from parallel_runtime.topology import Topology
-from parallel_runtime.training.optimizer import FlatLayout, LocalParam, ParamSpec
+from parallel_runtime.training.optimizer import FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
 from parallel_runtime.training.params import local_params
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -179,6 +179,22 @@ class Runtime:
                                 dtype=self.dtype, seed=None)
             sm = self._stage(model, local_params(model, self.specs, tp_index=c.tp_index, tp_size=pool.tp))
             self._models[key] = sm
+        return sm
+
+    def prepare_step(self, topo: Topology, optimizer: ShardedOptimizer, *, push: bool = True,
+                     share_grad: bool = True) -> StageModel:
+        """The stage model of this rank's place in ``topo``, ready for a step against ``optimizer``'s shards: a
+        whole fp32 model (:attr:`StageModel.flat`) holds the master shard from now on
+        (:meth:`~ShardedOptimizer.share_master`); the gradients are attached, zeroed, in fp32 (:attr:`grads`);
+        with ``push`` the optimizer's gradient shard lives inside them where they are laid out as its layout and
+        ``share_grad`` allows it, else in a buffer of its own (:meth:`~ShardedOptimizer.share_grad`). Without
+        ``push`` (another policy's pass: no push follows) the gradient shard stays where it is."""
+        sm = self.stage_model(topo)
+        if sm.flat is not None:  # a whole fp32 model: its own shard of parameters is the master from now on
+            optimizer.share_master(sm.flat)
+        full = self.grads.attach(sm.params, optimizer.layout if push and share_grad else None)
+        if push:
+            optimizer.share_grad(full)
         return sm
 
     def _stage(self, model, params: tuple[LocalParam, ...]) -> StageModel:

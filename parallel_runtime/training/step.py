@@ -1,7 +1,8 @@
 """One step's forward and backward on this rank, for any valid plan (and the one-process reference).
 
-:func:`forward_backward` finds this rank's pool, stage, lane and tp index in the plan, takes
-(or builds) the stage's model for that pool shape, and runs the pool's microbatches through
+:func:`forward_backward` finds this rank's pool, stage, lane and tp index in the plan and runs the
+pool's microbatches on the stage's model for that place (:meth:`Runtime.stage_model`, or
+:meth:`Runtime.prepare_step` when a step against the optimizer follows) through
 :class:`~parallel_runtime.engines.pipeline.PipelineStage` in 1F1B order. Each microbatch's attention
 is bound to its group: local attention for one lane, otherwise the CP engine over the group's
 cached process groups (ring, Ulysses or nested, from the layout ``cp_inner`` the loader used).
@@ -59,19 +60,19 @@ class FBResult:
         return self if self.pending is None else self.pending()
 
 
-def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: Sequence[Microbatch],
+def forward_backward(rt: Runtime, sm: StageModel, plan: StepPlan, topo: Topology, microbatches: Sequence[Microbatch],
                      num_valid_tokens: int, *, step: int = 0, spans: bool = False,
                      sync_point: Callable[[], None] | None = None,
                      after_backward: Callable[[], None] | None = None,
-                     resolve: bool = True) -> tuple[FBResult, StageModel]:
-    """Run this rank's microbatches of ``plan`` (gradients accumulate in the stage model); ``spans``: keep
+                     resolve: bool = True) -> FBResult:
+    """Run this rank's microbatches of ``plan`` on ``sm``, this rank's stage model in ``topo`` (gradients
+    accumulate in it); ``spans``: keep
     every compute block's wall start and end (the measured trace); ``sync_point``, ``after_backward``: see
     :class:`~parallel_runtime.engines.pipeline.PipelineStage`; ``resolve=False``: read nothing from the device
     yet (times and loss come with :meth:`FBResult.resolved`, which the trainer calls after the push)."""
     t0 = time.perf_counter()
     c = topo.coord(rt.rank)
     pool = plan.pools[c.pool]
-    sm = rt.stage_model(topo)
     prev, nxt = topo.stage_neighbours(rt.rank)
     link = StageLink(prev=prev, next=nxt, group=rt.groups.get(topo.pipeline_ranks(rt.rank)) if pool.pp > 1 else None,
                      dtype=rt.dtype, device=rt.device)
@@ -110,9 +111,9 @@ def forward_backward(rt: Runtime, plan: StepPlan, topo: Topology, microbatches: 
                         start_s=t0, timer=clock.timer)
 
     if resolve:
-        return read(), sm
+        return read()
     return FBResult(loss_sum=0.0, compute_ms=0.0, wall_ms=wall_ms, microbatches=n, pipeline_bytes=link.bytes_sent,
-                    start_s=t0, timer=clock.timer, pending=read), sm
+                    start_s=t0, timer=clock.timer, pending=read)
 
 
 def _input_builder(rt: Runtime, mb: Microbatch, cp_ranks: tuple[int, ...], first: bool,

@@ -52,15 +52,16 @@ from parallel_runtime.training import metrics as M
 from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.heap import set_heap_mmap_threshold
-from parallel_runtime.training.layout import grad_of
-from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer, bucket_limit
-from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, exchange_group
+from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
+from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap
 from parallel_runtime.training.params import init_params, local_params, param_specs
 from parallel_runtime.training.peaks import PeakProbe
 from parallel_runtime.training.plan_check import check_plan_runs_here
 from parallel_runtime.training.rank_step import StepHooks, execute_step
 from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime, accumulate_in_fp32
 from parallel_runtime.training.step import FBResult, reference_forward_backward
+from parallel_runtime.training.step_memory import StepMemory
+from parallel_runtime.training.transport import ExchangeStats, ShardExchange, bucket_limit, exchange_group
 
 
 def open_data(recipe: Recipe, *, build: bool):
@@ -226,10 +227,11 @@ class Trainer:
         self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
                                           hf.init_params() if hf else init_params(recipe.model, recipe.seed),
                                           recipe.optimizer, rank=rank, device=self.device,
-                                          group=exchange_group(world) if overlap else None,
-                                          **({"bucket_elems": bucket_limit(BUCKET_ELEMS, world, gpu=gpu)}
-                                             if overlap else {}))
-        self.overlap = Overlap(self.optimizer) if overlap else None  # train.overlap: buckets beside compute
+                                          group=exchange_group(world) if overlap else None)
+        # pull and push between the shards and this rank's working parameters
+        self.exchange = ShardExchange(self.optimizer,
+                                      bucket_elems=bucket_limit(BUCKET_ELEMS, world, gpu=gpu) if overlap else None)
+        self.overlap = Overlap(self.exchange) if overlap else None  # train.overlap: buckets beside compute
         self.groups = None
         # small collectives (fingerprints, per-rank stats) on the backend's device: NCCL moves CUDA tensors only
         self.comm_device = self.device if distributed and dist.get_backend() == "nccl" else torch.device("cpu")
@@ -255,10 +257,9 @@ class Trainer:
         # samples from hooks in the models and between phases: no thread waking beside the compute
         # (heap trims below the process's high mark only with recompute: see peaks.py)
         trim = self.recipe.world.heap_trim_mb << 20
-        self.probe = PeakProbe(self.device, interval_s=None, trim_bytes=trim,
-                               margin_bytes=trim if self.recipe.train.recompute else 0)
+        self.memory = StepMemory(PeakProbe(self.device, interval_s=None, trim_bytes=trim,
+                                           margin_bytes=trim if self.recipe.train.recompute else 0))
         self.times = StepTimes()  # this rank's phase times in the step being run (metrics "time_ms")
-        self._memory: dict[str, int] = {}  # this rank's memory parts in the step being run
         self.step = 0
         self.resumed_from: int | None = None
         self._load_checkpoint(allow_changed, fresh)
@@ -318,22 +319,21 @@ class Trainer:
         """One optimizer step on ``batch``; returns the step's metrics (complete on rank 0)."""
         t0 = time.perf_counter()
         plan = batch.plan
-        self._trim()
-        self.probe.reset()
-        self.optimizer.peak_bucket_elems = 0
-        comm0 = self.optimizer.comm_s
-        if self.info.reference:
-            self._fb = self._reference_fb(batch)
-            stats = RankStats.of(self._fb, batch.planner_wait_s)
-            new_groups = 0
-        else:
-            stats, new_groups = self._execute(batch, push=True)
+        self.exchange.take_stats()  # this step's record starts here
+        with self.memory.step():  # heap trims between phases, the peak from here to the optimizer step's end
+            if self.info.reference:
+                self._fb = self._reference_fb(batch)
+                stats = RankStats.of(self._fb, batch.planner_wait_s)
+                new_groups = 0
+            else:
+                stats, new_groups = self._execute(batch, push=True)
+            compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
+            with phase(f"the optimizer step of step {batch.step}", self._all), self.times.phase("optimizer"):
+                norm = self.optimizer.step()
         fb = self._fb
-        compare = {name: self._compare_step(name, loader) for name, loader in self.compare.items()}
-        with phase(f"the optimizer step of step {batch.step}", self._all), self.times.phase("optimizer"):
-            norm = self.optimizer.step()
+        moved: ExchangeStats = self.exchange.take_stats()  # the step's pulls and pushes, compare passes' included
         memory = self._memory_record()
-        self.times.add("exposed_comm", self.optimizer.comm_s - comm0)
+        self.times.add("exposed_comm", moved.comm_s + self.optimizer.norm_comm_s)
         bal = M.step_balance(plan, self.loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms,
                              stats.busy_wall_ms)
         if self.info.reference:  # one process: the plan's per-rank prediction, one measured time
@@ -350,14 +350,13 @@ class Trainer:
                "microbatches": [int(x) for x in stats.microbatches],
                "planner_wait_ms": round(float(stats.planner_wait_ms.max()), 3),
                "grad_norm": norm, "lr": self.optimizer.config.lr_at(self.optimizer.steps - 1),
-               "pull_bytes": self.optimizer.bytes_pulled, "push_bytes": self.optimizer.bytes_pushed,
+               "pull_bytes": moved.bytes_pulled, "push_bytes": moved.bytes_pushed,
                "pipeline_bytes": int(stats.pipeline_bytes.sum()), "new_groups": new_groups,
                "step_ms": round((time.perf_counter() - t0) * 1e3, 3), "memory": memory, "time_ms": times}
         if batch.mixture_tokens is not None:
             rec["mixture_tokens"] = batch.mixture_tokens
         if compare:
             rec["compare"] = compare
-        self.optimizer.bytes_pulled = self.optimizer.bytes_pushed = 0
         if self.info.rank == 0:
             self.metrics.write(rec)
         return rec
@@ -371,7 +370,7 @@ class Trainer:
             topo, new_groups = check_plan_runs_here(plan, recipe=self.recipe, sequences=batch.sequences,
                                                     groups=self.groups, comm_device=self.comm_device)
         hooks = _TrainerHooks(self, topo, plan, s, push)
-        res = execute_step(self.runtime, self.optimizer, self.overlap, topo, plan, batch.microbatches,
+        res = execute_step(self.runtime, self.exchange, self.overlap, topo, plan, batch.microbatches,
                            batch.num_valid_tokens, step=s, push=push, share_grad=not self.compare,
                            recompute=self.recipe.train.recompute, spans=self.recipe.train.trace and push, hooks=hooks)
         if push:
@@ -396,32 +395,19 @@ class Trainer:
 
     def _reference_fb(self, batch: StepBatch) -> FBResult:
         self.model.recompute = self.recipe.train.recompute
-        self.probe.watch(self.model)
-        self.optimizer.pull(self.ref_params)
+        saved = self.memory.watch(self.model, self.ref_params)
+        self.exchange.pull(self.ref_params)
         if self._ref_grads is not None:
             self._ref_grads.attach(self.ref_params)
-        saved = M.SavedActivations(exclude=[lp.tensor for lp in self.ref_params])
         with saved.hooks():
             res = reference_forward_backward(self.model, batch.plan, self.source, batch.num_valid_tokens,
                                              device=self.device, attention=_ref_attention(self.recipe))
-        self._note_memory(self.ref_params, saved)
-        self.optimizer.push(self.ref_params)
+        self.memory.note(self.ref_params, saved)
+        self.exchange.push(self.ref_params)
         GradBuffer.detach(self.ref_params)
         return res
 
     # ---- memory report ---------------------------------------------------------------------
-    def _note_memory(self, params, saved: M.SavedActivations) -> None:
-        """This rank's working parameters, their gradients and the peak of saved activations, before the push."""
-        self._memory = {"params_bytes": M.tensor_bytes(lp.tensor for lp in params),
-                        "grads_bytes": M.tensor_bytes(grad_of(lp.tensor) for lp in params),
-                        "activations_bytes": saved.peak}
-
-    def _trim(self) -> None:
-        """On CPU, between the step's phases: a memory sample, and freed heap pages back to the OS where
-        that can lower the peak (see PeakProbe.between_phases)."""
-        if self.device.type == "cpu":
-            self.probe.between_phases()
-
     def _process_groups(self) -> int:
         """Process groups this rank is in: the world, the optimizer's exchange group and the plan groups (NCCL
         makes a communicator, with its own device buffers, for each one used)."""
@@ -434,14 +420,10 @@ class Trainer:
 
     def _memory_record(self) -> dict[str, Any]:
         """Every rank's peak and parts (collective unless a reference run); keys in docs/runtime.md."""
-        o = self.optimizer
-        peak = self.probe.peak()
-        mine = {"peak_bytes": peak, "base_bytes": self.probe.base, **self._memory,
-                "optimizer_bytes": o.state_bytes,  # a gradient shard inside the working gradients is in grads_bytes
-                "comm_bytes": o.buffer_bytes,  # the reusable fp32 send and receive buffers of the buckets
-                "peak_exact": int(self.probe.exact), "heap_trims": self.probe.trims,
-                "process_groups": self._process_groups()}
-        self._memory = {}
+        mine = {**self.memory.figures(
+            optimizer_bytes=self.optimizer.state_bytes,  # a gradient shard inside the working gradients: grads_bytes
+            comm_bytes=self.exchange.buffer_bytes),  # the reusable fp32 send and receive buffers of the buckets
+            "process_groups": self._process_groups()}
         rows = M.gather_values(mine, None if self.info.reference else self.comm_device)
         return {**rows, "peak_exact": [bool(x) for x in rows["peak_exact"]]}
 
@@ -498,7 +480,7 @@ class Trainer:
 
     def close(self) -> None:
         self.loop.close()
-        self.probe.close()
+        self.memory.close()
         self.loader.close()
         for ld in self.compare.values():
             ld.close()
@@ -527,15 +509,14 @@ class _TrainerHooks(StepHooks):
         return stack
 
     def model(self, sm) -> None:
-        self.t.probe.watch(sm.model)
-        self.saved = M.SavedActivations(exclude=[lp.tensor for lp in sm.params])
+        self.saved = self.t.memory.watch(sm.model, sm.params)
 
     def between(self) -> None:
-        self.t._trim()
+        self.t.memory.between()
 
     def before_push(self, sm) -> None:
         if self.push:
-            self.t._note_memory(sm.params, self.saved)
+            self.t.memory.note(sm.params, self.saved)
 
 
 def _ref_attention(recipe: Recipe) -> str:

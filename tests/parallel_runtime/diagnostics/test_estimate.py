@@ -239,10 +239,10 @@ def test_tp_ranks_wait_for_the_same_pull_buckets(monkeypatch) -> None:
     slice's buckets, and the vocab rows of tp index 1 sit in a later bucket than those of tp index 0, so rank 0
     entered the embedding's TP all-reduce while rank 1 waited for a bucket rank 0 posts only after it. Small
     buckets make the embedding span several here."""
-    from parallel_runtime.training import optimizer, overlap
+    from parallel_runtime.training import overlap, transport
 
     monkeypatch.setattr(overlap, "BUCKET_ELEMS", 2048)
-    monkeypatch.setattr(optimizer, "PEER_BYTES", 4)
+    monkeypatch.setattr(transport, "PEER_BYTES", 4)
     plan = plan_json(4, [(2, 1, 0, [[((0, 1), [40, 24])], [((0,), [30]), ((1,), [12, 8])]])])  # tp 2 x 2 lanes
     recipe, ctx = _context([StepPlan.from_json(plan, 4)], ["train.overlap=true", "world.cp_engine=ring"])
     res = replay(replay_traces(ctx, recipe))

@@ -14,9 +14,9 @@ from parallel_runtime.engines.attention import resolve_impl
 from parallel_runtime.engines.pipeline import Clock
 from parallel_runtime.model import ModelConfig, Transformer, local_attention
 from parallel_runtime.training.closed_loop import check_timer
-from parallel_runtime.training.optimizer import PEER_BYTES, PEER_BYTES_GPU, bucket_limit
 from parallel_runtime.training.params import local_params, param_specs
 from parallel_runtime.training.runtime import GradBuffer, accumulate_in_fp32
+from parallel_runtime.training.transport import PEER_BYTES, PEER_BYTES_GPU, bucket_limit
 
 HETERO = str(Path(__file__).resolve().parents[3] / "recipes" / "cpu-hetero.yaml")
 

@@ -28,6 +28,7 @@ from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, LocalPa
 from parallel_runtime.training.params import init_params, param_specs
 from parallel_runtime.training.runtime import Runtime
 from parallel_runtime.training.step import forward_backward, reference_forward_backward
+from parallel_runtime.training.transport import ShardExchange
 
 TOL = 1e-5
 # eps well above fp32 gradient noise: Adam divides by |g| + eps, so with eps=1e-8 a gradient element at
@@ -123,6 +124,7 @@ def run_plans_exact(rank: int, world: int, cases: list[dict]) -> list[dict] | No
         source = DatasetSource(docs)
         specs = param_specs(cfg)
         opt = ShardedOptimizer(FlatLayout(specs, world), init_params(cfg, case["seed"]), OPT, rank=rank)
+        xc = ShardExchange(opt)
         groups = GroupCache(rank=rank)
         rt = Runtime(cfg, rank=rank, device=torch.device("cpu"), dtype=torch.float32, attention="masked",
                      groups=groups, specs=specs)
@@ -131,10 +133,10 @@ def run_plans_exact(rank: int, world: int, cases: list[dict]) -> list[dict] | No
             groups.ensure(plan_groups(plan, case["engine"], case["inner"]))
             topo = Topology.from_plan(plan)
             sm = rt.stage_model(topo)
-            opt.pull(sm.params)
+            xc.pull(sm.params)
             mbs = materialize_rank(plan, rank, source, cp_inner=case["inner"])
-            res, _ = forward_backward(rt, plan, topo, mbs, num_valid_tokens(plan))
-            opt.push(sm.params)
+            res = forward_backward(rt, sm, plan, topo, mbs, num_valid_tokens(plan))
+            xc.push(sm.params)
             for lp in sm.params:
                 lp.tensor.grad = None
             loss = torch.tensor([res.loss_sum], dtype=torch.float64)
@@ -147,14 +149,15 @@ def run_plans_exact(rank: int, world: int, cases: list[dict]) -> list[dict] | No
             out.append(None)
             continue
         ref_opt = ShardedOptimizer(FlatLayout(specs, 1), init_params(cfg, case["seed"]), OPT)
+        ref_xc = ShardExchange(ref_opt)
         model = Transformer(cfg, seed=None)
         local = [LocalParam(spec=next(s for s in specs if s.name == n), tensor=p) for n, p in model.named_parameters()]
         worst = {"loss": 0.0, "grad": 0.0, "params": 0.0}
         n = ref_opt.layout.numel
         for plan, loss, grad in zip(plans, losses, grads):
-            ref_opt.pull(local)
+            ref_xc.pull(local)
             ref = reference_forward_backward(model, plan, source, num_valid_tokens(plan), device=torch.device("cpu"))
-            ref_opt.push(local)
+            ref_xc.push(local)
             for lp in local:
                 lp.tensor.grad = None
             g_ref = ref_opt.gather_grad()[:n]

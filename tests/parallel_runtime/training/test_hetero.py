@@ -20,6 +20,7 @@ from test_pipeline import TINY, check, plan_json, run_plans_exact
 
 from balanced_loader.plan import StepPlan
 from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
+from parallel_runtime.training.transport import ShardExchange
 
 
 def _plans(tp2_cp: bool) -> list[dict]:
@@ -73,17 +74,19 @@ def _push_pull(rank: int, world: int) -> dict:
     specs = [ParamSpec(name="w", shape=(8, 6), tp_dim=0), ParamSpec(name="n", shape=(6,), decay=False)]
     init = {"w": torch.arange(48, dtype=torch.float32).view(8, 6) / 10, "n": torch.ones(6)}
     opt = ShardedOptimizer(FlatLayout(specs, world), init, AdamWConfig(max_grad_norm=0.0), rank=rank)
+    xc = ShardExchange(opt)
     tp_size, tp_index = (2, rank) if rank < 2 else (1, 0)
     w = torch.nn.Parameter(torch.empty(8 // tp_size, 6))
     n = torch.nn.Parameter(torch.empty(6))
     local = [LocalParam(spec=specs[0], tensor=w, tp_index=tp_index, tp_size=tp_size),
              LocalParam(spec=specs[1], tensor=n, tp_index=tp_index, tp_size=tp_size)]
-    opt.pull(local)
+    xc.pull(local)
     pulled = w.detach().clone()
     w.grad = torch.full_like(w, float(rank + 1))
     n.grad = torch.full_like(n, float(rank + 1))
-    opt.push(local)
-    return {"pulled": pulled, "grad": opt.gather_grad()[:54], "bytes": (opt.bytes_pulled, opt.bytes_pushed)}
+    xc.push(local)
+    moved = xc.take_stats()
+    return {"pulled": pulled, "grad": opt.gather_grad()[:54], "bytes": (moved.bytes_pulled, moved.bytes_pushed)}
 
 
 def _check_push_pull(results: list[dict]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
+from parallel_runtime.training.transport import ShardExchange
 
 
 def test_single_rank_matches_torch_adamw():
@@ -13,6 +14,7 @@ def test_single_rank_matches_torch_adamw():
     init = {"w": torch.randn(6, 4), "n": torch.ones(4)}
     cfg = AdamWConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=0.0)
     opt = ShardedOptimizer(FlatLayout(specs, 1), init, cfg)
+    xc = ShardExchange(opt)
     # two TP "ranks" simulated in one process: each holds half of w's rows, n replicated
     halves = [torch.nn.Parameter(torch.empty(3, 4)) for _ in range(2)]
     norms = [torch.nn.Parameter(torch.empty(4)) for _ in range(2)]
@@ -23,7 +25,7 @@ def test_single_rank_matches_torch_adamw():
     ref = torch.optim.AdamW([{"params": [ref_w], "weight_decay": 0.1}, {"params": [ref_n], "weight_decay": 0.0}],
                             lr=1e-2, betas=cfg.betas, eps=cfg.eps)
     for _ in range(3):
-        opt.pull(local)
+        xc.pull(local)
         torch.testing.assert_close(torch.cat([h.data for h in halves]), ref_w.data, rtol=1e-6, atol=1e-7)
         x = torch.randn(5, 4)
         for t in range(2):
@@ -31,13 +33,13 @@ def test_single_rank_matches_torch_adamw():
             (x * norms[t]).sum().backward()
         (x @ ref_w.T).pow(2).sum().backward()
         (x * ref_n).sum().backward()  # replicated: counted once (tp index 0)
-        opt.push(local)
+        xc.push(local)
         opt.step()
         ref.step()
         ref.zero_grad()
         for p in halves + norms:
             p.grad = None
-    opt.pull(local)
+    xc.pull(local)
     torch.testing.assert_close(torch.cat([h.data for h in halves]), ref_w.data, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(norms[1].data, ref_n.data, rtol=1e-6, atol=1e-7)
 
@@ -47,5 +49,5 @@ def test_clipping_uses_the_global_norm():
     opt = ShardedOptimizer(FlatLayout(specs, 1), {"a": torch.zeros(3)}, AdamWConfig(lr=1.0, max_grad_norm=1.0))
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([3.0, 4.0, 0.0])
-    opt.push([LocalParam(spec=specs[0], tensor=p)])
+    ShardExchange(opt).push([LocalParam(spec=specs[0], tensor=p)])
     assert abs(opt.step() - 5.0) < 1e-9

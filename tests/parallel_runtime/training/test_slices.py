@@ -16,6 +16,7 @@ import torch
 from distributed import run_distributed
 
 from parallel_runtime.training.optimizer import AdamWConfig, FlatLayout, LocalParam, ParamSpec, ShardedOptimizer
+from parallel_runtime.training.transport import ExchangeStats, ShardExchange
 
 # 235 elements, padded to 4 shards of 59: most parameters straddle an owner boundary
 SPECS = [ParamSpec(name="emb", shape=(8, 6), tp_dim=0), ParamSpec(name="wq", shape=(6, 8), tp_dim=1),
@@ -71,22 +72,24 @@ def _world(rank: int, world: int) -> dict[str, list[dict]]:
 
 
 def _steps(rank: int, world: int, bucket_elems: int) -> list[dict]:
-    opt = ShardedOptimizer(FlatLayout(SPECS, world), iter(_init().items()), AdamWConfig(), rank=rank,
-                           bucket_elems=bucket_elems)
+    opt = ShardedOptimizer(FlatLayout(SPECS, world), iter(_init().items()), AdamWConfig(), rank=rank)
+    xc = ShardExchange(opt, bucket_elems=bucket_elems)
     out = []
+    run = ExchangeStats()  # every step so far
     for step in range(len(STEPS)):
         local = _local(step, rank)
-        before = (opt.bytes_pulled, opt.bytes_pull_sent, opt.bytes_pushed, opt.bytes_push_received, opt.exchanges)
-        opt.pull(local)
-        pull_exchanges = opt.exchanges - before[4]
+        xc.pull(local)
+        pull = xc.take_stats()
         pulled = {lp.spec.name: lp.tensor.detach().clone() for lp in local}
         if STEPS[step][rank][3]:
             for lp in local:
                 lp.tensor.grad = _grad(step, rank, lp.spec.name, lp.tensor.shape)
-        opt.push(local)
-        after = (opt.bytes_pulled, opt.bytes_pull_sent, opt.bytes_pushed, opt.bytes_push_received, opt.exchanges)
-        out.append({"pulled": pulled, "grad": opt.gather_grad(), "bytes": [a - b for a, b in zip(after, before)],
-                    "pull_exchanges": pull_exchanges, "plans": opt.plans_built, "peak": opt.peak_bucket_elems})
+        xc.push(local)
+        s = pull + xc.take_stats()
+        run = run + s
+        out.append({"pulled": pulled, "grad": opt.gather_grad(),
+                    "bytes": [s.bytes_pulled, s.bytes_pull_sent, s.bytes_pushed, s.bytes_push_received, s.exchanges],
+                    "pull_exchanges": pull.exchanges, "plans": run.plans_built, "peak": run.peak_bucket_elems})
     return out
 
 
@@ -142,35 +145,38 @@ def test_pull_push_move_exactly_the_slices() -> None:
 def test_one_process_many_buckets_and_overlapping_slices() -> None:
     """World size 1 runs the same exchange without a collective: tp=2 halves of strided parameters and a
     replicated one twice in one local list, 3-element buckets."""
-    opt = ShardedOptimizer(FlatLayout(SPECS, 1), _init(), AdamWConfig(), bucket_elems=3)
+    opt = ShardedOptimizer(FlatLayout(SPECS, 1), _init(), AdamWConfig())
+    xc = ShardExchange(opt, bucket_elems=3)
     local = _params(ALL, 0, 2) + _params(ALL, 1, 2)
-    opt.pull(local)
+    xc.pull(local)
     layout = FlatLayout(SPECS, 1)
     flat = torch.cat([_init()[s.name].reshape(-1) for s in SPECS])
     for lp in local:
         assert torch.equal(lp.tensor.detach(), layout.slice_view(flat, lp))
         lp.tensor.grad = torch.ones_like(lp.tensor)
-    opt.push(local)
+    xc.push(local)
     # every TP-split element once from its half; replicated n1, n2 only from tp index 0
     assert torch.equal(opt.grad, torch.ones(235))
     sizes = sum(lp.tensor.numel() for lp in local)
-    assert opt.bytes_pulled == 4 * sizes and opt.bytes_pushed == 4 * (sizes - 11)
-    assert opt.exchanges >= 2 * 235 // 3 and opt.peak_bucket_elems <= 3
+    moved = xc.take_stats()
+    assert moved.bytes_pulled == 4 * sizes and moved.bytes_pushed == 4 * (sizes - 11)
+    assert moved.exchanges >= 2 * 235 // 3 and moved.peak_bucket_elems <= 3
 
 
 def test_bf16_working_parameters_round_trip() -> None:
     """Working parameters in bf16: pulled values are the fp32 slices rounded once; bf16 gradients land exactly."""
-    opt = ShardedOptimizer(FlatLayout(SPECS, 1), _init(), AdamWConfig(), bucket_elems=5)
+    opt = ShardedOptimizer(FlatLayout(SPECS, 1), _init(), AdamWConfig())
+    xc = ShardExchange(opt, bucket_elems=5)
     local = [LocalParam(spec=lp.spec, tensor=torch.nn.Parameter(lp.tensor.detach().bfloat16()), tp_index=lp.tp_index,
                         tp_size=lp.tp_size) for lp in _params(ALL, 1, 2)]
-    opt.pull(local)
+    xc.pull(local)
     layout = FlatLayout(SPECS, 1)
     flat = torch.cat([_init()[s.name].reshape(-1) for s in SPECS])
     for lp in local:
         assert lp.tensor.dtype == torch.bfloat16
         assert torch.equal(lp.tensor.detach(), layout.slice_view(flat, lp).bfloat16())
         lp.tensor.grad = torch.full_like(lp.tensor, 0.5)
-    opt.push(local)  # tp index 1: the replicated n1, n2 are not contributed
+    xc.push(local)  # tp index 1: the replicated n1, n2 are not contributed
     expect = torch.zeros(235)
     for lp in local:
         if lp.spec.tp_dim is not None:
@@ -179,11 +185,11 @@ def test_bf16_working_parameters_round_trip() -> None:
 
 
 def test_bad_local_layouts_fail_in_one_line() -> None:
-    opt = ShardedOptimizer(FlatLayout(SPECS, 1), _init(), AdamWConfig())
+    xc = ShardExchange(ShardedOptimizer(FlatLayout(SPECS, 1), _init(), AdamWConfig()))
     with pytest.raises(ValueError, match=r"wq: the working tensor has shape \(6, 8\), its slice \(tp 0/2\) has "
                                          r"\(6, 4\)"):
-        opt.pull([LocalParam(spec=SPEC["wq"], tensor=torch.nn.Parameter(torch.empty(6, 8)), tp_size=2)])
+        xc.pull([LocalParam(spec=SPEC["wq"], tensor=torch.nn.Parameter(torch.empty(6, 8)), tp_size=2)])
     with pytest.raises(ValueError, match="wo: dim 1 of size 4 is not divisible by tp=3"):
-        opt.pull([LocalParam(spec=SPEC["wo"], tensor=torch.nn.Parameter(torch.empty(8, 1)), tp_size=3)])
+        xc.pull([LocalParam(spec=SPEC["wo"], tensor=torch.nn.Parameter(torch.empty(8, 1)), tp_size=3)])
     with pytest.raises(ValueError, match="bucket_elems must be >= 1"):
-        ShardedOptimizer(FlatLayout(SPECS, 1), _init(), AdamWConfig(), bucket_elems=0)
+        ShardExchange(ShardedOptimizer(FlatLayout(SPECS, 1), _init(), AdamWConfig()), bucket_elems=0)

@@ -143,10 +143,10 @@ def _crash(rank: int, world: int, sets: list[str], out: str) -> None:
 
     real = rank_step.forward_backward
 
-    def fb(rt, plan, *a, **k):
+    def fb(rt, sm, plan, *a, **k):
         if rank == 1 and plan.step == 1:
             raise RuntimeError("rank 1 lost its device")
-        return real(rt, plan, *a, **k)
+        return real(rt, sm, plan, *a, **k)
 
     rank_step.forward_backward = fb
     tr.Trainer(load_recipe(HETERO, sets), out).train(3)
