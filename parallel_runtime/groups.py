@@ -1,12 +1,13 @@
-"""Process groups for a set of plan shapes: created once, looked up by rank tuple.
+"""Process groups by rank tuple: created collectively in one order on every rank, then looked up.
 
-:class:`ProcessGroups` creates every group :func:`parallel_runtime.topology.required_groups`
-lists, once, in the same order on every rank (``new_group`` is collective over the world),
-deduplicated by rank set. A step then only *looks up* groups by rank tuple; nothing is
-created on the hot path, and asking for a group that was not pre-created is a clear error.
-
-:class:`GroupCache` does the same lazily for a run: the groups of the declared shapes at
-start-up, then any group a step's plan needs that does not exist yet. Starting the world
+:class:`GroupCache` is this rank's groups. ``new_group`` is collective over the world, so every
+group is created by every rank, member or not, in the same order: :meth:`GroupCache.ensure` takes
+the same list of :class:`~parallel_runtime.topology.GroupSpec` on every rank and creates those not
+created yet, in list order; :meth:`GroupCache.build` is a cache with every group the given
+topologies and plans need (:func:`parallel_runtime.topology.required_groups`) created up front. A
+step then only *looks up* groups by rank tuple (:meth:`GroupCache.get`); asking for a group that was
+not created is a clear error. A run creates the groups of its declared shapes at start-up
+(:func:`declared_groups`), then whatever a step's plan adds (:func:`plan_groups`). Starting the world
 itself is :mod:`parallel_runtime.launch`. Every group gets the world's collective timeout
 (:func:`parallel_runtime.launch.new_group`), or ``timeout_s`` when given.
 """
@@ -35,24 +36,72 @@ class NestedGroups:
 
 
 @dataclass(kw_only=True)
-class GroupLookup:
-    """This rank's process groups by sorted rank tuple (what every engine looks groups up in)."""
+class GroupCache:
+    """This rank's process groups by sorted rank tuple (what every engine looks groups up in), created
+    collectively in one order on every rank (module docstring)."""
 
     rank: int
+    backend: str | None = None  # None: the world's backend (gloo on CPU, NCCL on CUDA)
     timeout_s: float | None = None  # collective timeout of the groups (None: the world's)
     # False: a group over the whole world is a group of its own, not the world's default group (whose
     # collectives a user's DDP also issues, from its autograd hooks, in an order of its own)
     reuse_world: bool = True
-    _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    created: set[tuple[int, ...]] = field(default_factory=set)  # every group created, member or not
+    _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)  # member only
 
-    def _create(self, spec: GroupSpec, world: int, backend: str | None) -> None:
-        """Create ``spec``'s group (collective over the world: every rank, member or not, in one order)."""
-        if len(spec.ranks) == world and self.reuse_world:
-            pg = dist.group.WORLD
-        else:
-            pg = new_group(spec.ranks, backend=backend, timeout_s=self.timeout_s)
-        if self.rank in spec.ranks:
-            self._groups[spec.ranks] = pg
+    @staticmethod
+    def build(
+        topologies: Iterable[Topology] = (),
+        *,
+        plans: Iterable[StepPlan] = (),
+        cp_sizes: Callable[[int], Sequence[int]] = allowed_degrees,
+        inner_sizes: Sequence[int] | None = None,
+        gpus_per_node: int | None = None,
+        extra: Iterable[Sequence[int]] = (),
+        backend: str | None = None,
+        timeout_s: float | None = None,
+        reuse_world: bool = True,
+    ) -> GroupCache:
+        """A cache holding every group the given topologies and plans need (collective: call on all ranks).
+
+        ``backend`` defaults to the world's backend (gloo on CPU, NCCL on CUDA); ``timeout_s`` to the
+        world's collective timeout; ``reuse_world=False`` creates a world-spanning group of its own.
+        """
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialized; call parallel_runtime.launch.init_world() (or "
+                             "init_process_group) on every rank before GroupCache.build")
+        specs = required_groups(topologies, plans=plans, cp_sizes=cp_sizes, inner_sizes=inner_sizes,
+                                gpus_per_node=gpus_per_node, extra=extra)
+        out = GroupCache(rank=dist.get_rank(), backend=backend, timeout_s=timeout_s, reuse_world=reuse_world)
+        out.ensure(specs)
+        return out
+
+    def ensure(self, specs: Iterable[GroupSpec]) -> int:
+        """Create the groups of ``specs`` that do not exist yet, in ``specs`` order (collective: the same specs
+        on every rank); returns how many it created."""
+        world = dist.get_world_size()
+        specs = list(specs)
+        for spec in specs:  # checked before any is created: a bad list creates none, on every rank alike
+            if spec.ranks[-1] >= world:
+                raise ValueError(f"{spec.kind} group {spec.ranks} names rank {spec.ranks[-1]} but the "
+                                 f"world has {world} ranks")
+        n = 0
+        for spec in specs:
+            if spec.ranks in self.created:
+                continue
+            self.created.add(spec.ranks)
+            if len(spec.ranks) == world and self.reuse_world:
+                pg = dist.group.WORLD
+            else:
+                pg = new_group(spec.ranks, backend=self.backend, timeout_s=self.timeout_s)
+            if self.rank in spec.ranks:
+                self._groups[spec.ranks] = pg
+            n += 1
+        return n
+
+    def __len__(self) -> int:
+        """Groups created (member or not)."""
+        return len(self.created)
 
     def get(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
         """The group over ``ranks`` (any order); ``None`` for a single rank."""
@@ -64,7 +113,7 @@ class GroupLookup:
         pg = self._groups.get(key)
         if pg is None:
             raise ValueError(f"process group over ranks {key} was not pre-created; create every group a plan "
-                             f"needs first (ProcessGroups.build with its plans or sizes, or GroupCache.ensure)")
+                             f"needs first (GroupCache.build with its plans or sizes, or GroupCache.ensure)")
         return pg
 
     def members(self) -> list[dist.ProcessGroup]:
@@ -85,73 +134,6 @@ class GroupLookup:
             raise ValueError(f"rank {self.rank} is not in CP group {tuple(cp_ranks)}")
         return NestedGroups(inner_ranks=mine_in, inner=self.get(mine_in),
                             outer_ranks=mine_out, outer=self.get(mine_out))
-
-
-@dataclass(kw_only=True)
-class ProcessGroups(GroupLookup):
-    """Pre-created process groups of this rank, looked up by rank tuple."""
-
-    world_size: int
-    specs: tuple[GroupSpec, ...]
-
-    @staticmethod
-    def build(
-        topologies: Iterable[Topology] = (),
-        *,
-        plans: Iterable[StepPlan] = (),
-        cp_sizes: Callable[[int], Sequence[int]] = allowed_degrees,
-        inner_sizes: Sequence[int] | None = None,
-        gpus_per_node: int | None = None,
-        extra: Iterable[Sequence[int]] = (),
-        backend: str | None = None,
-        timeout_s: float | None = None,
-        reuse_world: bool = True,
-    ) -> ProcessGroups:
-        """Create every group the given topologies and plans need (collective: call on all ranks).
-
-        ``backend`` defaults to the world's backend (gloo on CPU, NCCL on CUDA); ``timeout_s`` to the
-        world's collective timeout; ``reuse_world=False`` creates a world-spanning group of its own.
-        """
-        if not dist.is_initialized():
-            raise ValueError("torch.distributed is not initialized; call parallel_runtime.launch.init_world() (or "
-                             "init_process_group) on every rank before ProcessGroups.build")
-        specs = required_groups(topologies, plans=plans, cp_sizes=cp_sizes, inner_sizes=inner_sizes,
-                                gpus_per_node=gpus_per_node, extra=extra)
-        world = dist.get_world_size()
-        rank = dist.get_rank()
-        out = ProcessGroups(rank=rank, world_size=world, specs=tuple(specs), timeout_s=timeout_s,
-                            reuse_world=reuse_world)
-        for spec in specs:
-            if spec.ranks[-1] >= world:
-                raise ValueError(f"{spec.kind} group {spec.ranks} names rank {spec.ranks[-1]} but the "
-                                 f"world has {world} ranks")
-            out._create(spec, world, backend)
-        return out
-
-    def __len__(self) -> int:
-        return len(self.specs)
-
-
-@dataclass(kw_only=True)
-class GroupCache(GroupLookup):
-    """Process groups by rank set, created collectively in one order on every rank, as plans need them."""
-
-    backend: str | None = None
-    created: set[tuple[int, ...]] = field(default_factory=set)  # every group created, member or not
-    num_created: int = 0
-
-    def ensure(self, specs: Iterable[GroupSpec]) -> int:
-        """Create the groups of ``specs`` that do not exist yet (collective: same specs on every rank)."""
-        world = dist.get_world_size()
-        n = 0
-        for spec in specs:
-            if spec.ranks in self.created:
-                continue
-            self.created.add(spec.ranks)
-            self._create(spec, world, self.backend)
-            n += 1
-        self.num_created += n
-        return n
 
 
 def declared_groups(topologies: Iterable[Topology], cp_engine: str, cp_inner: int) -> list[GroupSpec]:

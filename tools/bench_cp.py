@@ -43,7 +43,7 @@ from parallel_runtime.engines.context import (
     shard_microbatch,
 )
 from parallel_runtime.engines.tensor import TensorParallel
-from parallel_runtime.groups import ProcessGroups
+from parallel_runtime.groups import GroupCache
 from parallel_runtime.launch import spawn_world
 from parallel_runtime.model import ModelConfig, Transformer
 from parallel_runtime.topology import Topology
@@ -118,7 +118,7 @@ def _overlap_case(rank: int, world: int, pg, case: dict, repeats: int, dev: torc
 
 
 def _overlap_rank(rank: int, world: int, cases: list[dict], repeats: int, device: str) -> list[dict]:
-    groups = ProcessGroups.build([Topology.uniform(world)])
+    groups = GroupCache.build([Topology.uniform(world)])
     pg = groups.get(tuple(range(world)))
     return [_overlap_case(rank, world, pg, case, repeats, torch.device(device)) for case in cases]
 
@@ -141,7 +141,7 @@ def _bytes_rank(rank: int, world: int, layouts: list[dict], lengths: list[int]) 
         tp, kind, inner = lay["tp"], lay["engine"], lay["inner"]
         cfg = ModelConfig(hidden=128, num_layers=2, num_heads=16, num_kv_heads=8, head_dim=16, ffn_hidden=256)
         topo = Topology.uniform(world, tp=tp)
-        groups = ProcessGroups.build([topo], inner_sizes=[inner] if kind == "nested" else None)
+        groups = GroupCache.build([topo], inner_sizes=[inner] if kind == "nested" else None)
         coord = topo.coord(rank)
         tpg = TensorParallel(size=tp, index=coord.tp_index, group=groups.get(topo.tp_ranks(rank)))
         model = Transformer(cfg, tp=tpg, seed=0)
@@ -186,7 +186,7 @@ def _engines_rank(rank: int, world: int, total: int, heads: int, kv_heads: int, 
                   device: str) -> list[dict]:
     dev = torch.device(device)
     proper = [u for u in range(2, world) if world % u == 0]
-    groups = ProcessGroups.build([Topology.uniform(world)], inner_sizes=proper)
+    groups = GroupCache.build([Topology.uniform(world)], inner_sizes=proper)
     ranks = tuple(range(world))
     lengths = _doc_lengths(total)
     rows = []

@@ -17,6 +17,12 @@ For the samples of one device class and one shape ``(tp, pp)`` (one stage's shar
 * a shape with fewer than ``min_samples`` rows is only rescaled (the median ratio of measured to
   predicted, one number that is always identifiable); shapes without samples take the class's
   median rescaling. Bandwidth tables and memory caps are kept as they are.
+
+Two settings serve a fit of chosen cases instead of a training window (the cost-file profiler,
+:mod:`parallel_runtime.diagnostics.profile`): ``robust=False`` is plain NNLS on milliseconds (rows
+unweighted, no ridge, no outlier drop, the prior kept as it is, not rescaled), and ``free`` names the
+coefficients the fit may change; the others keep the prior's values (their part of each measured time is
+taken off before the solve).
 """
 
 from __future__ import annotations
@@ -30,13 +36,21 @@ from balanced_loader.calibration.samples import Samples
 from balanced_loader.cost import CostModel, ShapeCost
 
 MAX_DROPPED = 0.2  # at most this share of a fit's rows are dropped as outliers
+COEFFICIENTS = ("microbatch_ms", "quadratic_ms", "linear_ms", "comm_bytes_per_token")  # beta, q, l, B: features order
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FitSettings:
-    min_samples: int = 8
-    outlier_mad: float = 3.5
-    prior_weight: float = 0.01
+    min_samples: int = 8  # below: the prior only rescaled
+    outlier_mad: float = 3.5  # robust only
+    prior_weight: float = 0.01  # robust only
+    robust: bool = True  # False: plain NNLS on milliseconds (module docstring)
+    free: tuple[str, ...] = COEFFICIENTS  # the coefficients fitted; the others keep the prior's values
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.free if c not in COEFFICIENTS]
+        if bad or not self.free:
+            raise ValueError(f"FitSettings.free: {list(self.free)} must name some of {list(COEFFICIENTS)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,21 +100,28 @@ def rel_error(pred: np.ndarray, meas: np.ndarray) -> np.ndarray:
     return np.abs(pred - meas) / np.maximum(meas, 1e-9)
 
 
-def _solve(a: np.ndarray, y: np.ndarray, x0: np.ndarray, prior_weight: float) -> np.ndarray:
+def _solve(a: np.ndarray, y: np.ndarray, x0: np.ndarray, settings: FitSettings) -> np.ndarray:
+    """``[4]`` the NNLS of the ``free`` columns of ``a`` (``[n, 4]``) to ``y`` (``[n]``); the others stay at ``x0``."""
     from scipy.optimize import nnls  # scipy: loaded when a fit runs
 
-    w = 1.0 / np.sqrt(np.maximum(y, 1e-6))  # [n] row weights
-    aw, yw = a * w[:, None], y * w
-    col = np.sqrt((aw * aw).sum(axis=0))  # [4] each column's size
+    free = np.array([c in settings.free for c in COEFFICIENTS])  # [4]
+    rest = y - a[:, ~free] @ x0[~free]  # [n] what the fixed coefficients leave to the free ones
+    a = a[:, free]  # [n, f]
+    # robust: between absolute and relative errors (module docstring); plain: absolute errors (ms)
+    w = 1.0 / np.sqrt(np.maximum(y, 1e-6)) if settings.robust else np.ones_like(y)  # [n] row weights
+    aw, yw = a * w[:, None], rest * w
+    col = np.sqrt((aw * aw).sum(axis=0))  # [f] each column's size
     scale = np.where(col > 0, col, 1.0)
     # ridge rows sqrt(lambda) * col_j * (x_j - x0_j): in units of the column, so one weight fits all columns
-    ridge = np.sqrt(prior_weight) * np.diag(col)
+    ridge = np.sqrt(settings.prior_weight if settings.robust else 0.0) * np.diag(col)
     lhs = np.vstack([aw, ridge]) / scale  # columns scaled to one: nnls converges on columns of any size
-    rhs = np.concatenate([yw, ridge @ x0])
+    rhs = np.concatenate([yw, ridge @ x0[free]])
     x, _ = nnls(lhs, rhs, maxiter=50 * lhs.shape[1])
     # a column of zeros (no sample exercises it: B when every group ran on one lane) has no ridge row
     # either, and nnls leaves its coefficient at 0: it keeps the prior instead
-    return np.where(col > 0, x / scale, x0)
+    out = x0.copy()
+    out[free] = np.where(col > 0, x / scale, x0[free])
+    return out
 
 
 def fit_shape(sc: ShapeCost, s: Samples, settings: FitSettings) -> tuple[ShapeCost, ShapeFit]:
@@ -111,16 +132,22 @@ def fit_shape(sc: ShapeCost, s: Samples, settings: FitSettings) -> tuple[ShapeCo
     before = a @ x0
     ratio = float(np.median(y / np.maximum(before, 1e-9))) if len(y) else 1.0
     err0 = float(np.median(rel_error(before, y))) if len(y) else 0.0
+    prior = x0.copy()  # the free coefficients' prior rescaled to the level seen (the fixed ones keep theirs)
+    prior[[c in settings.free for c in COEFFICIENTS]] *= ratio
     if len(y) < settings.min_samples:
-        x = x0 * ratio
+        x = prior
         return _with(sc, x), ShapeFit(samples=len(y), dropped=0, kind="scale", ratio=ratio, error_before=err0,
                                       error_after=float(np.median(rel_error(a @ x, y))) if len(y) else 0.0)
-    x = _solve(a, y, x0 * ratio, settings.prior_weight)  # the prior rescaled first: the ridge pulls to the level seen
+    if not settings.robust:  # plain NNLS: every row, the prior as it is
+        x = _solve(a, y, x0, settings)
+        return _with(sc, x), ShapeFit(samples=len(y), dropped=0, kind="fit", ratio=ratio, error_before=err0,
+                                      error_after=float(np.median(rel_error(a @ x, y))))
+    x = _solve(a, y, prior, settings)  # the ridge pulls to the rescaled prior
     r = (y - a @ x) / np.maximum(y, 1e-9)  # [n] relative residuals
     mad = float(np.median(np.abs(r - np.median(r)))) * 1.4826
     keep = np.abs(r - np.median(r)) <= settings.outlier_mad * max(mad, 1e-3)
     if not keep.all() and (~keep).sum() <= MAX_DROPPED * len(y):
-        x = _solve(a[keep], y[keep], x0 * ratio, settings.prior_weight)
+        x = _solve(a[keep], y[keep], prior, settings)
     else:
         keep = np.ones(len(y), dtype=bool)
     return _with(sc, x), ShapeFit(samples=len(y), dropped=int((~keep).sum()), kind="fit", ratio=ratio,

@@ -10,14 +10,17 @@ CP degree ``d``, each case is one microbatch run by every aligned block of ``d``
 its time is a lane's whole-model time (the sum over its stages), averaged over the lanes, the
 median of ``--repeats`` rounds (each round runs every case once, in a new random order).
 
-Fit, per shape, by non-negative least squares on milliseconds (the long microbatches that decide
-a step's time weigh the most):
+Fit, per shape, by calibration's fit (:func:`balanced_loader.calibration.fit.fit_shape`, the one
+fitter of contract-2 coefficients) set to plain non-negative least squares on milliseconds (the long
+microbatches that decide a step's time weigh the most; the cases are chosen, so there are no
+outliers to drop and no prior to pull to), the cases as calibration :class:`Samples`:
 
 * degree 1: ``t = microbatch_ms + quadratic_ms * sum(s^2) + linear_ms * sum(s)``;
 * degree ``d > 1``: the residual after ``microbatch_ms + sum(q s^2 + l s) / d`` is
   ``c_d * sum(s) / d``, written as ``bandwidth_gbs[d] = comm_bytes_per_token / (c_d * 1e6)``
   (the CP engine's extra time per token; ``comm_bytes_per_token`` is the engine's bytes per
-  token of the recipe's model, so the bandwidth is an effective one).
+  token of the recipe's model, so the bandwidth is an effective one): calibration's fit of the
+  one coefficient ``comm_bytes_per_token`` at 1 GB/s, the others held.
 
 Training cases are single segments on a length grid and packs of equal segments (which
 separate ``microbatch_ms`` from ``linear_ms``); held-out cases are groups drawn from the
@@ -34,13 +37,17 @@ import dataclasses
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from balanced_loader.calibration.fit import FitSettings, fit_shape
+from balanced_loader.calibration.samples import Samples, sample_rows
 from balanced_loader.cost import CostModel, ShapeCost
 
 DEFAULT_REPEATS = 3
+COMPUTE_FIT = FitSettings(robust=False, min_samples=1)  # plain NNLS on ms (module docstring)
+COMM_FIT = FitSettings(robust=False, min_samples=1, free=("comm_bytes_per_token",))  # beta, q, l held
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,43 +236,47 @@ def measure(setup: Setup, world: int, *, backend: str = "gloo", timeout_s: float
 # ---- fitting -------------------------------------------------------------------------------
 
 
-def fit_shape(cases: list[Case], times: list[float], *, tp: int, pp: int, comm_bytes_per_token: float,
-              cap: int) -> ShapeCost:
-    """Contract-2 coefficients of one shape from its training cases (non-negative least squares on
-    milliseconds: the long microbatches that decide a step's time weigh the most)."""
-    from scipy.optimize import nnls
+def samples_of(cases: list[Case], times: list[float], *, cp_inner: int = 1) -> Samples:
+    """The cases as calibration samples: a case's time is a lane's whole-model time (the sum over its
+    ``pp`` stages), a sample's one stage's share of it."""
+    return sample_rows(0, 0, [(c.tp, c.pp, c.degree, cp_inner, c.lengths) for c in cases],
+                       [t / c.pp for c, t in zip(cases, times)], [t / c.pp for c, t in zip(cases, times)])
 
-    one = [(c, t) for c, t in zip(cases, times) if c.degree == 1]
-    if len(one) < 3:
+
+def shape_cost(cases: list[Case], times: list[float], *, tp: int, pp: int, comm_bytes_per_token: float,
+               cap: int, cp_inner: int = 1) -> ShapeCost:
+    """Contract-2 coefficients of one shape from its training cases (module docstring: calibration's fit,
+    plain NNLS on milliseconds)."""
+    s = samples_of(cases, times, cp_inner=cp_inner)
+    one = s.degree == 1  # [n]
+    if int(one.sum()) < 3:
         raise ValueError(f"shape tp={tp}, pp={pp}: need degree-1 cases of at least 3 lengths to fit")
-    y = np.array([t for _, t in one])
-    x = np.array([[float(sum(n * n for n in c.lengths)), float(sum(c.lengths)), 1.0] for c, _ in one])
-    scale = x.max(axis=0)  # columns of very different size
-    q, lin, beta = (float(v) for v in nnls(x / scale, y)[0] / scale)
+    # a prior of zeros: the plain fit does not pull to it; comm_bytes_per_token has no column at degree 1 and
+    # keeps the engine's bytes per token
+    prior = ShapeCost(tp=tp, pp=pp, quadratic_ms=0.0, linear_ms=0.0, microbatch_ms=0.0,
+                      comm_bytes_per_token=comm_bytes_per_token, bandwidth_gbs=((2, 1.0),), max_tokens_per_lane=cap)
+    sc, _ = fit_shape(prior, s.select(one), COMPUTE_FIT)
     bw: list[tuple[int, float]] = []
-    for d in sorted({c.degree for c in cases if c.degree > 1}):
-        sel = [(c, t) for c, t in zip(cases, times) if c.degree == d]
-        res = np.array([t - beta - sum(q * n * n + lin * n for n in c.lengths) / d for c, t in sel])
-        tok = np.array([sum(c.lengths) / d for c, _ in sel], dtype=np.float64)
-        c_d = max(float(tok @ res / (tok @ tok)), 0.0)  # ms per token per lane
-        bw.append((d, comm_bytes_per_token / (c_d * 1e6) if c_d > 0 else 1e9))
-    if not bw:
-        bw = [(2, 1e9)]
-    return ShapeCost(tp=tp, pp=pp, quadratic_ms=q, linear_ms=lin, microbatch_ms=beta,
-                     comm_bytes_per_token=comm_bytes_per_token, bandwidth_gbs=tuple(bw), max_tokens_per_lane=cap)
+    for d in sorted({int(x) for x in s.degree[~one].tolist()}):
+        # at 1 GB/s the comm column is sum(s) / (d 1e6): the bytes per token fitted there are c_d * 1e6
+        at_d, _ = fit_shape(replace(sc, bandwidth_gbs=((d, 1.0),)), s.select(s.degree == d), COMM_FIT)
+        b = at_d.comm_bytes_per_token
+        bw.append((d, comm_bytes_per_token / b if b > 0 else 1e9))
+    return replace(sc, bandwidth_gbs=tuple(bw) or ((2, 1e9),))
 
 
 def fit(cases: list[Case], times: list[float], *, comm_bytes_per_token: float,
-        caps: dict[tuple[int, int], int], name: str = "calibrated") -> CostModel:
-    """The cost model of every profiled shape (tp=pp=1 is the base and must be profiled)."""
+        caps: dict[tuple[int, int], int], name: str = "calibrated", cp_inner: int = 1) -> CostModel:
+    """The cost model of every profiled shape (tp=pp=1 is the base and must be profiled); ``cp_inner``: the
+    loader's, which names each sample's CP engine."""
     shapes = sorted({(c.tp, c.pp) for c in cases})
     if (1, 1) not in shapes:
         raise ValueError("the profile needs shape tp=1, pp=1 (the cost file's base keys)")
     fitted = {}
     for tp, pp in shapes:
         sel = [(c, t) for c, t in zip(cases, times) if (c.tp, c.pp) == (tp, pp) and not c.held_out]
-        fitted[(tp, pp)] = fit_shape([c for c, _ in sel], [t for _, t in sel], tp=tp, pp=pp,
-                                     comm_bytes_per_token=comm_bytes_per_token, cap=caps[(tp, pp)])
+        fitted[(tp, pp)] = shape_cost([c for c, _ in sel], [t for _, t in sel], tp=tp, pp=pp,
+                                      comm_bytes_per_token=comm_bytes_per_token, cap=caps[(tp, pp)], cp_inner=cp_inner)
     b = fitted[(1, 1)]
     return CostModel(name=name, quadratic_ms=b.quadratic_ms, linear_ms=b.linear_ms, microbatch_ms=b.microbatch_ms,
                      comm_bytes_per_token=b.comm_bytes_per_token, bandwidth_gbs=b.bandwidth_gbs,
@@ -395,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     except WorldError as e:  # e.g. a --cap longer than every doc of the source: the first rank's error first
         print(f"profile: the distributed run failed:\n{e}", file=sys.stderr)
         return 1
-    cost = fit(cases, times, comm_bytes_per_token=comm_bytes(recipe), caps=caps,
+    cost = fit(cases, times, comm_bytes_per_token=comm_bytes(recipe), caps=caps, cp_inner=recipe.loader_cp_inner(),
                name=f"calibrated {recipe.model.hidden}x{recipe.model.num_layers} {recipe.world.device}")
     rep = report(cost, cases, times)
     rep["seconds"] = round(time.perf_counter() - t0, 1)

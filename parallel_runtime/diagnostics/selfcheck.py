@@ -34,7 +34,7 @@ import torch.distributed as dist
 from balanced_loader.plan import Group, Pool, StepPlan, single_pool_ranks
 from parallel_runtime.engines.context import ENGINES, CommStats, make_engine, shard_microbatch
 from parallel_runtime.engines.tensor import TensorParallel
-from parallel_runtime.groups import ProcessGroups
+from parallel_runtime.groups import GroupCache
 from parallel_runtime.launch import WorldError, spawn_world
 from parallel_runtime.model import ModelConfig, Transformer, local_attention
 from parallel_runtime.topology import Topology
@@ -188,7 +188,7 @@ def run_rank(rank: int, world_size: int, spec: LayoutSpec) -> dict | None:
     cfg = spec.model_config()
     inner = spec.inner
     topo = Topology.from_plan(plan)
-    groups = ProcessGroups.build([topo], plans=[plan], inner_sizes=[inner] if spec.engine == "nested" else None)
+    groups = GroupCache.build([topo], plans=[plan], inner_sizes=[inner] if spec.engine == "nested" else None)
     coord = topo.coord(rank)
     device = torch.device(spec.device)
     tp = TensorParallel(size=spec.tp, index=coord.tp_index, group=groups.get(topo.tp_ranks(rank)))

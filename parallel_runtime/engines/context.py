@@ -332,7 +332,7 @@ def make_engine(kind: str, groups, cp_ranks: Sequence[int], rank: int, *, inner:
                 stats: CommStats | None = None, impl: str = "auto") -> ContextParallel:
     """The engine of ``kind`` for the CP group ``cp_ranks`` (lane order) as seen by ``rank``.
 
-    ``groups`` is a :class:`parallel_runtime.groups.ProcessGroups` holding the pre-created groups.
+    ``groups`` is a :class:`parallel_runtime.groups.GroupCache` holding the pre-created groups.
     """
     if kind not in ENGINES:
         raise ValueError(f"unknown CP engine '{kind}'; choose one of {', '.join(ENGINES)}")

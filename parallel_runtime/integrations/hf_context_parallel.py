@@ -4,7 +4,7 @@
 runtime's CP engines (ring, Ulysses or nested: :mod:`parallel_runtime.engines.context`), registered
 in transformers' ``AttentionInterface`` as ``"bl_cp"`` (:mod:`parallel_runtime.hf.attention`), and
 creates, once and in the same order on every rank, the process groups of every aligned block of
-lanes the loader's default (hydra) plans may use (:class:`parallel_runtime.groups.ProcessGroups`).
+lanes the loader's default (hydra) plans may use (:class:`parallel_runtime.groups.GroupCache`).
 Then, for each microbatch of a :class:`~balanced_loader.BalancedLoader` (default plans: CP groups
 of several lanes, a different degree per microbatch)::
 
@@ -49,7 +49,7 @@ import torch.distributed as dist
 from balanced_loader.materialize import Microbatch, padding_microbatch, rank_place
 from balanced_loader.plan import StepPlan
 from parallel_runtime.engines.context import LocalAttention, make_engine
-from parallel_runtime.groups import GroupLookup, ProcessGroups
+from parallel_runtime.groups import GroupCache
 from parallel_runtime.hf.attention import BOUND_KWARG, NAME, register
 from parallel_runtime.hf.config import check_hf_config
 from parallel_runtime.topology import Topology
@@ -61,7 +61,7 @@ __all__ = ["ContextParallelBinding", "enable_context_parallel"]
 class ContextParallelBinding:
     """What :func:`enable_context_parallel` returns: ``bind(mb)`` is the context a microbatch runs in."""
 
-    def __init__(self, model: torch.nn.Module, groups: GroupLookup | None, rank: int, world_size: int,
+    def __init__(self, model: torch.nn.Module, groups: GroupCache | None, rank: int, world_size: int,
                  impl: str) -> None:
         self.model = model
         self.groups = groups
@@ -202,7 +202,7 @@ class ContextParallelBinding:
 
 
 def enable_context_parallel(model: torch.nn.Module, *, cp_inner: int = 1, impl: str = "auto",
-                            max_seq_len: int | None = None, groups: GroupLookup | None = None,
+                            max_seq_len: int | None = None, groups: GroupCache | None = None,
                             cp_sizes: Sequence[int] | None = None) -> ContextParallelBinding:
     """Run ``model``'s attention through the CP engines, per microbatch: ``with bind(mb): model(**mb.to_hf())``.
 
@@ -211,7 +211,7 @@ def enable_context_parallel(model: torch.nn.Module, *, cp_inner: int = 1, impl: 
     process groups of every aligned power-of-two block of ranks (and, with ``cp_inner`` > 1, their
     Ulysses-inside-ring parts), each a group of its own. ``cp_inner``: the loader's ``cp_inner``
     (1: ring; a group whose degree it equals runs Ulysses, a larger one nested). ``groups``: groups made
-    by the caller instead (:class:`~parallel_runtime.groups.ProcessGroups`); ``cp_sizes``: the degrees
+    by the caller instead (:class:`~parallel_runtime.groups.GroupCache`); ``cp_sizes``: the degrees
     to create groups for (default: every power of two up to the world size). ``impl``: the local
     attention kernel (``"auto"``: flash-attention varlen on CUDA, tiled SDPA on CPU). ``max_seq_len``:
     the loader's, checked against a sliding window (default: the model's ``max_position_embeddings``).
@@ -228,7 +228,7 @@ def enable_context_parallel(model: torch.nn.Module, *, cp_inner: int = 1, impl: 
     if groups is None and world > 1:
         sizes = (lambda n: [d for d in cp_sizes if d <= n]) if cp_sizes is not None else None
         kw = {"cp_sizes": sizes} if sizes is not None else {}
-        groups = ProcessGroups.build([Topology.uniform(world)], inner_sizes=[cp_inner] if cp_inner > 1 else [],
+        groups = GroupCache.build([Topology.uniform(world)], inner_sizes=[cp_inner] if cp_inner > 1 else [],
                                      reuse_world=False, **kw)
     register()
     binding = ContextParallelBinding(plain, groups, rank, world, impl)

@@ -33,7 +33,7 @@ every rank computes the same):
 * **Gradients.** Parameters are replicated on every rank. Each parameter's gradient is summed
   by one all-reduce over the union of the ranks that ran it (all MetaOps sharing its module,
   all entries), one flat buffer per distinct union, unions created up front in one order on
-  every rank (:class:`parallel_runtime.groups.ProcessGroups`); a rank outside a union neither
+  every rank (:class:`parallel_runtime.groups.GroupCache`); a rank outside a union neither
   reduces nor updates those parameters (it never reads them). Each sink's loss is its summed
   per-sample loss divided by its global batch, so the sum over lanes is exact.
   Then every rank applies SGD to the parameters it holds gradients for.
@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_runtime.groups import GroupLookup, ProcessGroups
+from parallel_runtime.groups import GroupCache
 from parallel_runtime.launch import spawn_world
 from parallel_runtime.spindle.exec_plan import Entry, EntryKey, ExecPlan, build_exec_plan
 from parallel_runtime.spindle.model import (
@@ -103,7 +103,7 @@ class StepState:
     output_grads: dict[EntryKey, torch.Tensor] = field(default_factory=dict)  # like outputs, summed over consumers
 
 
-def run_step(model: MultiTaskModel, exec_plan: ExecPlan, step: int, rank: int, groups: GroupLookup,
+def run_step(model: MultiTaskModel, exec_plan: ExecPlan, step: int, rank: int, groups: GroupCache,
              times: dict[str, list[Any]]) -> dict[str, float]:
     """Forward wave by wave, backward in reverse wave order, gradient all-reduce; returns this rank's
     partial losses by sink and appends per-wave seconds to ``times``."""
@@ -198,7 +198,7 @@ def add_output_grad(state: StepState, key: EntryKey, offset: int, grad: torch.Te
     state.output_grads[key][offset:offset + len(grad)] += grad
 
 
-def reduce_gradients(model: MultiTaskModel, exec_plan: ExecPlan, rank: int, groups: GroupLookup) -> None:
+def reduce_gradients(model: MultiTaskModel, exec_plan: ExecPlan, rank: int, groups: GroupCache) -> None:
     """Sum each parameter's gradient over the ranks that ran it (one all-reduce per gradient group)."""
     for ranks, names in exec_plan.grad_groups:
         if rank in ranks:  # a rank outside a union never reads those parameters
@@ -214,7 +214,7 @@ def run_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     exec_plan = job.exec_plan
     if world_size != exec_plan.world_size:
         raise ValueError(f"the wave plan is for {exec_plan.world_size} devices but the world has {world_size} ranks")
-    groups = ProcessGroups.build(extra=[ranks for ranks, _ in exec_plan.grad_groups])
+    groups = GroupCache.build(extra=[ranks for ranks, _ in exec_plan.grad_groups])
     model = MultiTaskModel(job.ops, job.config)
     mine = [n for ranks, names in exec_plan.grad_groups if rank in ranks for n in names]
     times: dict[str, list[Any]] = {"fwd": [], "bwd": [], "comm": [], "reduce": []}

@@ -5,12 +5,13 @@ calibrator's state resumes exactly (and at another world size keeps the coeffici
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from balanced_loader.calibration import CalibrationOptions, Calibrator, Samples, sample_rows
-from balanced_loader.calibration.fit import FitSettings, coefficients, fit_model, predict
+from balanced_loader.calibration.fit import FitSettings, coefficients, features, fit_model, fit_shape, predict
 from balanced_loader.calibration.speeds import SpeedTracker, raw_speeds
 from balanced_loader.cost import CostModel
 
@@ -291,3 +292,37 @@ def test_calibrator_at_another_world_takes_this_worlds_class_map_and_speeds():
     assert b.cost.rank_class_index(2).tolist() == [0, 1]
     with pytest.raises(ValueError, match=r"device classes \['old', 'new'\], this loader's \[\]"):
         Calibrator(TRUE, 2, opts).load_state_dict(state)
+
+
+def test_the_plain_fit_is_ordinary_least_squares_on_milliseconds():
+    """``robust=False`` (the cost-file profiler's fit): unweighted, no ridge, no row dropped, the prior not
+    rescaled; on a well-posed problem it is the least-squares solution itself."""
+    rng = np.random.default_rng(3)
+    groups = _groups(rng, 120)
+    meas = np.asarray(_true_ms(groups)) * (1 + rng.normal(0, 0.01, len(groups)))
+    meas[:6] *= 1.6  # rows the robust fit drops as outliers
+    s = _samples(groups, meas.tolist())
+    sc, rep = fit_shape(PRIOR.base, s, FitSettings(robust=False))
+    a = features(PRIOR.base, s)  # [n, 4]
+    lsq, *_ = np.linalg.lstsq(a, meas, rcond=None)
+    assert (lsq > 0).all()  # interior: NNLS and least squares agree
+    assert coefficients(sc) == pytest.approx(lsq, rel=1e-7)
+    assert rep.kind == "fit" and rep.dropped == 0
+    assert FitSettings().robust and fit_shape(PRIOR.base, s, FitSettings())[1].dropped > 0  # the default drops them
+
+
+def test_a_fit_of_some_coefficients_holds_the_others_at_the_prior():
+    rng = np.random.default_rng(4)
+    groups = _groups(rng, 200, degrees=(2, 4))
+    meas = _true_ms(groups)
+    prior = replace(TRUE.base, comm_bytes_per_token=1.0)  # only the bytes per token wrong
+    for robust in (False, True):
+        sc, _ = fit_shape(prior, _samples(groups, meas), FitSettings(robust=robust, free=("comm_bytes_per_token",)))
+        assert (sc.microbatch_ms, sc.quadratic_ms, sc.linear_ms) == (prior.microbatch_ms, prior.quadratic_ms,
+                                                                    prior.linear_ms)
+        # exact times: the plain fit is exact; the robust one's ridge pulls a little to the (rescaled) prior
+        assert _rel(sc.comm_bytes_per_token, TRUE.base.comm_bytes_per_token) <= (0.05 if robust else 1e-6), robust
+    with pytest.raises(ValueError, match="must name some of"):
+        FitSettings(free=("bandwidth_gbs",))
+    with pytest.raises(ValueError, match="must name some of"):
+        FitSettings(free=())

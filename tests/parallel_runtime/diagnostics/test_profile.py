@@ -11,7 +11,7 @@ import pytest
 from test_trainer import HETERO, small_run
 
 from balanced_loader.cost import CostModel, ShapeCost
-from parallel_runtime.diagnostics.profile import Case, fit, main, make_cases, report
+from parallel_runtime.diagnostics.profile import Case, fit, main, make_cases, report, shape_cost
 
 
 def test_fit_recovers_the_coefficients_it_was_generated_with() -> None:
@@ -41,6 +41,29 @@ def test_fit_recovers_the_coefficients_it_was_generated_with() -> None:
     assert np.median([abs(noisy.group_ms(c.lengths, c.degree, c.tp, c.pp) - t) / t
                       for c, t in zip(cases, times)]) < 0.03
     assert CostModel.from_dict(noisy.to_dict()).shape(1, 2).quadratic_ms == noisy.shape(1, 2).quadratic_ms
+
+
+def test_the_fit_is_plain_least_squares_on_milliseconds_through_calibration() -> None:
+    """The profiler fits through calibration's fit set to plain NNLS: on noisy times its degree-1 coefficients
+    are the least-squares solution on milliseconds, and each degree's bandwidth the least-squares per-token
+    residual, as the profiler has always fitted them."""
+    sc = ShapeCost(tp=1, pp=2, quadratic_ms=3e-4, linear_ms=0.02, microbatch_ms=9.0, comm_bytes_per_token=2048,
+                   bandwidth_gbs=((2, 0.05), (4, 0.02)), max_tokens_per_lane=512)
+    cases = make_cases([(1, 2)], {(1, 2): [1, 2, 4]}, {(1, 2): 512}, grid=7)
+    rng = np.random.default_rng(1)
+    times = [sc.group_ms(c.lengths, c.degree) * rng.uniform(0.95, 1.05) for c in cases]
+    got = shape_cost(cases, times, tp=1, pp=2, comm_bytes_per_token=2048, cap=512)
+    one = [(c, t) for c, t in zip(cases, times) if c.degree == 1]
+    a = np.array([[float(sum(n * n for n in c.lengths)), float(sum(c.lengths)), 1.0] for c, _ in one])  # [n, 3]
+    lsq, *_ = np.linalg.lstsq(a, np.array([t for _, t in one]), rcond=None)
+    assert (lsq > 0).all()  # interior: NNLS is least squares
+    assert [got.quadratic_ms, got.linear_ms, got.microbatch_ms] == pytest.approx(lsq, rel=1e-7)
+    for d, bw in got.bandwidth_gbs:
+        sel = [(c, t) for c, t in zip(cases, times) if c.degree == d]
+        res = np.array([t - got.microbatch_ms - sum(got.compute_ms(n) for n in c.lengths) / d for c, t in sel])
+        tok = np.array([sum(c.lengths) / d for c, _ in sel])
+        assert bw == pytest.approx(2048 / (float(tok @ res / (tok @ tok)) * 1e6), rel=1e-7), d
+    assert got.max_tokens_per_lane == 512 and got.comm_bytes_per_token == 2048
 
 
 def test_profile_arguments_fail_in_one_line(capsys) -> None:

@@ -25,7 +25,7 @@ from parallel_runtime.engines import attention as attention_module
 from parallel_runtime.engines import ring as ring_module
 from parallel_runtime.engines.attention import varlen_attention
 from parallel_runtime.engines.context import PackedLayout, UlyssesAttention, make_engine, shard_microbatch
-from parallel_runtime.groups import ProcessGroups
+from parallel_runtime.groups import GroupCache
 from parallel_runtime.topology import Topology
 
 LENGTHS = (1, 9, 16, 2, 23, 5)  # 1-token docs and lengths not divisible by 2 * degree
@@ -74,7 +74,7 @@ def test_ulysses_degree_that_does_not_divide_kv_heads_is_a_clear_error() -> None
 
 
 def _engine_case(world: int, kind: str, inner: int, heads: int, kv_heads: int, overlap: bool, rank: int,
-                 groups: ProcessGroups, lengths: tuple[int, ...] = LENGTHS) -> dict:
+                 groups: GroupCache, lengths: tuple[int, ...] = LENGTHS) -> dict:
     """Attention alone, float64: this rank's lane vs the unsharded reference (values and grads)."""
     d = 8
     ranks = tuple(range(world))
@@ -123,12 +123,12 @@ def _engine_case(world: int, kind: str, inner: int, heads: int, kv_heads: int, o
 def _world4(rank: int, world: int) -> dict:
     out: dict = {}
     topo = Topology.uniform(world)
-    groups = ProcessGroups.build([topo], inner_sizes=[2])
+    groups = GroupCache.build([topo], inner_sizes=[2])
     real_new_group = dist.new_group
     tile_size, fused_min_rows = attention_module.TILE_SIZE, ring_module.FUSED_MIN_ROWS
 
     def forbidden(*a, **kw):
-        raise AssertionError("new_group called after ProcessGroups.build (hot path)")
+        raise AssertionError("new_group called after GroupCache.build (hot path)")
 
     dist.new_group = forbidden
     try:
@@ -180,7 +180,7 @@ LONG = (1500, 3, 545)  # the 1500-token doc spans several 128-row tiles on every
 
 def _world4_long(rank: int, world: int) -> dict:
     topo = Topology.uniform(world)
-    groups = ProcessGroups.build([topo], inner_sizes=[2])
+    groups = GroupCache.build([topo], inner_sizes=[2])
     tile_size, fused_min_rows = attention_module.TILE_SIZE, ring_module.FUSED_MIN_ROWS
     attention_module.TILE_SIZE = 128
     try:

@@ -23,12 +23,12 @@ from parallel_runtime.engines.tensor import (
     shard,
     vocab_parallel_cross_entropy,
 )
-from parallel_runtime.groups import ProcessGroups
+from parallel_runtime.groups import GroupCache
 from parallel_runtime.topology import Topology
 
 
 def _world1(rank: int, world: int) -> dict:
-    groups = ProcessGroups.build([Topology.uniform(1)])
+    groups = GroupCache.build([Topology.uniform(1)])
     out = {"num_groups": len(groups), "single": groups.get([0]) is None}
     try:
         groups.get([0, 1])

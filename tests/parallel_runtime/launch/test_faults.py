@@ -11,7 +11,7 @@ from distributed import WorldError, run_distributed
 
 from parallel_runtime.diagnostics.selfcheck import main as selfcheck_main
 from parallel_runtime.engines.context import make_engine
-from parallel_runtime.groups import ProcessGroups
+from parallel_runtime.groups import GroupCache
 from parallel_runtime.topology import Topology
 
 
@@ -26,7 +26,7 @@ def _raise_mid_training(rank: int, world: int) -> int:
 
 
 def _raise_inside_ring(rank: int, world: int) -> None:
-    groups = ProcessGroups.build([Topology.uniform(world)])
+    groups = GroupCache.build([Topology.uniform(world)])
     eng = make_engine("ring", groups, tuple(range(world)), rank)
     attn = eng.bind([64, 7])
     q = torch.randn(72 // world * 1, 2, 8)

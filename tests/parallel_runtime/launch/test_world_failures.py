@@ -26,7 +26,7 @@ from distributed import run_distributed
 from test_trainer import HETERO, REPO, _free_port, reference_losses, small_run
 
 from parallel_runtime.config import load_recipe
-from parallel_runtime.groups import GroupCache, ProcessGroups, declared_groups
+from parallel_runtime.groups import GroupCache, declared_groups
 from parallel_runtime.launch import world_timeout_s
 from parallel_runtime.topology import GroupSpec, Topology
 from parallel_runtime.training.metrics import read_metrics
@@ -82,7 +82,7 @@ def test_declared_tp_and_cp_groups_stay_inside_a_node() -> None:
 def _recv_from_a_sleeper(rank: int, world: int) -> tuple[float | None, float, str]:
     cache = GroupCache(rank=rank)
     cache.ensure([GroupSpec(kind="pp", ranks=(2, 3))])  # no timeout given: the world's
-    groups = ProcessGroups.build([Topology.uniform(world, pp=2)], timeout_s=3.0)
+    groups = GroupCache.build([Topology.uniform(world, pp=2)], timeout_s=3.0)
     t0, msg = time.monotonic(), ""
     if rank == 2:  # a pipeline receive from a peer that never sends
         try:
@@ -97,7 +97,7 @@ def _recv_from_a_sleeper(rank: int, world: int) -> tuple[float | None, float, st
 @pytest.mark.multirank
 def test_subgroups_time_out_like_the_world() -> None:
     res = run_distributed(_recv_from_a_sleeper, 4, timeout=120)
-    assert all(r[0] == 120.0 for r in res)  # what GroupCache and ProcessGroups give a group by default
+    assert all(r[0] == 120.0 for r in res)  # what GroupCache.ensure and GroupCache.build give a group by default
     assert 2.5 < res[2][1] < 7 and "Timed out" in res[2][2], res[2]  # not gloo's 30 minutes
 
 
