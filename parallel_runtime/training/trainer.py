@@ -341,7 +341,10 @@ class Trainer:
         if self.loop.active:
             with phase(f"the calibration after step {batch.step}", self._all), self.times.phase("closed_loop"):
                 bal.update(self.loop.after_step(batch, fb, (time.perf_counter() - t0) * 1e3))
-        times = self.times.record((time.perf_counter() - t0) * 1e3, None if self.info.reference else self.comm_device)
+        # one clock reading for both: record() gathers the ranks' rows (a collective), and a second reading after it
+        # would put that wait in step_ms but in none of the phases
+        step_ms = (time.perf_counter() - t0) * 1e3
+        times = self.times.record(step_ms, None if self.info.reference else self.comm_device)
         self.step = batch.step + 1
         rec = {"step": batch.step, "loss": float(stats.loss_sum.sum()), "tokens": plan.tokens,
                "valid_tokens": batch.num_valid_tokens, "docs": int(len(plan.doc_ids())),
@@ -352,7 +355,7 @@ class Trainer:
                "grad_norm": norm, "lr": self.optimizer.config.lr_at(self.optimizer.steps - 1),
                "pull_bytes": moved.bytes_pulled, "push_bytes": moved.bytes_pushed,
                "pipeline_bytes": int(stats.pipeline_bytes.sum()), "new_groups": new_groups,
-               "step_ms": round((time.perf_counter() - t0) * 1e3, 3), "memory": memory, "time_ms": times}
+               "step_ms": round(step_ms, 3), "memory": memory, "time_ms": times}
         if batch.mixture_tokens is not None:
             rec["mixture_tokens"] = batch.mixture_tokens
         if compare:
