@@ -332,7 +332,8 @@ class Trainer:
                 norm = self.optimizer.step()
         fb = self._fb
         moved: ExchangeStats = self.exchange.take_stats()  # the step's pulls and pushes, compare passes' included
-        memory = self._memory_record()
+        with phase(f"the memory record of step {batch.step}", self._all):  # a gather: every collective is named
+            memory = self._memory_record()
         self.times.add("exposed_comm", moved.comm_s + self.optimizer.norm_comm_s)
         bal = M.step_balance(plan, self.loader.costs.at(batch.step), stats.compute_ms, stats.wall_ms,
                              stats.busy_wall_ms)
@@ -344,7 +345,8 @@ class Trainer:
         # one clock reading for both: record() gathers the ranks' rows (a collective), and a second reading after it
         # would put that wait in step_ms but in none of the phases
         step_ms = (time.perf_counter() - t0) * 1e3
-        times = self.times.record(step_ms, None if self.info.reference else self.comm_device)
+        with phase(f"the time record of step {batch.step}", self._all):
+            times = self.times.record(step_ms, None if self.info.reference else self.comm_device)
         self.step = batch.step + 1
         rec = {"step": batch.step, "loss": float(stats.loss_sum.sum()), "tokens": plan.tokens,
                "valid_tokens": batch.num_valid_tokens, "docs": int(len(plan.doc_ids())),
