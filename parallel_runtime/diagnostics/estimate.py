@@ -373,7 +373,7 @@ class _Hooks:
 def plan_steps(recipe, steps: int):
     """The recipe's first ``steps`` plans (the trainer's loader, every rank's plan), the sequences each tiles
     and the loader."""
-    from parallel_runtime.training.trainer import open_data, recipe_loader
+    from parallel_runtime.training.recipe_setup import open_data, recipe_loader
 
     source = open_data(recipe, build=True)
     loader = recipe_loader(recipe, source, recipe.policy.name, rank=0, prefetch_steps=0)

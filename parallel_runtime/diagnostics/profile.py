@@ -99,18 +99,12 @@ def plan_cases(recipe, count: int, profiled: set[tuple[int, int, int]], *, seed:
                max_steps: int = 200) -> list[Case]:
     """Held-out cases: ``count`` groups drawn from the recipe's own plans (its policy and every
     ``policy.compare`` policy, first steps of its data), among the profiled (tp, pp, degree)."""
-    from balanced_loader.loader import BalancedLoader
-    from parallel_runtime.training.trainer import open_data
+    from parallel_runtime.training.recipe_setup import open_data, recipe_loader
 
     source = open_data(recipe, build=True)
-    d = recipe.data
     found: list[Case] = []
     for policy in (recipe.policy.name, *recipe.policy.compare):
-        loader = BalancedLoader(source, policy=policy, cost=recipe.cost_model(), world_size=recipe.world.size,
-                                global_batch_tokens=d.global_batch_tokens, seed=recipe.seed,
-                                max_seq_len=d.max_seq_len, long_docs=d.long_docs, shuffle=d.shuffle,
-                                shuffle_window=d.shuffle_window, epochs=1, prefetch_steps=0,
-                                plan_config=recipe.plan_config(policy), cp_inner=recipe.loader_cp_inner())
+        loader = recipe_loader(recipe, source, policy, rank=0, prefetch_steps=0, epochs=1)
         for i, plan in enumerate(b.plan for b in loader):
             for pool in plan.pools:
                 for mb in pool.microbatches:
@@ -154,17 +148,13 @@ def _rank_main(rank: int, world: int, setup: Setup) -> list[float] | None:
     from parallel_runtime.groups import GroupCache, declared_groups, plan_groups
     from parallel_runtime.topology import Topology
     from parallel_runtime.training.params import param_specs
+    from parallel_runtime.training.recipe_setup import open_data_world, run_device
     from parallel_runtime.training.runtime import DTYPES, Runtime
     from parallel_runtime.training.step import forward_backward
-    from parallel_runtime.training.trainer import open_data_world
 
     recipe = load_recipe(setup.recipe_path, list(setup.overrides))
     w = recipe.world
-    torch.set_num_threads(w.threads)
-    device = torch.device("cpu")
-    if w.device == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = run_device(w, rank)  # the profile's world is one machine: local rank = rank
     source = open_data_world(recipe, rank=rank, local_rank=rank)  # the profile's world is one machine
     order = np.argsort(source.lengths, kind="stable")
     sorted_len = np.asarray(source.lengths)[order]

@@ -40,10 +40,10 @@ import torch.distributed as dist
 from balanced_loader.loader import BalancedLoader, StepBatch
 from balanced_loader.materialize import num_valid_tokens
 from balanced_loader.planning import fixed_pools
-from parallel_runtime.config import STDLIB, Recipe, dump_recipe
+from parallel_runtime.config import Recipe, dump_recipe
 from parallel_runtime.groups import GroupCache, declared_groups
 from parallel_runtime.hf.model import HFModel, HFRuntime
-from parallel_runtime.launch import new_group, phase
+from parallel_runtime.launch import phase
 from parallel_runtime.model import Transformer
 from parallel_runtime.topology import PoolShape, Topology
 from parallel_runtime.training import checkpoint as CK
@@ -58,67 +58,11 @@ from parallel_runtime.training.params import init_params, local_params, param_sp
 from parallel_runtime.training.peaks import PeakProbe
 from parallel_runtime.training.plan_check import check_plan_runs_here
 from parallel_runtime.training.rank_step import StepHooks, execute_step
+from parallel_runtime.training.recipe_setup import open_data, open_data_world, recipe_loader, run_device
 from parallel_runtime.training.runtime import DTYPES, GradBuffer, Runtime, accumulate_in_fp32
 from parallel_runtime.training.step import FBResult, reference_forward_backward
 from parallel_runtime.training.step_memory import StepMemory
 from parallel_runtime.training.transport import ExchangeStats, ShardExchange, bucket_limit, exchange_group
-
-
-def open_data(recipe: Recipe, *, build: bool):
-    """The recipe's source; ``build``: this process may build the stdlib corpus (one per machine)."""
-    from balanced_loader.data.open import open_source
-
-    d = recipe.data
-    if d.mixture:  # several sources at set shares (balanced_loader.mix)
-        from balanced_loader.data.mixture import mix
-
-        return mix({e.name: recipe.resolve(e.source) for e in d.mixture}, weights={e.name: e.weight for e in d.mixture},
-                   by=d.mixture_by)
-    if d.source == STDLIB:
-        from balanced_loader.build.corpus import stdlib_shards
-        from balanced_loader.data.shards import ShardSource
-
-        return stdlib_shards(d.shards_dir, limit=d.stdlib_limit) if build else ShardSource(d.shards_dir)
-    return open_source(recipe.resolve(d.source), read_timeout_s=d.read_timeout_s)
-
-
-def recipe_loader(recipe: Recipe, source, policy: str, *, rank: int, cost=None, calibrate: bool = False,
-                  prefetch_steps: int | None = None) -> BalancedLoader:
-    """The loader a recipe's run plans with (the trainer's, and ``diagnostics.estimate``'s: the same plans)."""
-    r, d = recipe, recipe.data
-    return BalancedLoader(source, policy=policy, cost=cost if cost is not None else r.cost_model(),
-                          world_size=r.world.size, rank=rank, global_batch_tokens=d.global_batch_tokens, seed=r.seed,
-                          max_seq_len=d.max_seq_len, long_docs=d.long_docs, shuffle=d.shuffle,
-                          shuffle_window=d.shuffle_window, epochs=None,
-                          prefetch_steps=d.prefetch_steps if prefetch_steps is None else prefetch_steps,
-                          planner_workers=d.planner_workers, plan_config=r.plan_config(policy),
-                          cp_inner=r.loader_cp_inner(), order=d.order,
-                          calibrate=r.calibration if calibrate else False)
-
-
-DATA_BUILD_TIMEOUT_S = 3600.0  # how long ranks wait for the bundled corpus to be built (not world.timeout_s)
-
-
-def open_data_world(recipe: Recipe, *, rank: int, local_rank: int):
-    """The recipe's source on every rank of a world: the stdlib corpus is built once while the others wait.
-
-    Rank 0 builds it first; then local rank 0 of every other node checks it (a shared file system
-    finds it done) or builds its own copy; then the other ranks open it. The waits are barriers of a
-    gloo group with a long timeout (building takes longer than a collective may): a builder that
-    fails ends its waiting peers through the broken barrier, never a hang."""
-    if recipe.data.source != STDLIB or recipe.data.mixture:
-        return open_data(recipe, build=False)
-    wait = new_group(range(dist.get_world_size()), backend="gloo", timeout_s=DATA_BUILD_TIMEOUT_S)
-    source = None  # a builder keeps what it built (the same ShardSource a plain open gives)
-    with phase("building the stdlib corpus (data.shards_dir)", [0]):
-        if rank == 0:
-            source = open_data(recipe, build=True)
-        dist.barrier(group=wait)
-        if local_rank == 0 and rank != 0:
-            source = open_data(recipe, build=True)
-        dist.barrier(group=wait)
-    dist.destroy_process_group(wait)
-    return source if source is not None else open_data(recipe, build=False)
 
 
 def declared_topologies(recipe: Recipe) -> list[Topology]:
@@ -195,14 +139,8 @@ class Trainer:
                             reference=reference)
         self._out_lock = G.lock_out(out_dir, rank)  # one writer per --out: a second run fails here, naming this one
         w = recipe.world
-        if w.device == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError("world.device is cuda but torch sees no CUDA device; use --set world.device=cpu")
-            self.device = torch.device("cuda", self.info.local_rank % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-            torch.set_num_threads(w.threads)
+        self.device = run_device(w, self.info.local_rank)
+        if self.device.type == "cpu":
             set_heap_mmap_threshold(w.heap_mmap_kb << 10)  # before the model and shards are allocated
         self.dtype = DTYPES[recipe.train.dtype]
         self.cost = recipe.cost_model()
