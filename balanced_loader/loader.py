@@ -31,7 +31,6 @@ stays finished.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import OrderedDict
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -67,6 +66,7 @@ from balanced_loader.materialize import (
 from balanced_loader.plan import BatchItems, StepPlan
 from balanced_loader.planning import get_policy, longest_segment, make_plan
 from balanced_loader.planning.config import PlanConfig
+from balanced_loader.presets import resolve_cost
 from balanced_loader.schedule import setting
 
 log = logging.getLogger("balanced_loader")
@@ -101,21 +101,6 @@ class StepBatch:
 
 def _plan_job(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
     return make_plan(items, cost, config, step)
-
-
-def resolve_cost(cost: Any, world_size: int) -> CostModel:
-    """A :class:`CostModel`, a cost-file path (``.yaml``/``.yml``) or a preset name."""
-    if isinstance(cost, CostModel):
-        return cost
-    if isinstance(cost, (str, os.PathLike)):
-        name = os.fspath(cost)
-        if name.endswith((".yaml", ".yml")):
-            return CostModel.from_file(name)
-        from balanced_loader.presets import cost_preset
-
-        return cost_preset(name, world_size=world_size)
-    raise ValueError("BalancedLoader needs a cost model: cost=CostModel, a cost file path, or a preset "
-                     "name such as 'analytic:tiny@cpu'")
 
 
 def default_max_seq_len(cost: CostModel, config: PlanConfig) -> int:

@@ -11,7 +11,9 @@ Three kinds:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 from balanced_loader.cost import CostModel, ShapeCost
 
@@ -362,3 +364,17 @@ def load_cost(cost_file: str | None = None, preset: str | None = None, *, world_
         return cost_preset(preset, world_size=world_size)
     raise ValueError("a cost model is needed: --cost-file COST.yaml or --cost PRESET "
                      f"(presets: {', '.join(sorted(COST_PRESETS))})")
+
+
+def resolve_cost(cost: Any, world_size: int) -> CostModel:
+    """A :class:`CostModel`, a cost-file path (``.yaml``/``.yml``) or a preset name (the loader's and
+    :func:`balanced_loader.balance`'s ``cost``)."""
+    if isinstance(cost, CostModel):
+        return cost
+    if isinstance(cost, (str, os.PathLike)):
+        name = os.fspath(cost)
+        if name.endswith((".yaml", ".yml")):
+            return CostModel.from_file(name)
+        return cost_preset(name, world_size=world_size)
+    raise ValueError("BalancedLoader needs a cost model: cost=CostModel, a cost file path, or a preset "
+                     "name such as 'analytic:tiny@cpu'")

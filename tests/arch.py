@@ -25,7 +25,7 @@ BL_FLOORS: dict[str, set[str]] = {
     "build": {"data", "outputs", "strict"},
     "batches": {"data", "plan", "schedule", "strict"},
     "calibration": {"cost", "strict"},
-    "planning": {"cost", "plan", "simulate", "strict", "presets"},
+    "planning": {"cost", "plan", "simulate", "strict", "presets", "loader_args"},
     "spindle": {"cost", "plan", "presets", "strict", "simulate"},
     "materialize": {"data", "plan"},
     "loader_args": {"schedule"},

@@ -2,7 +2,7 @@
 
 verl's logic, re-implemented from its documented behaviour (``verl/utils/seqlen_balancing.py`` and
 ``RayPPOTrainer._balance_batch``; none of its code is used; the Karmarkar-Karp part is
-:func:`balanced_loader.integrations.rl_kk.verl_kk_reference`, pure Python like verl's):
+:func:`balanced_loader.planning.kernels.karmarkar_karp.verl_kk_reference`, pure Python like verl's):
 
 1. **Ranks** (``_balance_batch``): each rollout's workload ``24576 s + s^2`` (``calculate_workload``)
    is partitioned into ``world_size`` parts by ``get_seqlen_balanced_partitions(..., equal_size=True)``:
@@ -36,8 +36,8 @@ import time
 import numpy as np
 
 import balanced_loader as bl
-from balanced_loader.integrations.rl import rollout_work
-from balanced_loader.integrations.rl_kk import verl_kk_reference
+from balanced_loader.planning.kernels.karmarkar_karp import verl_kk_reference
+from balanced_loader.planning.rl import rollout_work
 
 # ------------------------------------------------------------------------------------------
 # verl's behaviour, in plain Python (what its users run)

@@ -25,7 +25,7 @@ CHILD = r"""
 import json, resource, sys, time
 import numpy as np
 import balanced_loader as bl
-from balanced_loader.integrations.rl import rollout_work
+from balanced_loader.planning.rl import rollout_work
 n, k = int(sys.argv[1]), int(sys.argv[2])
 rng = np.random.default_rng(0)
 lengths = np.clip(np.round(rng.lognormal(np.log(2048), 1.2, n)), 1, 32768).astype(np.int64)

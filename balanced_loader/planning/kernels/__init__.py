@@ -9,7 +9,8 @@ Modules, by family:
 
 * :mod:`.order`: :func:`order_desc` (stable longest-first order; counting sort when the
   lengths are small integers, else a merge sort), :func:`order_by_pair` (stable order by two
-  small integer keys, e.g. (microbatch, lane)) and :func:`argsort_stable`.
+  small integer keys, e.g. (microbatch, lane)), :func:`argsort_stable` and :func:`argsort_nonneg` (its order
+  for non-negative float keys, a radix sort for large n).
 * :mod:`.fit`: :func:`ffd_kernel` (first-fit-decreasing over a max segment tree of bin
   rooms) and :func:`bfd_kernel` (best-fit-decreasing over a tree of room values).
 * :mod:`.repair`: :func:`repair_round` / :func:`repair_kernel`, a pass after FFD/BFD that pools
@@ -17,7 +18,11 @@ Modules, by family:
   lower bound (many items over half the capacity).
 * :mod:`.place`: :func:`cost_pack_kernel`, :func:`block_place_kernel` (lazy versioned heaps),
   :func:`fill_passes_kernel`.
-* :mod:`.karmarkar_karp`: :func:`kk_kernel`, k-way largest differencing.
+* :mod:`.karmarkar_karp`: :func:`kk_kernel`, k-way largest differencing, and :func:`grouped_kk_kernel`, verl's
+  equal-size variant (its reference ``verl_kk_reference`` beside it; :func:`balanced_loader.balance` starts
+  from it).
+* :mod:`.heaps`: binary min-heaps in plain arrays, ordered by ``(key, index)`` (``push2`` / ``pop2`` /
+  ``sift_down2``; ``heap_push`` / ``heap_pop`` with a version per entry, for lazy heaps).
 * :mod:`.evaluate`: :func:`items_step_kernel`, the contract-2 step time of a per-item plan (hydra's portfolio
   compares candidates with it before building any contract-1 object).
 * :mod:`.polish`: ``polish_tail_kernel``, a local search over the one-lane passes that end each lane; in
@@ -28,10 +33,11 @@ from __future__ import annotations
 
 from balanced_loader.planning.kernels.evaluate import items_step_kernel
 from balanced_loader.planning.kernels.fit import bfd_kernel, ffd_kernel
-from balanced_loader.planning.kernels.karmarkar_karp import kk_kernel
-from balanced_loader.planning.kernels.order import argsort_stable, order_by_pair, order_desc
+from balanced_loader.planning.kernels.karmarkar_karp import grouped_kk_kernel, kk_kernel
+from balanced_loader.planning.kernels.order import argsort_nonneg, argsort_stable, order_by_pair, order_desc
 from balanced_loader.planning.kernels.place import block_place_kernel, cost_pack_kernel, fill_passes_kernel
 from balanced_loader.planning.kernels.repair import repair_kernel, repair_round
 
-__all__ = ["argsort_stable", "bfd_kernel", "block_place_kernel", "cost_pack_kernel", "ffd_kernel", "fill_passes_kernel",
-           "items_step_kernel", "kk_kernel", "order_by_pair", "order_desc", "repair_kernel", "repair_round"]
+__all__ = ["argsort_nonneg", "argsort_stable", "bfd_kernel", "block_place_kernel", "cost_pack_kernel", "ffd_kernel",
+           "fill_passes_kernel", "grouped_kk_kernel", "items_step_kernel", "kk_kernel", "order_by_pair", "order_desc",
+           "repair_kernel", "repair_round"]

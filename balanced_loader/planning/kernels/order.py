@@ -1,4 +1,5 @@
-"""Sorting kernels: a stable merge-sort argsort and the longest-first order every packer starts from.
+"""Sorting kernels: a stable merge-sort argsort (and its O(n) radix form for non-negative floats) and the
+longest-first order every packer starts from.
 
 Why not ``np.argsort``: numba's ``argsort(kind="mergesort")`` is not available on every
 version, and the packers need a *stable* descending order (ties: lower index first) that
@@ -42,6 +43,40 @@ def argsort_stable(keys):
                 k += 1
         a, b = b, a
         width *= 2
+    return a
+
+
+@njit(cache=True)
+def argsort_nonneg(keys, descending):
+    """:func:`argsort_stable` of ``keys`` (``descending``: of ``-keys``) for non-negative float64 ``keys``, the
+    same order (``[n]`` indices, equal keys by index; a test checks it on many ties), O(n) for large n: an LSD
+    radix sort on the keys' bits (a non-negative float's bits, read as an unsigned integer, order like the
+    number), four passes of 16 bits; the merge sort below 65,536 keys, where it is faster."""
+    n = keys.shape[0]
+    if n < 65536:
+        return argsort_stable(-keys if descending else keys)
+    ka = keys.view(np.uint64).copy()  # [n] the keys' bits, moved along with their indices
+    if descending:
+        ka = ~ka  # why: the complement reverses the order, and the sort stays stable (ties by index)
+    kb = np.empty(n, np.uint64)
+    a = np.arange(n)
+    b = np.empty(n, np.int64)
+    count = np.empty(65537, np.int64)
+    for shift in range(0, 64, 16):
+        sh = np.uint64(shift)
+        count[:] = 0
+        for t in range(n):
+            count[((ka[t] >> sh) & np.uint64(0xFFFF)) + 1] += 1
+        for d in range(65536):
+            count[d + 1] += count[d]
+        for t in range(n):
+            d = (ka[t] >> sh) & np.uint64(0xFFFF)
+            p = count[d]
+            kb[p] = ka[t]
+            b[p] = a[t]
+            count[d] = p + 1
+        a, b = b, a
+        ka, kb = kb, ka
     return a
 
 

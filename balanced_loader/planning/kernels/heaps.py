@@ -1,6 +1,6 @@
-"""Binary min-heaps in plain arrays for the numba kernels of :func:`balanced_loader.balance`
-(:mod:`balanced_loader.integrations.rl_kernels`): entries ordered by ``(key, index)``, so a tie goes to the
-lower index exactly as the kernels' references break it.
+"""Binary min-heaps in plain arrays for numba kernels (:func:`balanced_loader.balance`'s in
+:mod:`balanced_loader.planning.rl.kernels`, :func:`~.karmarkar_karp.kk_kernel`'s states): entries ordered by
+``(key, index)``, so a tie goes to the lower index exactly as the kernels' references break it.
 
 * ``heap_push`` / ``heap_pop``: entries ``(key, index, version)`` in three arrays; a version lets a caller
   leave an entry in place when its rank changes and skip it as stale when it reaches the top.

@@ -1,7 +1,7 @@
 """Numba kernels of :func:`balanced_loader.balance`, each with a pure-Python reference (same ties).
 
-* :func:`~balanced_loader.integrations.rl_kk.grouped_kk_kernel` (its own module): verl's
-  equal-size Karmarkar-Karp, exactly.
+* :func:`~balanced_loader.planning.kernels.karmarkar_karp.grouped_kk_kernel` (beside the other Karmarkar-Karp
+  kernel): verl's equal-size Karmarkar-Karp, exactly.
 * :func:`exchange_kernel`: moves and swaps between the heaviest rank and lighter ones until none
   lowers the heaviest load.
 * :func:`microbatch_kernel`: each rank's items into microbatches under a token cap:
@@ -26,9 +26,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from balanced_loader.integrations.rl_heaps import heap_pop, heap_push, pop2, push2, sift_down2
-from balanced_loader.integrations.rl_kk import grouped_kk_kernel, sort_order
-from balanced_loader.planning.kernels.order import order_desc
+from balanced_loader.planning.kernels.heaps import heap_pop, heap_push, pop2, push2, sift_down2
+from balanced_loader.planning.kernels.karmarkar_karp import grouped_kk_kernel
+from balanced_loader.planning.kernels.order import argsort_nonneg, order_desc
 
 SCAN_RANKS = 256  # up to this many ranks an exchange round scans them (heaps beyond: O(log k) a step)
 
@@ -221,7 +221,7 @@ def exchange_kernel(work, part, k, max_rounds):
             items_l = pool[mstart[lr]:mstart[lr] + nl]
             for p in range(nl):
                 wl[p] = work[items_l[p]]
-            sorted_l = sort_order(wl[:nl], False)  # ascending, ties by position (= by item: the list is ascending)
+            sorted_l = argsort_nonneg(wl[:nl], False)  # ascending, ties by position (= by item: the list is ascending)
             for p in range(nl):
                 js[p] = items_l[sorted_l[p]]
                 ws[p] = wl[sorted_l[p]]
@@ -528,7 +528,7 @@ def lpt_kernel(work, k):
     """Rank of every item ``[n]``: heaviest first (ties: lower index) onto the least loaded of ``k`` ranks (ties:
     lower index), as ``planning.packing.lpt`` on one-lane blocks; a heap of (load, rank), O(n log k)."""
     n = work.shape[0]
-    order = sort_order(work, True)  # [n] heaviest first, ties by index
+    order = argsort_nonneg(work, True)  # [n] heaviest first, ties by index
     ws = np.empty(n)  # [n] the works in that order (one gather, then the loop reads in sequence)
     for t in range(n):
         ws[t] = work[order[t]]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import balanced_loader as bl
-from balanced_loader.integrations.rl import rollout_work
+from balanced_loader.planning.rl import rollout_work
 
 torch = pytest.importorskip("torch")
 
@@ -145,12 +145,14 @@ def test_bad_batches_are_one_line():
 
 @pytest.mark.parametrize("descending", [False, True])
 def test_radix_order_equals_a_stable_argsort(descending):
-    from balanced_loader.integrations.rl_kk import sort_order
+    from balanced_loader.planning.kernels.order import argsort_nonneg, argsort_stable
 
     rng = np.random.default_rng(5)
     keys = rng.integers(0, 300, 200_000).astype(np.float64) * rng.choice([1.0, 1e-7, 3e12], 200_000)  # many ties
     keys[:5] = 0.0
     want = np.argsort(-keys if descending else keys, kind="stable")
-    assert np.array_equal(sort_order(keys, descending), want)
-    assert np.array_equal(sort_order(keys[:1000], descending), np.argsort(-keys[:1000] if descending else keys[:1000],
-                                                                            kind="stable"))
+    assert np.array_equal(argsort_nonneg(keys, descending), want)
+    assert np.array_equal(argsort_nonneg(keys[:1000], descending), np.argsort(-keys[:1000] if descending else
+                                                                               keys[:1000], kind="stable"))
+    # the one order of the kernels: the radix path is argsort_stable's order, ties included
+    assert np.array_equal(argsort_nonneg(keys, descending), argsort_stable(-keys if descending else keys))

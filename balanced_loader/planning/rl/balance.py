@@ -8,9 +8,9 @@ lengths, so every rank computes the same answer without a collective:
 
 1. **Ranks**: by the cost model's work ``q s^2 + l s`` (default: verl's ``24576 s + s^2``), two
    starts, verl's own equal-size Karmarkar-Karp partition (reproduced exactly, in numba:
-   :func:`~balanced_loader.integrations.rl_kk.grouped_kk_kernel`) and a longest-processing-time
+   :func:`~balanced_loader.planning.kernels.karmarkar_karp.grouped_kk_kernel`) and a longest-processing-time
    placement (:func:`~balanced_loader.planning.packing.lpt`) improved by moves and swaps that
-   lower the heaviest rank (:func:`~balanced_loader.integrations.rl_kernels.exchange_kernel`); when
+   lower the heaviest rank (:func:`~balanced_loader.planning.rl.kernels.exchange_kernel`); when
    that is heavier than verl's partition, verl's partition improved by the same exchanges wins, so
    the heaviest rank is never above verl's. Ranks may end with different
    rollout counts: only their work is balanced.
@@ -42,8 +42,9 @@ from typing import Any
 import numpy as np
 
 from balanced_loader.cost import CostModel
-from balanced_loader.integrations.rl_kernels import balance_kernel
 from balanced_loader.loader_args import MAX_RANKS, MAX_TOKEN_ID, MAX_TOKENS
+from balanced_loader.planning.rl.kernels import balance_kernel
+from balanced_loader.presets import resolve_cost
 
 # verl's calculate_workload (a 7B model: 12 h^2 s + 2 h s^2 with h = 4096, divided by 2 h): 24576 s + s^2
 DEFAULT_LINEAR = 24576.0
@@ -115,9 +116,7 @@ def rollout_work(lengths: np.ndarray, cost: CostModel | None = None) -> np.ndarr
 def _resolve_cost(cost: Any, world_size: int) -> CostModel | None:
     if cost is None or isinstance(cost, CostModel):
         return cost
-    from balanced_loader.loader import resolve_cost  # a preset name or a cost file
-
-    return resolve_cost(cost, world_size)
+    return resolve_cost(cost, world_size)  # a preset name or a cost file
 
 
 def balance(lengths: Any, *, world_size: int, max_tokens_per_microbatch: int, cost: Any = None,

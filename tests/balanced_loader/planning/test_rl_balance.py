@@ -9,16 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import balanced_loader as bl
-from balanced_loader.integrations.rl import rollout_work
-from balanced_loader.integrations.rl_kernels import (
+from balanced_loader.planning.kernels.karmarkar_karp import grouped_kk_kernel, verl_kk_reference
+from balanced_loader.planning.packing import lpt
+from balanced_loader.planning.rl import rollout_work
+from balanced_loader.planning.rl.kernels import (
     balance_kernel,
     exchange_kernel,
     exchange_reference,
     microbatch_kernel,
     microbatch_reference,
 )
-from balanced_loader.integrations.rl_kk import grouped_kk_kernel, verl_kk_reference
-from balanced_loader.planning.packing import lpt
 
 torch = pytest.importorskip("torch")
 
