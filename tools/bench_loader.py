@@ -38,10 +38,11 @@ import time
 
 from balanced_loader.build.corpus import stdlib_shards
 from balanced_loader.data.shards import VERIFY_MODES, ShardSource
-from balanced_loader.loader import BalancedLoader, resolve_cost
+from balanced_loader.loader import BalancedLoader
 from balanced_loader.materialize import needed_token_count
 from balanced_loader.outputs.files import atomic_write
 from balanced_loader.outputs.records import Figure, tool_command, update_record
+from balanced_loader.presets import resolve_cost
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -215,8 +215,9 @@ def round_robin_skew(plan, cost, world: int) -> float:
 
 
 def loader_demo(args: argparse.Namespace, src) -> int:
-    from balanced_loader.loader import BalancedLoader, resolve_cost
+    from balanced_loader.loader import BalancedLoader
     from balanced_loader.materialize import needed_token_count, rank_place
+    from balanced_loader.presets import resolve_cost
 
     cost = resolve_cost(args.cost, args.world)
     if args.lane_cap:
