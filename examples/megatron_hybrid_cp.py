@@ -27,7 +27,8 @@ import warnings
 
 import numpy as np
 
-from balanced_loader.integrations.megatron import HydraCPScheduler, check_schedule, megatron_cp_degrees, modeled_ms
+from balanced_loader.integrations.megatron import HydraCPScheduler, check_schedule, megatron_cp_degrees
+from balanced_loader.planning.megatron_cp import modeled_ms
 from balanced_loader.planning.policies.mcore_dcp import schedule as mcore_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,7 @@
 """HydraCPScheduler against megatron-core's BalancedCPScheduler, judged under Megatron's execution model.
 
 Both schedulers get the same ``sample_id_seqlens``; each schedule is timed by
-:func:`balanced_loader.integrations.megatron.modeled_ms` (each sample its own forward/backward with the
+:func:`balanced_loader.planning.megatron_cp.modeled_ms` (each sample its own forward/backward with the
 contract-2 cost, every rank's samples back to back, a sample starting when all its ranks reach it, a
 barrier after each group) with one cost (``hydra-gpt7b-a100``: FlexSP's GPT-7B A100 coefficients,
 ``microbatch_ms`` 30, lane cap 8192 = ``max_seq_len_per_rank``). Every output of both is checked by
@@ -48,12 +48,8 @@ import warnings
 
 import numpy as np
 
-from balanced_loader.integrations.megatron import (
-    HydraCPScheduler,
-    check_schedule,
-    lower_bound_ms,
-    modeled_ms,
-)
+from balanced_loader.integrations.megatron import HydraCPScheduler, check_schedule
+from balanced_loader.planning.megatron_cp import lower_bound_ms, modeled_ms
 from balanced_loader.planning.policies.mcore_dcp import schedule as mcore_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,16 +13,8 @@ import warnings
 import numpy as np
 import pytest
 
-from balanced_loader.integrations.megatron import (
-    HydraCPScheduler,
-    check_schedule,
-    group_sizes,
-    lower_bound_ms,
-    megatron_cp_degrees,
-    modeled_ms,
-    plan_samples,
-    to_plan,
-)
+from balanced_loader.integrations.megatron import HydraCPScheduler, check_schedule, megatron_cp_degrees
+from balanced_loader.planning.megatron_cp import group_sizes, lower_bound_ms, modeled_ms, plan_samples, to_plan
 from balanced_loader.planning.policies.mcore_dcp import schedule as mcore_schedule
 from balanced_loader.simulate import step_ms
 
