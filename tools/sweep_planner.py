@@ -97,11 +97,12 @@ def read(path: str, others: str | None = None) -> list[sweep.CellResult]:
     return out
 
 
-def fill_bounds(path: str, args) -> None:
-    """Cells of an older run without the power-of-two bound get it (their batches are cut again); the file is
+def fill_bounds(path: str, args, *, every: bool = False) -> None:
+    """Cells of an older run without the power-of-two bound get it (``every``: every cell's bounds are computed
+    again, e.g. after a tighter bound; their batches are cut again, the plans' times kept); the file is
     rewritten."""
     results = read(path)
-    todo = [r for r in results if not r.bound_pow2_ms]
+    todo = [r for r in results if every or not r.bound_pow2_ms]
     if not todo:
         return
     names = {short(c): c for c in GRID["costs"].split(",")}
@@ -204,6 +205,8 @@ def main() -> None:
     ap.add_argument("--out", default="sweep.jsonl", help="JSON lines, appended (cells already there are skipped)")
     ap.add_argument("--report", metavar="JSONL", help="only summarize a results file")
     ap.add_argument("--others", metavar="JSONL", help="report: take policies a cell lacks from this earlier run")
+    ap.add_argument("--rebound", action="store_true",
+                    help="with --report: compute every cell's bounds again (the plans' times are kept)")
     ap.add_argument("--heatmap", metavar="PNG")
     ap.add_argument("--policy", default=sweep.DEFAULT_POLICY, help="the policy the report is about")
     args = ap.parse_args()
@@ -213,7 +216,7 @@ def main() -> None:
     try:
         if not args.report:
             run(args)
-        fill_bounds(args.report or args.out, args)
+        fill_bounds(args.report or args.out, args, every=args.rebound and bool(args.report))
         results = read(args.report or args.out, args.others)
     except ValueError as e:
         print(f"sweep_planner: {e}", file=sys.stderr)

@@ -27,6 +27,12 @@ All terms hold for any plan that keeps each item one segment (every policy does)
   over the shapes and degrees that hold it (any number of lanes: contract 1 allows any group). With
   ``u = (1 - lam) x + lam u_k(x)``, ``u_k(x) = floor((k + 1) x) / k`` (``x`` where ``(k + 1) x`` is an
   integer), the largest over ``k`` and ``lam`` is a bound; ``u(x) = x`` is the area term again.
+* **anchors** (one shape only, :func:`anchors_bound`): the area term charges ``beta`` per ``cap`` tokens, as
+  if every group were full. Within a group the docs' fractions of its tokens pass through a dual feasible
+  function, so a doc more than half its group runs alone (two of a third share one, ...): ``beta`` times the
+  groups' lanes is at least the docs' weighted degrees, which is more than ``tokens / cap`` where equal long docs
+  leave every group part empty (32K docs on lanes of 5,950 tokens: a group of 8 lanes each). Joined with each
+  doc's least lane-ms over the degrees by a multiplier (weak duality: every multiplier gives a bound).
 """
 
 from __future__ import annotations
@@ -49,14 +55,15 @@ class StepBound:
     longest_ms: float
     passes_ms: float = 0.0  # 0 when not computed (several shapes, or no fixed cost)
     widths_ms: float = 0.0  # the dual-feasible-function term (0 when no doc needs several lanes)
+    anchors_ms: float = 0.0  # the groups-of-their-own term (0 when not computed: several shapes)
 
     @property
     def bound_ms(self) -> float:
-        return max(self.area_ms, self.longest_ms, self.passes_ms, self.widths_ms)
+        return max(self.area_ms, self.longest_ms, self.passes_ms, self.widths_ms, self.anchors_ms)
 
     def to_json(self) -> dict[str, float]:
         return {"bound_ms": self.bound_ms, "area_ms": self.area_ms, "longest_ms": self.longest_ms,
-                "passes_ms": self.passes_ms, "widths_ms": self.widths_ms}
+                "passes_ms": self.passes_ms, "widths_ms": self.widths_ms, "anchors_ms": self.anchors_ms}
 
 
 def cheapest(sc: ShapeCost, s: np.ndarray, lanes: int, degrees: Sequence[int] | None = None
@@ -216,6 +223,51 @@ def widths_bound(s: np.ndarray, scs: Sequence[ShapeCost], world_size: int, rank_
     return best
 
 
+ANCHOR_KS = (1, 2, 3, 4, 6)  # the u_k of the anchors term
+ANCHOR_MUS = np.linspace(0.0, 1.0, 17)  # [m] multipliers (times beta) tried: each gives a bound
+ANCHOR_MAX_DEGREES = 64  # the anchors term over every degree only up to this many lanes (else: a degree set)
+
+
+def anchors_bound(s: np.ndarray, sc: ShapeCost, lanes: int, degrees: Sequence[int] | None = None) -> float:
+    """The anchors term (module docstring), lane-ms over the ``lanes`` lanes of one shape, for docs ``s`` ``[n]``.
+
+    Every plan pays ``beta`` on each lane of each group: ``beta * sum_g d_g``. Within a group of degree ``d`` the
+    docs' fractions ``x = s / (d cap)`` sum to at most 1, so for a dual feasible function ``u`` (``u_k(x) =
+    floor((k + 1) x) / k``, ``x`` where ``(k + 1) x`` is an integer) their ``u(x)`` do too: ``sum_g d_g >= sum_i
+    d_i u(x_i)``, each doc at its own group's degree; and ``sum_g d_g >= tokens / cap`` (``u(x) = x``). With
+    ``c_i(d) = d seg(s_i, d)`` the plan's lane-ms is at least ``sum_i c_i(d_i) + beta max(tokens / cap, sum_i
+    d_i u(x_i))``; its least over the degrees, relaxed to fractions, is at least ``sum_i min_d (c_i(d) + mu d
+    u(x_i)) + (beta - mu) tokens / cap`` for every ``mu`` in ``[0, beta]`` (weak duality): the largest over
+    ``k`` and a grid of ``mu``. Docs more than half a group (``k = 1``) run alone; two of a third (``k = 2``)
+    share one. ``0.0`` without a fixed cost, or over more than :data:`ANCHOR_MAX_DEGREES` lanes without
+    ``degrees``."""
+    cap, beta = sc.max_tokens_per_lane, float(sc.microbatch_ms)
+    if degrees is None:
+        if lanes > ANCHOR_MAX_DEGREES:
+            return 0.0
+        allowed = np.arange(1, lanes + 1, dtype=np.int64)
+    else:
+        allowed = np.asarray(sorted({int(d) for d in degrees if 1 <= d <= lanes}), dtype=np.int64)  # [m]
+    if beta <= 0 or len(s) == 0 or len(allowed) == 0:
+        return 0.0
+    si = s.astype(np.int64)
+    dd = allowed.astype(np.float64)
+    c = np.asarray(sc.segment_ms(s[:, None], dd[None, :]), dtype=np.float64) * dd[None, :]  # [n, m] lane-ms
+    c = np.where(si[:, None] <= allowed[None, :] * cap, c, np.inf)  # memory: s <= d * cap
+    if not np.isfinite(c.min(axis=1)).all():
+        return float("inf")
+    tokens = float(s.sum()) / cap  # lane-slots the tokens fill at the least
+    den = allowed[None, :] * cap  # [1, m] a group's tokens
+    best = 0.0
+    for k in ANCHOR_KS:
+        num = (k + 1) * si[:, None]  # [n, 1]
+        u = np.where(num % den == 0, si[:, None] / den, (num // den) / k)  # [n, m] u_k(s / (d cap)), exact
+        w = allowed[None, :] * u  # [n, m] lane-slots the doc's group is charged
+        for mu in ANCHOR_MUS * beta:
+            best = max(best, float((c + mu * w).min(axis=1).sum()) + (beta - mu) * tokens)
+    return best / lanes
+
+
 def step_lower_bound(lengths: np.ndarray, cost: CostModel, world_size: int,
                      shapes: Sequence[tuple[int, int]] | None = None, *, passes: bool = True,
                      degrees: Sequence[int] | None = None) -> StepBound:
@@ -251,8 +303,10 @@ def step_lower_bound(lengths: np.ndarray, cost: CostModel, world_size: int,
     if widths and len(scs) == 1:  # one pool: its pipeline fill and drain come on top of the last finish
         widths += (scs[0].pp - 1) / scs[0].pp * float(longest.max())
     out = StepBound(area_ms=area, longest_ms=float(longest.max()), widths_ms=widths)
-    if passes and len(scs) == 1:
+    if len(scs) == 1:
         sc = scs[0]
-        u = passes_bound(tables[0], s, sc, world_size // sc.gpus, area * sc.pp)
-        out = StepBound(area_ms=out.area_ms, longest_ms=out.longest_ms, passes_ms=u / sc.pp, widths_ms=widths)
+        anchors = anchors_bound(s, sc, world_size // sc.gpus, degrees) / sc.pp
+        u = passes_bound(tables[0], s, sc, world_size // sc.gpus, area * sc.pp) / sc.pp if passes else 0.0
+        out = StepBound(area_ms=out.area_ms, longest_ms=out.longest_ms, passes_ms=u, widths_ms=widths,
+                        anchors_ms=anchors)
     return out

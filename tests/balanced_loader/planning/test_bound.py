@@ -37,7 +37,7 @@ def test_bound_is_below_every_policy(seed, world, pp2, beta):
     items = BatchItems.from_lengths(lengths)
     bound = step_lower_bound(lengths, cost, world)
     assert 0 < bound.bound_ms < np.inf
-    assert bound.bound_ms == max(bound.area_ms, bound.longest_ms, bound.passes_ms, bound.widths_ms)
+    assert bound.bound_ms == max(bound.area_ms, bound.longest_ms, bound.passes_ms, bound.widths_ms, bound.anchors_ms)
     checked = 0
     for policy in POLICIES:
         if policy == "spindle":
@@ -64,6 +64,48 @@ def test_terms_on_a_hand_computed_batch():
     assert b.passes_ms <= 40.0
     plan = make_plan(BatchItems.from_lengths(lengths), cost, PlanConfig(policy="greedy", world_size=4))
     assert simulate_step(plan, cost).step_ms == pytest.approx(40.0)  # the bound is tight here
+
+
+def test_anchors_count_the_groups_that_long_docs_leave_part_empty():
+    """Docs of 150 tokens on lanes of 100 need 2 lanes each, and two of them never share a group of 2 (u_1: more
+    than half of it), nor three one of 4 (u_2: more than a third): the 8 docs take 16 lane-slots of beta in any
+    plan of power-of-two groups, where the area term charges 12 (1,200 tokens / 100) and the passes LP sees 300
+    tokens per lane. (Groups of 3 lanes hold two docs each: over every degree the term is the area's.)"""
+    cost = cost_of(0.0, 0.1, 10.0, 0.0, 100, False)
+    lengths = np.asarray([150] * 8)
+    assert step_lower_bound(lengths, cost, 4).anchors_ms == pytest.approx(60.0)
+    b = step_lower_bound(lengths, cost, 4, degrees=[1, 2, 4])
+    assert b.area_ms == pytest.approx((120.0 + 10.0 * 12) / 4)
+    assert b.passes_ms <= 60.0 * (1 + 1e-9)
+    assert b.anchors_ms == pytest.approx((120.0 + 10.0 * 16) / 4)  # 70 ms: 4 groups per lane of 10 + 7.5 ms
+    best = min(simulate_step(make_plan(BatchItems.from_lengths(lengths), cost,
+                                       PlanConfig(policy=p, world_size=4)), cost).step_ms
+               for p in ("greedy", "hydra", "maxlen", "token-kk"))
+    assert b.bound_ms <= best * (1 + 1e-9) and best == pytest.approx(70.0)  # tight
+    # half as long: two docs share a group of one lane, the fixed cost is per cap tokens again
+    short = step_lower_bound(np.asarray([50] * 8), cost, 4, degrees=[1, 2, 4])
+    assert short.anchors_ms == pytest.approx(short.area_ms)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.sampled_from([2, 4, 8]), st.sampled_from([5.0, 40.0, 400.0]))
+def test_anchors_below_every_policy_where_the_fixed_cost_dominates(seed, world, beta):
+    """Few long docs of similar length and a large fixed cost per pass: the regime the anchors term is for."""
+    rng = np.random.default_rng(seed)
+    cap = int(rng.integers(50, 400))
+    cost = cost_of(float(rng.uniform(0, 1e-4)), float(rng.uniform(0.001, 0.05)), beta, float(rng.uniform(0, 1e6)),
+                   cap, False)
+    n = int(rng.integers(1, 5 * world))
+    lengths = (rng.uniform(0.3, 1.0, n) * cap * int(rng.choice([1, 2, 4]))).astype(np.int64) + 1
+    lengths = np.minimum(lengths, cap * world)
+    bound = step_lower_bound(lengths, cost, world)
+    for policy in ("hydra", "greedy", "maxlen", "token-kk", "batch-ada", "flexsp", "mcore-dcp"):
+        try:
+            plan = make_plan(BatchItems.from_lengths(lengths), cost,
+                             PlanConfig(policy=policy, world_size=world, time_limit_s=0.5))
+        except ValueError:
+            continue
+        assert bound.anchors_ms <= simulate_step(plan, cost).step_ms * (1 + 1e-9), policy
 
 
 def test_cheapest_degree_tables():
