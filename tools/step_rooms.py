@@ -73,6 +73,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depth", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--rank", type=int, default=2, help="the rank watched (2: a whole-model lane of pool 1)")
+    ap.add_argument("--sequence", action="store_true", help="also print the stays in order at each depth")
     a = ap.parse_args()
     from balanced_loader.build.corpus import stdlib_shards
     from parallel_runtime.launch import spawn_world
@@ -90,6 +91,13 @@ def main() -> int:
         stays, rooms, returns, over = summarize(calls, d)
         many = ", ".join(f"{r} ({n})" for r, n in sorted(over.items(), key=lambda x: -x[1])) or "none"
         print(f"| {d} | {stays} | {rooms} | {returns} | {many} |")
+    if a.sequence:
+        for d in a.depth:
+            seq: list[str] = []
+            for k, r in calls:
+                if k <= d and (not seq or seq[-1] != r):
+                    seq.append(r)
+            print(f"depth {d}: " + " -> ".join(os.path.basename(r) for r in seq))
     return 0
 
 
