@@ -59,12 +59,18 @@ def _rank(rank: int, world: int, sets: list[str], out: str, depth: int, watch: i
     return calls if rank == watch else None
 
 
-def summarize(calls: list[tuple[int, str]], depth: int) -> tuple[int, int, int, dict[str, int]]:
-    """``(stays, rooms, returns, {room: entries > 2})`` of the calls down to ``depth``."""
-    stays = []
+def stays_of(calls: list[tuple[int, str]], depth: int) -> list[str]:
+    """The rooms of the calls down to ``depth``, in order, consecutive calls of one room merged."""
+    stays: list[str] = []
     for d, room in calls:
         if d <= depth and (not stays or stays[-1] != room):
             stays.append(room)
+    return stays
+
+
+def summarize(calls: list[tuple[int, str]], depth: int) -> tuple[int, int, int, dict[str, int]]:
+    """``(stays, rooms, returns, {room: entries > 2})`` of the calls down to ``depth``."""
+    stays = stays_of(calls, depth)
     entries = Counter(stays)
     return len(stays), len(entries), len(stays) - len(entries), {r: n for r, n in entries.items() if n > 2}
 
@@ -93,11 +99,7 @@ def main() -> int:
         print(f"| {d} | {stays} | {rooms} | {returns} | {many} |")
     if a.sequence:
         for d in a.depth:
-            seq: list[str] = []
-            for k, r in calls:
-                if k <= d and (not seq or seq[-1] != r):
-                    seq.append(r)
-            print(f"depth {d}: " + " -> ".join(os.path.basename(r) for r in seq))
+            print(f"depth {d}: " + " -> ".join(os.path.basename(r) for r in stays_of(calls, d)))
     return 0
 
 
