@@ -8,11 +8,12 @@ only where it differs from the smaller context before it: the corpus has a doc l
 the world holds a longer segment (else it repeats that cell). Each policy plans every batch
 (:func:`~balanced_loader.planning.make_plan`); the cell's figure of a policy is its summed contract-2 step time,
 compared with the best other policy and with two summed lower bounds
-(:func:`~balanced_loader.planning.solvers.bound.step_lower_bound` over shape ``(1, 1)``): ``bound_ms``, below
-every plan on that pool (groups of any lanes, as contract 1 allows), and ``bound_pow2_ms``, below every plan
-whose groups have power-of-two degrees, which are the only groups any policy of the project forms (aligned
-blocks; ``tests/balanced_loader/planning/test_bound.py`` checks every policy against it). ``tools/sweep_planner.py``
-runs the grid and draws the heat map.
+(:func:`~balanced_loader.planning.solvers.bound.step_lower_bound` over the shapes ``(tp, 1)`` of the cost file,
+``tp = 1, 2, 4, ..``: the default policy plans one pool of one of them): ``bound_ms``, below every plan on
+those shapes (groups of any lanes, as contract 1 allows), and ``bound_pow2_ms``, the least over those shapes of
+the bound of one pool of that shape whose groups have power-of-two degrees, the only plans the default policy
+makes (aligned blocks; ``tests/balanced_loader/planning/test_bound.py`` checks every policy against it).
+``tools/sweep_planner.py`` runs the grid and draws the heat map.
 """
 
 from __future__ import annotations
@@ -124,10 +125,15 @@ def cell_batches(cell: Cell, lengths: np.ndarray, cost: CostModel, *, count: int
 
 
 def cell_bounds(batches: Sequence[np.ndarray], cost: CostModel, lanes: int) -> tuple[float, float]:
-    """``(bound_ms, bound_pow2_ms)`` summed over the batches (module docstring)."""
-    pow2 = [1 << v for v in range(lanes.bit_length())]
-    return (sum(step_lower_bound(b, cost, lanes, [(1, 1)]).bound_ms for b in batches),
-            sum(step_lower_bound(b, cost, lanes, [(1, 1)], degrees=pow2).bound_ms for b in batches))
+    """``(bound_ms, bound_pow2_ms)`` summed over the batches (module docstring); ``lanes`` is the world."""
+    tps = sorted({sc.tp for sc in cost.shapes() if sc.pp == 1 and lanes % sc.tp == 0})
+    shapes = [(tp, 1) for tp in tps]
+
+    def pow2(b: np.ndarray) -> float:  # one pool of one shape, power-of-two groups: the least over the shapes
+        return min(step_lower_bound(b, cost, lanes, [s], degrees=[1 << v for v in range((lanes // s[0]).bit_length())]
+                                    ).bound_ms for s in shapes)
+
+    return (sum(step_lower_bound(b, cost, lanes, shapes).bound_ms for b in batches), sum(pow2(b) for b in batches))
 
 
 def run_cell(cell: Cell, lengths: np.ndarray, cost: CostModel, policies: Sequence[str], *, count: int = 2,

@@ -93,7 +93,14 @@ def make_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: int 
     """Plan one step with ``config.policy``; fills ``plan_seconds`` and ``predicted_ms``."""
     fn = get_policy(config.policy)
     t0 = time.perf_counter()
-    plan = fn(items, cost, config, step) if cost.uniform else _plan_cluster(fn, items, cost, config, step)
+    if cost.uniform:
+        plan = fn(items, cost, config, step)
+        # a policy may offer its plan on other shapes too (hydra: lanes of tensor-parallel ranks), kept if faster
+        shapes = getattr(policy_module(config.policy), "try_shapes", None)
+        if shapes is not None:
+            plan = shapes(items, cost, config, step, plan)
+    else:
+        plan = _plan_cluster(fn, items, cost, config, step)
     dt = time.perf_counter() - t0
     from balanced_loader.simulate import step_ms  # numba: loaded when a plan is made, not when the CLI starts
 

@@ -61,7 +61,7 @@ hydra's) uses only those degrees.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -252,7 +252,12 @@ def _place(items: BatchItems, sc: ShapeCost, lanes: int, pp: int, levels: np.nda
     return mb, lane0, deg, (float(load.max()) + (pp - 1) * gmax) / pp
 
 
+SHAPE_GAIN = 1e-3  # a tensor-parallel shape replaces one-rank lanes only when this much faster (no flapping)
+
+
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
+    """hydra on lanes of the shape ``(config.tp or 1, config.pp or 1)``: load target, degrees, placement, and
+    the portfolio where the placement misses."""
     from balanced_loader.planning.kernels import order_desc  # numba: loaded when a policy runs
 
     setup = pool_setup(items, cost, config, "hydra")
@@ -283,6 +288,40 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
     micro = assemble(items, mb, lane0, deg)
     plan = one_pool_plan(step, config.world_size, setup.tp, setup.pp, micro)
     return plan.with_timing(notes=notes) if notes else plan
+
+
+def try_shapes(items: BatchItems, cost: CostModel, config: PlanConfig, step: int, plan: StepPlan) -> StepPlan:
+    """``plan`` (hydra's on one-rank lanes: :func:`plan_step`), or, where it needs CP, neither ``tp`` nor ``pp`` is
+    fixed and the lanes are alike (``make_plan`` calls this only then), the plan on lanes of
+    2, 4, .. tensor-parallel ranks (the cost file's ``(tp, 1)`` shapes, while each is faster): a TP pair holds
+    twice the tokens of a lane at less than twice its speed cost, so long docs need less CP (the sweep found
+    ``hydraulis``' tp-2 pools 0.6-1.8% faster on the llama3 preset at 32K). ``extra["shapes"] = False`` keeps
+    one-rank lanes."""
+    tries = config.extra.get("shapes", True)
+    if not isinstance(tries, bool):
+        raise ValueError(f"policy 'hydra': option 'shapes' must be true or false, got {tries!r}")
+    if not tries or config.tp is not None or config.pp is not None or not any(
+            len(g.lanes) > 1 for mb in plan.pools[0].microbatches for g in mb):
+        return plan
+    from balanced_loader.simulate import step_ms  # contract 2 on the plans (imported where the shapes are compared)
+
+    best, best_ms = plan, step_ms(plan, cost)
+    lanes_ms = best_ms
+    usable = {s.tp for s in cost.shapes() if s.pp == 1}
+    tp = 2
+    while tp in usable and config.world_size % tp == 0:
+        try:
+            cand = plan_step(items, cost, replace(config, tp=tp), step)
+        except ValueError:  # a doc no group of this shape holds
+            break
+        ms = step_ms(cand, cost)
+        if ms >= best_ms * (1 - SHAPE_GAIN):
+            break
+        best, best_ms, tp = cand, ms, 2 * tp
+    if best is plan:
+        return plan
+    note = f"hydra: lanes of tp {best.pools[0].tp} kept ({best_ms:.1f} ms; one-rank lanes {lanes_ms:.1f} ms)"
+    return best.with_timing(notes=(*best.notes, note))
 
 
 def _portfolio(items: BatchItems, setup, tgt: LoadTarget, desc: np.ndarray, top: int, own: portfolio.Arrays,
