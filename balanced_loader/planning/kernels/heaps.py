@@ -19,6 +19,14 @@ def heap_less(hk, hi, x, y):
 
 
 @njit(cache=True)
+def _swap(hk, hi, hv, a, b):
+    """Swap entries ``a`` and ``b`` of the heap's three arrays."""
+    hk[a], hk[b] = hk[b], hk[a]
+    hi[a], hi[b] = hi[b], hi[a]
+    hv[a], hv[b] = hv[b], hv[a]
+
+
+@njit(cache=True)
 def heap_push(hk, hi, hv, size, key, idx, ver):
     """Push (key, idx, ver) on the min-heap ``hk/hi/hv[:size]`` (ordered by (key, idx)); returns the new size."""
     pos = size
@@ -26,9 +34,7 @@ def heap_push(hk, hi, hv, size, key, idx, ver):
     while pos > 0:
         parent = (pos - 1) >> 1
         if heap_less(hk, hi, pos, parent):
-            hk[pos], hk[parent] = hk[parent], hk[pos]
-            hi[pos], hi[parent] = hi[parent], hi[pos]
-            hv[pos], hv[parent] = hv[parent], hv[pos]
+            _swap(hk, hi, hv, pos, parent)
             pos = parent
         else:
             break
@@ -39,9 +45,7 @@ def heap_push(hk, hi, hv, size, key, idx, ver):
 def heap_pop(hk, hi, hv, size):
     """Remove the top of the min-heap (its entry is moved to index ``size - 1``); returns the new size."""
     size -= 1
-    hk[0], hk[size] = hk[size], hk[0]
-    hi[0], hi[size] = hi[size], hi[0]
-    hv[0], hv[size] = hv[size], hv[0]
+    _swap(hk, hi, hv, 0, size)
     pos = 0
     while True:
         c = 2 * pos + 1
@@ -50,9 +54,7 @@ def heap_pop(hk, hi, hv, size):
         if c + 1 < size and heap_less(hk, hi, c + 1, c):
             c += 1
         if heap_less(hk, hi, c, pos):
-            hk[pos], hk[c] = hk[c], hk[pos]
-            hi[pos], hi[c] = hi[c], hi[pos]
-            hv[pos], hv[c] = hv[c], hv[pos]
+            _swap(hk, hi, hv, pos, c)
             pos = c
         else:
             break
