@@ -87,20 +87,17 @@ def check_schedule(sample_id_groups: Sequence[Sequence[Sequence[Any]]], sample_i
                          f"outside no_sync on every rank)")
 
 
-def resolve_cost(cost: Any, max_seq_len_per_rank: int, world_size: int) -> CostModel:
-    """The cost model (a :class:`CostModel`, a cost file, a preset name; ``None``: ``DEFAULT_COST``), uniform, its
-    lane cap set to ``max_seq_len_per_rank`` (the memory rule is Megatron's)."""
+def scheduler_cost(cost: Any, max_seq_len_per_rank: int, world_size: int) -> CostModel:
+    """The scheduler's cost model: ``cost`` as the loader takes it (:func:`balanced_loader.presets.resolve_cost`:
+    a :class:`CostModel`, a cost file, a preset name; ``None``: ``DEFAULT_COST``), uniform, its lane cap set to
+    ``max_seq_len_per_rank`` (the memory rule is Megatron's)."""
     import os
 
-    from balanced_loader.presets import cost_preset
+    from balanced_loader.presets import resolve_cost
 
-    if cost is None:
-        cost = cost_preset(DEFAULT_COST, world_size=world_size)
-    elif isinstance(cost, (str, os.PathLike)):
-        name = os.fspath(cost)
-        cost = CostModel.from_file(name) if os.path.exists(name) else cost_preset(name, world_size=world_size)
-    if not isinstance(cost, CostModel):
+    if cost is not None and not isinstance(cost, (CostModel, str, os.PathLike)):
         raise ValueError(f"cost must be a CostModel, a cost file or a preset name, got {type(cost).__name__}")
+    cost = resolve_cost(DEFAULT_COST if cost is None else cost, world_size)
     if not cost.uniform:
         raise ValueError("HydraCPScheduler plans ranks of one speed: pass a cost without device_classes or lane_speed")
     return cost.with_base(max_tokens_per_lane=int(max_seq_len_per_rank))
@@ -133,7 +130,7 @@ class HydraCPScheduler:
                              f"got {world_size!r}")
         self.max_seq_len_per_rank = int(max_seq_len_per_rank)
         self.total_hdp_gpus = int(world_size)  # Megatron's name for the DP x CP size
-        self.cost = resolve_cost(cost, self.max_seq_len_per_rank, self.total_hdp_gpus)
+        self.cost = scheduler_cost(cost, self.max_seq_len_per_rank, self.total_hdp_gpus)
         self.megatron_candidate = bool(megatron_candidate)
         self.last: dict[str, Any] = {}
         # load the placement kernel now (numba, cached on disk), so that the first step does not pay for it
