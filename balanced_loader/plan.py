@@ -7,6 +7,9 @@ segments in which microbatch. Planning is pure; these types are plain data.
 Why one module: it is contract 1 as code, the leaf every stage imports (nothing of ours below it):
 the plan's types, their JSON form and their checks (``StepPlan.validate``, ``pool_grid``, the
 sequences a step must tile) read the same fields, and a reader of the contract finds it in one place.
+That is why it runs past 600 lines: splitting the checks or the JSON form from the types would put one
+contract in two rooms, each needing the other's fields (the columnar groups, ``SegmentColumns`` /
+``ColumnGroup``, are the same ``Group`` stored for a planner's million segments, not a concept of their own).
 """
 
 from __future__ import annotations
