@@ -149,6 +149,15 @@ class Topology:
             out.append(work)
         return tuple(out)
 
+    def step_peers(self, rank: int, plan: StepPlan) -> list[int]:
+        """The ranks ``rank`` exchanges with in ``plan``'s forward/backward: its pipeline lane, TP group and the CP
+        groups of its microbatches (what a timeout there waited on)."""
+        peers = set(self.pipeline_ranks(rank)) | set(self.tp_ranks(rank))
+        for w in self.lane_work(rank, plan):
+            if w is not None:
+                peers.update(w.cp_ranks)
+        return sorted(peers)
+
     def describe(self) -> str:
         """The rank grid on one screen: one line per pool stage."""
         lines = [f"world {self.world_size}, {len(self.pools)} pool(s)"]

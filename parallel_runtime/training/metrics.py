@@ -57,6 +57,12 @@ def plan_shape(plan: StepPlan) -> dict[str, Any]:
             "cp_groups": sum(d > 1 for d in degrees), "max_degree": max(degrees, default=0)}
 
 
+def plan_row(plan: StepPlan) -> dict[str, Any]:
+    """A step record's keys of its plan: tokens, docs, fingerprint and :func:`plan_shape`."""
+    shape = plan_shape(plan)
+    return {"tokens": plan.tokens, "docs": int(len(plan.doc_ids())), "fingerprint": plan.fingerprint(), **shape}
+
+
 def median_error(pred: Sequence[float] | np.ndarray, meas: Sequence[float] | np.ndarray) -> float:
     """Median over ranks that measured something of ``|predicted - measured| / measured`` (totals when the
     two differ in length: a one-process reference run measures the whole plan at once)."""

@@ -32,23 +32,21 @@ class PlanMismatchError(RuntimeError):
 
 
 def check_plan_runs_here(plan: StepPlan, *, recipe: Recipe, sequences: BatchItems, groups: GroupCache,
-                         comm_device: torch.device) -> tuple[Topology, int]:
-    """Check ``plan`` (steps 1-4 above; collective: call on every rank); returns its topology and new groups."""
-    check_same_plan(plan, comm_device)
+                         comm_device: torch.device, fingerprint: str | None = None) -> tuple[Topology, int]:
+    """Check ``plan`` (steps 1-4 above; collective: call on every rank); returns its topology and new groups.
+    ``fingerprint``: the plan's, when the caller has it (None: computed here)."""
+    check_same_plan(plan, comm_device, fingerprint)
     validate_contract(plan, sequences)
     topo = Topology(world_size=plan.world_size, pools=tuple(PoolShape.of(p) for p in plan.pools))  # lanes: validated
     check_hostable(plan, recipe)
     return topo, groups.ensure(plan_groups(plan, recipe.world.cp_engine, recipe.world.cp_inner))
 
 
-def fingerprint_int(plan: StepPlan) -> int:
-    """The plan fingerprint as a non-negative int64 (first 60 bits of the hex digest)."""
-    return int(plan.fingerprint()[:15], 16)
-
-
-def check_same_plan(plan: StepPlan, comm_device: torch.device) -> None:
-    """All-gather the plan fingerprints; one clear error on every rank when they differ."""
-    mine = torch.tensor([fingerprint_int(plan), plan.step], dtype=torch.int64, device=comm_device)
+def check_same_plan(plan: StepPlan, comm_device: torch.device, fingerprint: str | None = None) -> None:
+    """All-gather the plan fingerprints (``fingerprint``: the plan's, None: computed here); one clear error on
+    every rank when they differ."""
+    fp = int((fingerprint or plan.fingerprint())[:15], 16)  # first 60 bits of the hex digest: a non-negative int64
+    mine = torch.tensor([fp, plan.step], dtype=torch.int64, device=comm_device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     fps = [int(f) for f in torch.stack(every)[:, 0].tolist()]  # one read of the device (NCCL: comm_device is it)

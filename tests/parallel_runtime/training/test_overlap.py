@@ -62,12 +62,13 @@ def test_overlapped_pull_and_push_equal_the_sequential_ones_bit_for_bit(tmp_path
 def _shared_runs(rank: int, world: int, sets: list[str], tmp: str) -> dict:
     from parallel_runtime.config import load_recipe
     from parallel_runtime.training import trainer as T
+    from parallel_runtime.training.runtime import GradBuffer
 
-    attach, share_master = T.GradBuffer.attach, O.ShardedOptimizer.share_master
+    attach, share_master = GradBuffer.attach, O.ShardedOptimizer.share_master
     out = {}
     for shared, overlap in ((True, True), (False, True), (True, False)):
         # unshared: the buffers are never offered as the optimizer's shards (it keeps buffers of its own)
-        T.GradBuffer.attach = attach if shared else (lambda self, params, layout=None: attach(self, params))
+        GradBuffer.attach = attach if shared else (lambda self, params, layout=None: attach(self, params))
         O.ShardedOptimizer.share_master = share_master if shared else (lambda self, full: None)
         t = T.Trainer(load_recipe(HETERO, [*sets, f"train.overlap={str(overlap).lower()}"]), f"{tmp}/{shared}{overlap}")
         ms = t.train(3)
@@ -75,7 +76,7 @@ def _shared_runs(rank: int, world: int, sets: list[str], tmp: str) -> dict:
                                 "master": t.optimizer.master.clone(),
                                 "shared": (t.optimizer.grad_shared, t.optimizer.master_shared),
                                 "optimizer_bytes": ms[-1]["memory"]["optimizer_bytes"]}
-    T.GradBuffer.attach, O.ShardedOptimizer.share_master = attach, share_master
+    GradBuffer.attach, O.ShardedOptimizer.share_master = attach, share_master
     return out
 
 
