@@ -26,7 +26,7 @@ BL_FLOORS: dict[str, set[str]] = {
     "batches": {"data", "plan", "schedule", "strict"},
     "calibration": {"cost", "strict"},
     "planning": {"cost", "plan", "simulate", "strict", "presets", "loader_args"},
-    "spindle": {"cost", "plan", "presets", "strict", "simulate"},
+    "spindle": {"cost", "plan", "presets", "strict", "simulate", "outputs"},
     "materialize": {"data", "plan"},
     "loader_args": {"schedule"},
     "dataset_view": set(),

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from balanced_loader.cost import CostModel
+from balanced_loader.outputs.files import read_json
 from balanced_loader.plan import Segment, StepPlan
 
 TRACE_FORMAT = "balanced-loader/trace"
@@ -272,13 +273,7 @@ def write_trace(path: str, records: Iterable[TraceRecord], *, meta: Mapping[str,
 
 def read_trace(path: str) -> dict[str, Any]:
     """A trace file's object; one ``ValueError`` line unless it is trace-event JSON of this format's shape."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read trace file {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"trace file {path} is not JSON: {e}") from None
+    data = read_json(path, "trace file")
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"trace file {path} has no traceEvents list (expected trace-event JSON)")

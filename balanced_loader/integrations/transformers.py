@@ -43,7 +43,7 @@ from transformers import Trainer
 from balanced_loader.data.vocab import check_step_ids, check_vocab
 from balanced_loader.loader import BalancedLoader, StepBatch
 from balanced_loader.materialize import Microbatch
-from balanced_loader.outputs.files import write_text
+from balanced_loader.outputs.files import read_json, write_text
 from balanced_loader.wrapping import wrap
 
 __all__ = ["LOADER_STATE_NAME", "PACKED_ATTENTION", "BalancedTrainer", "BalancedTrainerMixin",
@@ -268,17 +268,8 @@ class BalancedTrainerMixin:
 
 def read_loader_state(path: str) -> dict[str, Any]:
     """A checkpoint's ``balanced_loader_state.json``; a damaged or truncated file is one ``ValueError`` naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read the loader state {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
-        raise ValueError(f"the loader state {path} is damaged: not JSON{where}; resume from another checkpoint or "
-                         f"start the data over") from None
-    except RecursionError:
-        raise ValueError(f"the loader state {path} is damaged: nested too deeply to be a loader state") from None
+    state = read_json(path, "the loader state", fix="it is damaged: resume from another checkpoint or start the "
+                      "data over")
     if not isinstance(state, dict):
         raise ValueError(f"the loader state {path} is damaged: a JSON {type(state).__name__}, not a mapping")
     return state

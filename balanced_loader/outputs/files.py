@@ -1,5 +1,7 @@
 """Complete-or-absent outputs: :func:`atomic_write` (one file), :class:`StagedFolder` (a folder written
-whole, renamed into place), :class:`OutputSet` (files published together). Stdlib only; imports nothing of ours.
+whole, renamed into place), :class:`OutputSet` (files published together); and :func:`read_json`, the one
+reader of the package's JSON files (one clear line when one is unreadable). Stdlib only; imports nothing of
+ours.
 
 Every file the package writes (plans, reports, charts, shards, the length index) goes through
 it: the bytes land in a hidden temporary file in the same folder, are flushed to disk, and the
@@ -255,6 +257,26 @@ def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = N
     with atomic_write(path, "w") as f:
         json.dump(obj, f, indent=indent)
         f.write("\n")
+
+
+def read_json(path: str | os.PathLike[str], what: str, *, fix: str = "") -> Any:
+    """The parsed JSON of the file ``path``, a ``what`` (e.g. "plan file"); one ``ValueError`` line naming it when
+    it cannot be read, is not text or is not JSON (its line and column), ending with ``fix`` where given (what
+    to do). The caller checks the shape."""
+    import json
+
+    end = f"; {fix}" if fix else ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path}: {e.strerror or e}{end}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path} is not text{end}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not JSON (line {e.lineno}, column {e.colno}: {e.msg}){end}") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise ValueError(f"{what} {path} is nested too deeply to be one{end}") from None
 
 
 def fsync_dir(path: str) -> None:

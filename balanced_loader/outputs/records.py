@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import shlex
@@ -32,6 +31,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
+
+from balanced_loader.outputs.files import read_json
 
 FORMAT, VERSION = "balanced-loader/record", 1
 BEGIN, END = "<!-- records:begin (generated: python -m balanced_loader.outputs.records) -->", "<!-- records:end -->"
@@ -133,11 +134,7 @@ def tool_command(argv: list[str] | None = None) -> str:
 
 def read_record(path: str) -> dict[str, Any]:
     """The record in ``path``, checked (one ``ValueError`` naming the file)."""
-    try:
-        with open(path) as f:
-            rec = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable record ({e})") from None
+    rec = read_json(path, "record")
     if not isinstance(rec, dict) or rec.get("format") != FORMAT or rec.get("version") != VERSION:
         raise ValueError(f"{path}: not a {FORMAT} version {VERSION} record")
     for key in RECORD_KEYS:

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from balanced_loader.outputs.files import read_json
+
 if TYPE_CHECKING:
     from balanced_loader.spindle.graph import Graph
 
@@ -164,13 +166,7 @@ class WavePlan:
 
     @staticmethod
     def load(path: str) -> WavePlan:
-        try:
-            with open(path) as f:
-                return WavePlan.from_json(json.load(f))
-        except OSError as e:
-            raise ValueError(f"cannot read wave plan {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"wave plan {path} is not valid JSON: {e}") from None
+        return WavePlan.from_json(read_json(path, "wave plan"))
 
     # ---- checks ----------------------------------------------------------
     def validate(self, graph: Graph, *, rel_tol: float = 1e-6) -> None:

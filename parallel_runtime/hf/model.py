@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 import zlib
 from collections.abc import Iterator, Mapping
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from balanced_loader.outputs.files import read_json
 from parallel_runtime.engines.tensor import IGNORE_INDEX
 from parallel_runtime.hf.attention import BOUND_KWARG, NAME, register
 from parallel_runtime.hf.config import PRETRAINED, check_hf_recompute, hf_config
@@ -245,8 +245,11 @@ def _safetensors_files(folder: str) -> dict[str, str] | None:
     """``{tensor name: file}`` of a folder's safetensors weights, or None when it has none."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            return dict(json.load(f)["weight_map"])
+        idx = read_json(index, "safetensors index", fix="the pretrained folder is damaged")
+        weights = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(weights, dict):
+            raise ValueError(f"safetensors index {index} has no 'weight_map' mapping; the pretrained folder is damaged")
+        return dict(weights)
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
         from safetensors import safe_open  # transformers' own dependency

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from balanced_loader.outputs.files import fsync_dir, write_text
+from balanced_loader.outputs.files import fsync_dir, read_json, write_text
 from parallel_runtime.launch import is_comm_error
 from parallel_runtime.training.optimizer import ShardedOptimizer
 
@@ -163,11 +163,7 @@ def find(root: str) -> Saved | None:
     meta_path = os.path.join(folder, META)
     if not os.path.isfile(meta_path):
         raise ValueError(f"checkpoint {folder} is incomplete: {META} is missing; {fix}")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"checkpoint {folder} is damaged: {META} cannot be read ({e}); {fix}") from None
+    meta = read_json(meta_path, "checkpoint meta file", fix=f"the checkpoint is damaged; {fix}")
     if not isinstance(meta, dict):
         raise ValueError(f"checkpoint {folder} is damaged: {META} is not a mapping; {fix}")
     if "format" not in meta and meta.get("version") == 1:

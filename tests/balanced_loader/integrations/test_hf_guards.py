@@ -70,7 +70,7 @@ def test_a_damaged_loader_state_names_its_file(tmp_path):
                     loader_kwargs=LK).train()
     state = out / "checkpoint-1" / LOADER_STATE_NAME
     good = state.read_text()
-    for damaged, needle in ((good[: len(good) // 2], "is damaged: not JSON (line"), ("[1, 2]", "a JSON list"),
+    for damaged, needle in ((good[: len(good) // 2], "is not JSON (line"), ("[1, 2]", "a JSON list"),
                             ('{"format": 1}', "not a BalancedLoader state")):
         state.write_text(damaged)
         trainer = BalancedTrainer(model=_model(), args=_args(out, max_steps=3), train_source=_docs(),
