@@ -355,10 +355,7 @@ def polish(ev: Evaluator, plan: Arrays) -> Arrays:
         return plan
     mb, lane0, deg = (np.ascontiguousarray(a, dtype=np.int64) for a in plan)
     lanes = ev.lanes
-    last_wide = np.full(lanes, -1, np.int64)  # [lanes] the latest microbatch of a group of several lanes
-    for i in np.flatnonzero(deg > 1):
-        seg = slice(lane0[i], lane0[i] + deg[i])
-        last_wide[seg] = np.maximum(last_wide[seg], mb[i])
+    last_wide = _lane_max(mb, lane0, deg, np.flatnonzero(deg > 1), lanes, -1)  # [lanes] latest wide microbatch
     tail = np.flatnonzero((deg == 1) & (mb > last_wide[lane0]))  # [t] one-lane items after every wide group
     if not 2 <= len(tail) <= POLISH_ITEMS:  # each move scans the tail: O(tail) per doc of the last lane
         return plan
@@ -369,17 +366,30 @@ def polish(ev: Evaluator, plan: Arrays) -> Arrays:
     new_lane, new_pass = polish_tail_kernel(ev.lengths[tail], ev.work[tail], lane0[tail], pass_id, base,
                                             float(ev.sc.microbatch_ms), int(ev.sc.max_tokens_per_lane), POLISH_MOVES)
     # each lane's tail passes run after everything else on it (first[l]: one past its latest other group), in order
-    first = np.zeros(lanes, np.int64)
-    for i in head.tolist():
-        seg = slice(lane0[i], lane0[i] + deg[i])
-        first[seg] = np.maximum(first[seg], mb[i] + 1)
+    first = _lane_max(mb, lane0, deg, head, lanes, -1) + 1  # [lanes]
+    # a tail item's microbatch: first[lane] + the rank of its pass among its new lane's distinct passes
+    span = int(new_pass.max()) + 1
+    keys, inv = np.unique(new_lane * span + new_pass, return_inverse=True)  # sorted by lane, then pass
+    key_lane = keys // span
+    rank = np.arange(len(keys)) - np.searchsorted(key_lane, key_lane, side="left")  # [distinct passes]
     out_mb, out_lane = mb.copy(), lane0.copy()
-    for lane in np.unique(new_lane).tolist():
-        mine = np.flatnonzero(new_lane == lane)
-        passes = np.unique(new_pass[mine])
-        out_mb[tail[mine]] = first[lane] + np.searchsorted(passes, new_pass[mine])
-        out_lane[tail[mine]] = lane
+    out_mb[tail] = first[new_lane] + rank[inv.reshape(-1)]
+    out_lane[tail] = new_lane
     return out_mb, out_lane, deg
+
+
+def _lane_max(mb: np.ndarray, lane0: np.ndarray, deg: np.ndarray, idx: np.ndarray, lanes: int, empty: int
+              ) -> np.ndarray:
+    """``[lanes]`` the latest microbatch of the items ``idx`` on each lane (``empty`` where none), each item on the
+    lanes ``lane0 .. lane0 + deg - 1``; one row per distinct group, so O(groups' lanes), not O(items' lanes)."""
+    out = np.full(lanes, empty, np.int64)
+    if not len(idx):
+        return out
+    groups = np.unique(np.stack([lane0[idx], deg[idx], mb[idx]], axis=1), axis=0)  # [g, 3] lane0, degree, mb
+    width = groups[:, 1]
+    lane = np.repeat(groups[:, 0], width) + (np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width))
+    np.maximum.at(out, lane, np.repeat(groups[:, 2], width))
+    return out
 
 
 def wanted(n: int, sc: ShapeCost, lanes: int, top: int, levels: np.ndarray, target: float, own_ms: float) -> bool:

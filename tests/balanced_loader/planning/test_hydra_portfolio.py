@@ -189,3 +189,16 @@ def test_mixed_bins_beat_flexsp_on_docs_just_above_the_lane_cap(world):
         assert hydra.predicted_ms <= flexsp.predicted_ms * 1.005
         chose.extend(hydra.notes)
     assert any("chose mixed bins" in n for n in chose)
+
+
+@given(st.integers(0, 10**6), st.sampled_from([1, 2, 8, 12]), st.integers(0, 60))
+def test_lane_max_equals_the_loop_over_items(seed, lanes, n):
+    """polish's per-lane latest microbatch (one row per distinct group) against the loop over items it replaces."""
+    rng = np.random.default_rng(seed)
+    mb, lane0, deg = random_plan(rng, n, lanes)
+    idx = np.flatnonzero(rng.random(n) < 0.7)
+    want = np.full(lanes, -1, np.int64)
+    for i in idx.tolist():
+        seg = slice(lane0[i], lane0[i] + deg[i])
+        want[seg] = np.maximum(want[seg], mb[i])
+    assert portfolio._lane_max(mb, lane0, deg, idx, lanes, -1).tolist() == want.tolist()
