@@ -507,7 +507,7 @@ def candidates(ev: Evaluator, levels: np.ndarray, desc: np.ndarray, top: int, fi
             if pays[v]:
                 yield f"wide bins d={1 << v}", lambda v=v: wide_bins(ev, levels, v, desc, top)
         for v in range(1, int(levels.max()) + 1):
-            if pays[v]:
+            if pays[v] and len(ln) <= MAX_ITEMS:  # tens of ms each on 200K docs (16K lanes)
                 yield f"mixed bins d={1 << v}", lambda v=v: mixed_bins(ev, levels, v, desc, top)
     if not (sparse or pays.any()) or len(ln) > MAX_ITEMS:
         return
