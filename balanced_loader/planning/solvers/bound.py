@@ -32,7 +32,9 @@ All terms hold for any plan that keeps each item one segment (every policy does)
   function, so a doc more than half its group runs alone (two of a third share one, ...): ``beta`` times the
   groups' lanes is at least the docs' weighted degrees, which is more than ``tokens / cap`` where equal long docs
   leave every group part empty (32K docs on lanes of 5,950 tokens: a group of 8 lanes each). Joined with each
-  doc's least lane-ms over the degrees by a multiplier (weak duality: every multiplier gives a bound).
+  doc's least lane-ms over the degrees by a multiplier (weak duality: every multiplier gives a bound). The
+  function may differ per degree (each group's docs pass through its own degree's), so a long doc runs alone
+  in its wide group while the short docs of one-lane passes still pay ``beta`` per ``cap`` tokens.
 """
 
 from __future__ import annotations
@@ -226,21 +228,25 @@ def widths_bound(s: np.ndarray, scs: Sequence[ShapeCost], world_size: int, rank_
 ANCHOR_KS = (1, 2, 3, 4, 6)  # the u_k of the anchors term
 ANCHOR_MUS = np.linspace(0.0, 1.0, 17)  # [m] multipliers (times beta) tried: each gives a bound
 ANCHOR_MAX_DEGREES = 64  # the anchors term over every degree only up to this many lanes (else: a degree set)
+ANCHOR_ROUNDS = 3  # rounds of the per-degree ascent (each degree's function in turn, the others kept)
+ANCHOR_ASCENT_CELLS = 1 << 26  # the ascent only where degrees^2 x docs is at most this (O(m^2 n) per round)
 
 
 def anchors_bound(s: np.ndarray, sc: ShapeCost, lanes: int, degrees: Sequence[int] | None = None) -> float:
     """The anchors term (module docstring), lane-ms over the ``lanes`` lanes of one shape, for docs ``s`` ``[n]``.
 
     Every plan pays ``beta`` on each lane of each group: ``beta * sum_g d_g``. Within a group of degree ``d`` the
-    docs' fractions ``x = s / (d cap)`` sum to at most 1, so for a dual feasible function ``u`` (``u_k(x) =
-    floor((k + 1) x) / k``, ``x`` where ``(k + 1) x`` is an integer) their ``u(x)`` do too: ``sum_g d_g >= sum_i
-    d_i u(x_i)``, each doc at its own group's degree; and ``sum_g d_g >= tokens / cap`` (``u(x) = x``). With
-    ``c_i(d) = d seg(s_i, d)`` the plan's lane-ms is at least ``sum_i c_i(d_i) + beta max(tokens / cap, sum_i
-    d_i u(x_i))``; its least over the degrees, relaxed to fractions, is at least ``sum_i min_d (c_i(d) + mu d
-    u(x_i)) + (beta - mu) tokens / cap`` for every ``mu`` in ``[0, beta]`` (weak duality): the largest over
-    ``k`` and a grid of ``mu``. Docs more than half a group (``k = 1``) run alone; two of a third (``k = 2``)
-    share one. ``0.0`` without a fixed cost, or over more than :data:`ANCHOR_MAX_DEGREES` lanes without
-    ``degrees``."""
+    docs' fractions ``x = s / (d cap)`` sum to at most 1, so for a dual feasible function ``u`` their ``u(x)`` do
+    too, and ``beta d_g >= beta d_g sum_{i in g} u(x_i)``. The function may be chosen per degree ``d`` (a group's
+    docs all pass through its own degree's ``u_d``): summed over the groups, the plan's lane-ms is at least
+    ``sum_i c_i(d_i) + beta d_i u_{d_i}(x_i)`` with ``c_i(d) = d seg(s_i, d)``, so at least ``sum_i min_d (c_i(d) +
+    beta d u_d(s_i / (d cap)))`` for any choice of the ``u_d``. Each ``u_d`` is a mixture ``(1 - lam) x + lam
+    u_k(x)`` (``u_k(x) = floor((k + 1) x) / k``, ``x`` where ``(k + 1) x`` is an integer; ``lam = 0``: ``beta`` per
+    ``cap`` tokens); one mixture for every degree is weak duality with a multiplier ``lam beta`` on ``sum_g d_g >=
+    tokens / cap``; from the best of those, each degree's mixture is changed in turn where the sum grows
+    (:data:`ANCHOR_ROUNDS` rounds): every choice is a bound, so the search only needs to be deterministic.
+    Docs more than half a group (``k = 1``) run alone; two of a third (``k = 2``) share one. ``0.0`` without a
+    fixed cost, or over more than :data:`ANCHOR_MAX_DEGREES` lanes without ``degrees``."""
     cap, beta = sc.max_tokens_per_lane, float(sc.microbatch_ms)
     if degrees is None:
         if lanes > ANCHOR_MAX_DEGREES:
@@ -256,15 +262,39 @@ def anchors_bound(s: np.ndarray, sc: ShapeCost, lanes: int, degrees: Sequence[in
     c = np.where(si[:, None] <= allowed[None, :] * cap, c, np.inf)  # memory: s <= d * cap
     if not np.isfinite(c.min(axis=1)).all():
         return float("inf")
-    tokens = float(s.sum()) / cap  # lane-slots the tokens fill at the least
-    den = allowed[None, :] * cap  # [1, m] a group's tokens
-    best = 0.0
-    for k in ANCHOR_KS:
-        num = (k + 1) * si[:, None]  # [n, 1]
-        u = np.where(num % den == 0, si[:, None] / den, (num // den) / k)  # [n, m] u_k(s / (d cap)), exact
-        w = allowed[None, :] * u  # [n, m] lane-slots the doc's group is charged
-        for mu in ANCHOR_MUS * beta:
-            best = max(best, float((c + mu * w).min(axis=1).sum()) + (beta - mu) * tokens)
+
+    def charges(j: int) -> np.ndarray:
+        """``[options, n]`` lane-ms of each doc at degree ``allowed[j]`` under each mixture (k-major, then lam)."""
+        den = int(allowed[j]) * cap
+        x = si / den  # [n]
+        num = (np.asarray(ANCHOR_KS)[:, None] + 1) * si[None, :]  # [ks, n]
+        u = np.where(num % den == 0, x[None, :], (num // den) / np.asarray(ANCHOR_KS, np.float64)[:, None])
+        lam = ANCHOR_MUS[None, :, None]
+        mix = (1 - lam) * x[None, None, :] + lam * u[:, None, :]  # [ks, mus, n]
+        return c[:, j][None, :] + beta * dd[j] * mix.reshape(-1, len(si))
+
+    least = charges(0)  # [options, n] least over the degrees, one mixture for every degree
+    for j in range(1, len(allowed)):
+        np.minimum(least, charges(j), out=least)
+    uniform = least.sum(axis=1)  # [options]
+    o = int(np.argmax(uniform))
+    best = float(uniform[o])
+    if len(allowed) < 2 or len(allowed) ** 2 * len(si) > ANCHOR_ASCENT_CELLS:
+        return best / lanes
+    pick = np.full(len(allowed), o)  # [m] each degree's mixture
+    cur = np.stack([charges(j)[o] for j in range(len(allowed))])  # [m, n] each doc at each degree's mixture
+    for _ in range(ANCHOR_ROUNDS):
+        grew = False
+        for j in range(len(allowed)):
+            rest = np.delete(cur, j, axis=0).min(axis=0)  # [n] least over the other degrees
+            table = charges(j)
+            got = np.minimum(rest[None, :], table).sum(axis=1)  # [options]
+            o = int(np.argmax(got))
+            if got[o] > best * (1 + 1e-12):
+                best, pick[j], grew = float(got[o]), o, True
+                cur[j] = table[o]
+        if not grew:
+            break
     return best / lanes
 
 

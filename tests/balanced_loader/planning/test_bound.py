@@ -13,7 +13,7 @@ from balanced_loader.plan import BatchItems
 from balanced_loader.planning import make_plan
 from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.registry import POLICIES
-from balanced_loader.planning.solvers.bound import cheapest, step_lower_bound
+from balanced_loader.planning.solvers.bound import ANCHOR_KS, ANCHOR_MUS, cheapest, step_lower_bound
 from balanced_loader.simulate import simulate_step
 
 
@@ -85,6 +85,69 @@ def test_anchors_count_the_groups_that_long_docs_leave_part_empty():
     # half as long: two docs share a group of one lane, the fixed cost is per cap tokens again
     short = step_lower_bound(np.asarray([50] * 8), cost, 4, degrees=[1, 2, 4])
     assert short.anchors_ms == pytest.approx(short.area_ms)
+
+
+def uniform_anchors(s: np.ndarray, sc, lanes: int, degrees) -> float:
+    """The anchors term with one dual feasible function for every degree (weak duality with a multiplier on
+    ``sum_g d_g >= tokens / cap``): what the per-degree ascent starts from."""
+    cap, beta = sc.max_tokens_per_lane, float(sc.microbatch_ms)
+    allowed = np.asarray(degrees, dtype=np.int64)
+    si = s.astype(np.int64)
+    c = np.asarray(sc.segment_ms(s[:, None], allowed[None, :].astype(float))) * allowed[None, :]
+    c = np.where(si[:, None] <= allowed[None, :] * cap, c, np.inf)
+    den = allowed[None, :] * cap
+    best = 0.0
+    for k in ANCHOR_KS:
+        num = (k + 1) * si[:, None]
+        u = np.where(num % den == 0, si[:, None] / den, (num // den) / k)
+        for mu in ANCHOR_MUS * beta:
+            best = max(best, float((c + mu * allowed[None, :] * u).min(axis=1).sum()) + (beta - mu) * s.sum() / cap)
+    return best / lanes
+
+
+def test_anchors_take_a_dual_feasible_function_per_degree():
+    """2 lanes, groups of 1 or 2, beta 10, cap 100, 0.1 ms per token, 0.04 lane-ms per token of CP on 2 lanes.
+    The 160-token doc fills 80% of a 2-lane group and runs alone there (u_3(0.8) = 1): 2 * 10 + 16 + 6.4 =
+    42.4 lane-ms. A 60-token doc is more than half a lane, so it runs alone in a one-lane pass (u_1(0.6) = 1:
+    10 + 6 = 16 lane-ms), or at most three share a 2-lane group (u_3(0.3) = 1/3: 20 / 3 + 6 + 2.4 = 15.07).
+    With u_1 for one lane and u_3 for two the term is (42.4 + 3 * 15.07) / 2 = 43.8 ms, which the plan [160]
+    then [60, 60, 60] on both lanes meets (21.2 + 22.6 ms); one function for both degrees gives 40.2 at best."""
+    cost = cost_of(0.0, 0.1, 10.0, 2e6, 100, False)
+    sc = cost.shape(1, 1)
+    s = np.asarray([160.0, 60.0, 60.0, 60.0])
+    assert sc.segment_ms(160.0, 2.0) == pytest.approx(8.0 + 3.2)
+    assert uniform_anchors(s, sc, 2, [1, 2]) == pytest.approx(40.2)
+    b = step_lower_bound(s.astype(np.int64), cost, 2, [(1, 1)], degrees=[1, 2])
+    assert b.anchors_ms == pytest.approx(43.8)
+    best = min(simulate_step(make_plan(BatchItems.from_lengths(s.astype(np.int64)), cost,
+                                       PlanConfig(policy=p, world_size=2)), cost).step_ms
+               for p in ("greedy", "hydra", "flexsp", "batch-ada"))
+    assert b.bound_ms <= best * (1 + 1e-9) and best == pytest.approx(43.8)  # tight
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.sampled_from([2, 4, 8, 16]), st.sampled_from([5.0, 40.0, 400.0]))
+def test_per_degree_anchors_are_below_every_power_of_two_plan(seed, world, beta):
+    """Long docs just above a lane's cap among short ones, CP traffic from cheap to dear: the per-degree term is at
+    least the uniform one and below every policy's plan of power-of-two groups."""
+    rng = np.random.default_rng(seed)
+    cap = int(rng.integers(50, 400))
+    cost = cost_of(float(rng.uniform(0, 1e-4)), float(rng.uniform(0.001, 0.05)), beta,
+                   float(rng.choice([0.0, 1e5, 1e6, 4e6])), cap, False)
+    n = int(rng.integers(1, 6 * world))
+    lengths = np.where(rng.random(n) < 0.4, rng.uniform(1.0, 2.0, n) * cap, rng.uniform(0.05, 0.7, n) * cap)
+    lengths = np.minimum(lengths.astype(np.int64) + 1, cap * world)
+    degrees = [1 << v for v in range(world.bit_length()) if 1 << v <= world]
+    sc = cost.shape(1, 1)
+    term = step_lower_bound(lengths, cost, world, [(1, 1)], degrees=degrees).anchors_ms
+    assert term >= uniform_anchors(lengths.astype(np.float64), sc, world, degrees) * (1 - 1e-12)
+    for policy in ("hydra", "greedy", "maxlen", "token-kk", "batch-ada", "flexsp", "mcore-dcp"):
+        try:
+            plan = make_plan(BatchItems.from_lengths(lengths), cost,
+                             PlanConfig(policy=policy, world_size=world, time_limit_s=0.5))
+        except ValueError:
+            continue
+        assert term <= simulate_step(plan, cost).step_ms * (1 + 1e-9), policy
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
