@@ -206,7 +206,8 @@ def figures(got: dict[str, list[dict]]) -> list:
     out = []
     setting = ("27.5M decoder 512x8, stdlib corpus, 8,192 tokens per step, microbatch cap 1,024, hydra, 2 gloo ranks "
                f"of 1 thread, {len(base)} rounds of alternated launches")
-    for name, what in (("native", "the native decoder"), ("hf", "the same Llama through model.hf")):
+    for name, what, topic in (("native", "the native decoder", "native vs loop"),
+                              ("hf", "the same Llama through model.hf", "HF vs loop")):
         runs = got[name]
         per = [x["step_s"] / r["step_s"] for x, r in zip(base, runs)]  # same tokens: tokens/s ratio
         cpu = statistics.median(x["cpu_s"] for x in base) / statistics.median(r["cpu_s"] for r in runs)
@@ -219,7 +220,7 @@ def figures(got: dict[str, list[dict]]) -> list:
                 ("memory", f"peak RSS of the largest process, the runtime with {what} / the loop, same runs",
                  "<= 0.75", f"**{rss / rss_base:.3f}** ({rss:,.0f} MB against {rss_base:,.0f})")):
             out.append(Figure(id=f"runtime_vs_ddp.{kind}_{name}", area="runtime", figure=figure, target=target,
-                              value=value))
+                              value=value, topic=topic, see="docs/results/hf_speed.md"))
     return out
 
 
