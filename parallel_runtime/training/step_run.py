@@ -22,6 +22,7 @@ waited on and with whom: :func:`parallel_runtime.launch.phase`) and timed into `
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, fields
@@ -97,7 +98,7 @@ class StepRun:
     moved: ExchangeStats  # the step's pulls and pushes, the compared passes' included
 
 
-class StepExecutor:
+class StepExecutor(ABC):
     """The sequence of one step; a subclass runs its passes (:meth:`forward_backward`)."""
 
     def __init__(self, *, optimizer: ShardedOptimizer, exchange: ShardExchange, memory: StepMemory,
@@ -129,9 +130,9 @@ class StepExecutor:
             stack.enter_context(self.times.phase(key))
         return stack
 
+    @abstractmethod
     def forward_backward(self, batch: StepBatch, *, push: bool) -> Pass:
         """Forward and backward of ``batch``'s plan; ``push``: the gradients go into the optimizer's shards."""
-        raise NotImplementedError
 
 
 class DistributedStep(StepExecutor):
