@@ -25,7 +25,8 @@ Modules, by family:
   ``sift_down2``; ``heap_push`` / ``heap_pop`` with a version per entry, for lazy heaps).
 * :mod:`.evaluate`: :func:`items_step_kernel`, the contract-2 step time of a per-item plan (hydra's portfolio
   compares candidates with it before building any contract-1 object).
-* :mod:`.polish`: ``polish_tail_kernel``, a local search over the one-lane passes that end each lane; in
+* :mod:`.polish`: ``polish_tail_kernel``, a local search over the one-lane passes that end each lane, and
+  ``polish_groups_kernel``, moves and swaps of docs between the groups of a whole plan; in
   :mod:`.place` also ``target_groups_kernel`` (groups of their own degree filled to a time target).
 """
 

@@ -8,6 +8,15 @@ that finishes first (one more ``beta``), or swapping it with a doc of another la
 cap); a move is taken only when both lanes then finish before the last lane did. It stops when the last
 lane has no such move or after ``max_moves``. The pure-Python reference is
 :func:`polish_tail_reference` (below).
+
+:func:`polish_groups_kernel` does the same over every group of a plan, wide ones included: a group keeps its
+block and its place in the order of contract 2 (microbatch, then first lane), so a doc moved into another group
+runs at that group's degree. It repeatedly takes the lane that finishes last and applies the best move of one of
+the docs of its groups into another group with token room, or swap with a doc of another group, by the step
+time of the whole plan (every group starts once all its lanes are free), while that time falls. A group left
+empty costs nothing (no ``beta``). Each step evaluation visits every group's lanes; the search stops when it
+has visited ``budget`` lanes in all (a count, never the clock: the plan stays a pure function of its inputs).
+Its reference is :func:`polish_groups_reference`.
 """
 
 from __future__ import annotations
@@ -194,3 +203,231 @@ def polish_tail_reference(tok, work, lane, pas, base, beta: float, cap: int, max
         pcount[q] += 1
         pas[i], lane[i] = q, b
     return np.asarray(lane, dtype=np.int64), np.asarray(pas, dtype=np.int64)
+
+
+@njit(cache=True)
+def _groups_step(gl0, gdeg, gsum, gcnt, beta, finish, a, sum_a, cnt_a, b, sum_b, cnt_b):
+    """Contract-2 step time of groups in order (first lane ``gl0`` ``[G]``, lanes ``gdeg``, summed segments
+    ``gsum``, docs ``gcnt``; empty ones skipped) with groups ``a`` and ``b`` (``-1``: none) taken as
+    ``(sum_a, cnt_a)`` and ``(sum_b, cnt_b)``; ``finish`` ``[lanes]`` is overwritten with each lane's finish."""
+    finish[:] = 0.0
+    for g in range(gl0.shape[0]):
+        t, c = gsum[g], gcnt[g]
+        if g == a:
+            t, c = sum_a, cnt_a
+        elif g == b:
+            t, c = sum_b, cnt_b
+        if c == 0:
+            continue
+        start = 0.0
+        for x in range(gl0[g], gl0[g] + gdeg[g]):
+            if finish[x] > start:
+                start = finish[x]
+        end = start + beta + t
+        for x in range(gl0[g], gl0[g] + gdeg[g]):
+            finish[x] = end
+    top = 0.0
+    for x in range(finish.shape[0]):
+        if finish[x] > top:
+            top = finish[x]
+    return top
+
+
+@njit(cache=True)
+def polish_groups_kernel(gl0, gdeg, glev, item_g, tok, seg, beta, cap, lanes, budget):
+    """Docs ``[n]`` (tokens ``tok``, group ``item_g``, segment ms ``seg`` ``[n, levels]`` at each level, ``inf``
+    where the doc does not fit) in groups ``[G]`` in contract-2 order (first lane ``gl0``, lanes ``gdeg``, level
+    ``glev``); returns each doc's group after the search (module docstring)."""
+    n = item_g.shape[0]
+    ng = gl0.shape[0]
+    item_g = item_g.copy()
+    gtok = np.zeros(ng, np.int64)
+    gsum = np.zeros(ng, np.float64)
+    gcnt = np.zeros(ng, np.int64)
+    for i in range(n):
+        g = item_g[i]
+        gtok[g] += tok[i]
+        gsum[g] += seg[i, glev[g]]
+        gcnt[g] += 1
+    slots = 0  # lanes one evaluation visits
+    for g in range(ng):
+        slots += gdeg[g]
+    finish = np.zeros(lanes)
+    scratch = np.zeros(lanes)
+    block_end = np.zeros(ng)  # [G] the latest finish over each group's lanes
+    spent = 0
+    while spent < budget:
+        top = _groups_step(gl0, gdeg, gsum, gcnt, beta, finish, -1, 0.0, 0, -1, 0.0, 0)
+        spent += slots
+        last = 0
+        for x in range(lanes):
+            if finish[x] > finish[last]:
+                last = x
+        for g in range(ng):
+            m = 0.0
+            for x in range(gl0[g], gl0[g] + gdeg[g]):
+                if finish[x] > m:
+                    m = finish[x]
+            block_end[g] = m
+        best = top - 1e-9 * max(1.0, top)
+        kind = -1
+        bi = -1
+        bx = -1
+        for i in range(n):
+            a = item_g[i]
+            if not (gl0[a] <= last < gl0[a] + gdeg[a]) or spent >= budget:
+                continue
+            sa = seg[i, glev[a]]
+            if not best > top - sa:  # a group made shorter by sa ends at most sa earlier, and so does the step
+                continue
+            for b in range(ng):  # move into another group with room
+                if b == a or gcnt[b] == 0 or gtok[b] + tok[i] > gdeg[b] * cap:
+                    continue
+                sb = seg[i, glev[b]]
+                on_last = gl0[b] <= last < gl0[b] + gdeg[b]
+                if not on_last and block_end[b] + sb >= best:  # its lanes would end after the best so far
+                    continue
+                if spent >= budget:
+                    break
+                m = _groups_step(gl0, gdeg, gsum, gcnt, beta, scratch, a, gsum[a] - sa, gcnt[a] - 1, b,
+                                 gsum[b] + sb, gcnt[b] + 1)
+                spent += slots
+                if m < best:
+                    best, kind, bi, bx = m, 0, i, b
+            for j in range(n):  # swap with a doc of another group
+                b = item_g[j]
+                if b == a or gtok[a] - tok[i] + tok[j] > gdeg[a] * cap or gtok[b] - tok[j] + tok[i] > gdeg[b] * cap:
+                    continue
+                da = seg[j, glev[a]] - sa
+                if not da < 0.0:  # group a must get shorter
+                    continue
+                db = seg[i, glev[b]] - seg[j, glev[b]]
+                if not best > top + da + min(db, 0.0):
+                    continue
+                on_last = gl0[b] <= last < gl0[b] + gdeg[b]
+                if not on_last and block_end[b] + db >= best:
+                    continue
+                if spent >= budget:
+                    break
+                m = _groups_step(gl0, gdeg, gsum, gcnt, beta, scratch, a, gsum[a] + da, gcnt[a], b, gsum[b] + db,
+                                 gcnt[b])
+                spent += slots
+                if m < best:
+                    best, kind, bi, bx = m, 1, i, j
+        if kind < 0:
+            break
+        i = bi
+        a = item_g[i]
+        if kind == 0:
+            b = bx
+            gsum[a] -= seg[i, glev[a]]
+            gsum[b] += seg[i, glev[b]]
+            gtok[a] -= tok[i]
+            gtok[b] += tok[i]
+            gcnt[a] -= 1
+            gcnt[b] += 1
+            item_g[i] = b
+        else:
+            j = bx
+            b = item_g[j]
+            gsum[a] += seg[j, glev[a]] - seg[i, glev[a]]
+            gsum[b] += seg[i, glev[b]] - seg[j, glev[b]]
+            gtok[a] += tok[j] - tok[i]
+            gtok[b] += tok[i] - tok[j]
+            item_g[i] = b
+            item_g[j] = a
+    return item_g
+
+
+def polish_groups_reference(gl0, gdeg, glev, item_g, tok, seg, beta: float, cap: int, lanes: int, budget: int):
+    """Pure-Python twin of :func:`polish_groups_kernel` (same scan order, same arithmetic, same budget)."""
+    n, ng = len(item_g), len(gl0)
+    item_g = [int(g) for g in item_g]
+    gtok, gsum, gcnt = [0] * ng, [0.0] * ng, [0] * ng
+    for i in range(n):
+        g = item_g[i]
+        gtok[g] += int(tok[i])
+        gsum[g] += float(seg[i, glev[g]])
+        gcnt[g] += 1
+    slots = int(sum(int(d) for d in gdeg))
+
+    def step(over: dict) -> list:
+        finish = [0.0] * lanes
+        for g in range(ng):
+            t, c = over.get(g, (gsum[g], gcnt[g]))
+            if c == 0:
+                continue
+            lo, hi = int(gl0[g]), int(gl0[g]) + int(gdeg[g])
+            end = max(0.0, *finish[lo:hi]) + beta + t
+            finish[lo:hi] = [end] * (hi - lo)
+        return finish
+
+    def holds(g: int, x: int) -> bool:
+        return int(gl0[g]) <= x < int(gl0[g]) + int(gdeg[g])
+
+    spent = 0
+    while spent < budget:
+        finish = step({})
+        spent += slots
+        top = max(0.0, *finish)
+        last = max(range(lanes), key=lambda x: (finish[x], -x))
+        block_end = [max(0.0, *finish[int(gl0[g]):int(gl0[g]) + int(gdeg[g])]) for g in range(ng)]
+        best, move = top - 1e-9 * max(1.0, top), None
+        for i in range(n):
+            a = item_g[i]
+            if not holds(a, last) or spent >= budget:
+                continue
+            sa = float(seg[i, glev[a]])
+            if not best > top - sa:
+                continue
+            for b in range(ng):
+                if b == a or gcnt[b] == 0 or gtok[b] + tok[i] > gdeg[b] * cap:
+                    continue
+                sb = float(seg[i, glev[b]])
+                if not holds(b, last) and block_end[b] + sb >= best:
+                    continue
+                if spent >= budget:
+                    break
+                m = max(0.0, *step({a: (gsum[a] - sa, gcnt[a] - 1), b: (gsum[b] + sb, gcnt[b] + 1)}))
+                spent += slots
+                if m < best:
+                    best, move = m, (0, i, b)
+            for j in range(n):
+                b = item_g[j]
+                if b == a or gtok[a] - tok[i] + tok[j] > gdeg[a] * cap or gtok[b] - tok[j] + tok[i] > gdeg[b] * cap:
+                    continue
+                da = float(seg[j, glev[a]]) - sa
+                if not da < 0.0:
+                    continue
+                db = float(seg[i, glev[b]]) - float(seg[j, glev[b]])
+                if not best > top + da + min(db, 0.0):
+                    continue
+                if not holds(b, last) and block_end[b] + db >= best:
+                    continue
+                if spent >= budget:
+                    break
+                m = max(0.0, *step({a: (gsum[a] + da, gcnt[a]), b: (gsum[b] + db, gcnt[b])}))
+                spent += slots
+                if m < best:
+                    best, move = m, (1, i, j)
+        if move is None:
+            break
+        kind, i, x = move
+        a = item_g[i]
+        if kind == 0:
+            b = x
+            gsum[a] -= float(seg[i, glev[a]])
+            gsum[b] += float(seg[i, glev[b]])
+            gtok[a] -= int(tok[i])
+            gtok[b] += int(tok[i])
+            gcnt[a] -= 1
+            gcnt[b] += 1
+            item_g[i] = b
+        else:
+            j, b = x, item_g[x]
+            gsum[a] += float(seg[j, glev[a]]) - float(seg[i, glev[a]])
+            gsum[b] += float(seg[i, glev[b]]) - float(seg[j, glev[b]])
+            gtok[a] += int(tok[j]) - int(tok[i])
+            gtok[b] += int(tok[i]) - int(tok[j])
+            item_g[i], item_g[j] = b, a
+    return np.asarray(item_g, dtype=np.int64)

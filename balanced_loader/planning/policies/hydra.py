@@ -344,9 +344,10 @@ def _portfolio(items: BatchItems, setup, tgt: LoadTarget, desc: np.ndarray, top:
             best, win, win_ms = cand, name, t
     if not tried:
         return own, ()
-    polished = portfolio.polish(ev, best)
-    t = ev.ms(polished)
-    if t < win_ms * (1 - 1e-9):
-        best, win, win_ms = polished, f"{win}, tail polished", t
+    for what, polish in (("tail", portfolio.polish), ("groups", portfolio.polish_groups)):
+        polished = polish(ev, best)
+        t = ev.ms(polished)
+        if t < win_ms * (1 - 1e-9):
+            best, win, win_ms = polished, f"{win}, {what} polished", t
     return best, (f"hydra: portfolio of {tried + 1} plans chose {win} ({win_ms:.1f} ms; load-target placement "
                   f"{own_ms:.1f} ms)",)

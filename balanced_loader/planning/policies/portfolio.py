@@ -378,6 +378,37 @@ def polish(ev: Evaluator, plan: Arrays) -> Arrays:
     return out_mb, out_lane, deg
 
 
+GROUP_POLISH_ITEMS = 4096  # the group polish only on batches of at most this many items (O(n) scans per move)
+GROUP_POLISH_VISITS = 1 << 24  # lanes its step evaluations visit in all (each visits every group's lanes)
+
+
+def polish_groups(ev: Evaluator, plan: Arrays) -> Arrays:
+    """``plan`` after :func:`balanced_loader.planning.kernels.polish.polish_groups_kernel`: docs of the groups
+    on the lane that finishes last moved into, or swapped with docs of, other groups (wide ones too, each doc at
+    its new group's degree) while the step time falls; blocks and the groups' order unchanged. Why: the
+    candidates balance work per lane by one rule each (bins, Karmarkar-Karp, a load target) and end a few tenths
+    of a percent above what moving a doc between two of their groups reaches (the sweep's llama3 cells, where
+    nearly every doc is wide and the tail polish has no one-lane passes to move)."""
+    from balanced_loader.planning.kernels.polish import polish_groups_kernel
+
+    n = len(ev.lengths)
+    if ev.pp != 1 or not 2 <= n <= GROUP_POLISH_ITEMS:  # pipeline fill and drain depend on the passes' times too
+        return plan
+    mb, lane0, deg = (np.ascontiguousarray(a, dtype=np.int64) for a in plan)
+    keys, group = np.unique(mb * ev.lanes + lane0, return_inverse=True)  # groups in contract-2 order
+    gdeg = np.ones(len(keys), np.int64)
+    gdeg[group] = deg
+    levels = np.log2(gdeg).astype(np.int64)
+    top = int(levels.max())
+    widths = np.left_shift(1, np.arange(top + 1)).astype(np.float64)  # [levels]
+    seg = ev.work[:, None] / widths[None, :] + ev.comm[None, :top + 1] * ev.s[:, None]  # [n, levels] ms
+    seg[ev.s[:, None] > ev.sc.max_tokens_per_lane * widths[None, :]] = np.inf  # memory
+    got = polish_groups_kernel(keys % ev.lanes, gdeg, levels, group.reshape(-1).astype(np.int64), ev.lengths, seg,
+                               float(ev.sc.microbatch_ms), int(ev.sc.max_tokens_per_lane), ev.lanes,
+                               GROUP_POLISH_VISITS)
+    return keys[got] // ev.lanes, keys[got] % ev.lanes, gdeg[got]
+
+
 def _lane_max(mb: np.ndarray, lane0: np.ndarray, deg: np.ndarray, idx: np.ndarray, lanes: int, empty: int
               ) -> np.ndarray:
     """``[lanes]`` the latest microbatch of the items ``idx`` on each lane (``empty`` where none), each item on the

@@ -125,6 +125,17 @@ def test_anchors_take_a_dual_feasible_function_per_degree():
     assert b.bound_ms <= best * (1 + 1e-9) and best == pytest.approx(43.8)  # tight
 
 
+def policy_times(lengths, cost, world):
+    """``(policy, simulated step ms)`` of every one-pool policy that can plan the batch."""
+    for policy in ("hydra", "greedy", "maxlen", "token-kk", "batch-ada", "flexsp", "mcore-dcp"):
+        try:
+            plan = make_plan(BatchItems.from_lengths(lengths), cost,
+                             PlanConfig(policy=policy, world_size=world, time_limit_s=0.5))
+        except ValueError:
+            continue
+        yield policy, simulate_step(plan, cost).step_ms
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**6), st.sampled_from([2, 4, 8, 16]), st.sampled_from([5.0, 40.0, 400.0]))
 def test_per_degree_anchors_are_below_every_power_of_two_plan(seed, world, beta):
@@ -141,13 +152,8 @@ def test_per_degree_anchors_are_below_every_power_of_two_plan(seed, world, beta)
     sc = cost.shape(1, 1)
     term = step_lower_bound(lengths, cost, world, [(1, 1)], degrees=degrees).anchors_ms
     assert term >= uniform_anchors(lengths.astype(np.float64), sc, world, degrees) * (1 - 1e-12)
-    for policy in ("hydra", "greedy", "maxlen", "token-kk", "batch-ada", "flexsp", "mcore-dcp"):
-        try:
-            plan = make_plan(BatchItems.from_lengths(lengths), cost,
-                             PlanConfig(policy=policy, world_size=world, time_limit_s=0.5))
-        except ValueError:
-            continue
-        assert term <= simulate_step(plan, cost).step_ms * (1 + 1e-9), policy
+    for policy, ms in policy_times(lengths, cost, world):
+        assert term <= ms * (1 + 1e-9), policy
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -162,13 +168,8 @@ def test_anchors_below_every_policy_where_the_fixed_cost_dominates(seed, world, 
     lengths = (rng.uniform(0.3, 1.0, n) * cap * int(rng.choice([1, 2, 4]))).astype(np.int64) + 1
     lengths = np.minimum(lengths, cap * world)
     bound = step_lower_bound(lengths, cost, world)
-    for policy in ("hydra", "greedy", "maxlen", "token-kk", "batch-ada", "flexsp", "mcore-dcp"):
-        try:
-            plan = make_plan(BatchItems.from_lengths(lengths), cost,
-                             PlanConfig(policy=policy, world_size=world, time_limit_s=0.5))
-        except ValueError:
-            continue
-        assert bound.anchors_ms <= simulate_step(plan, cost).step_ms * (1 + 1e-9), policy
+    for policy, ms in policy_times(lengths, cost, world):
+        assert bound.anchors_ms <= ms * (1 + 1e-9), policy
 
 
 def test_cheapest_degree_tables():

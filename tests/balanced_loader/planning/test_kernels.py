@@ -210,3 +210,46 @@ def test_target_groups_equals_reference(seed, n, nlev, beta):
         assert np.allclose(a, b)
     sizes = np.bincount(got[0], weights=tokens)
     assert (sizes <= 100 << got[1]).all() or n == 1 or fit.max() == nlev - 1  # within each group's lanes
+
+
+@given(st.integers(0, 10**6), st.sampled_from([1, 2, 4, 8]), st.integers(2, 40), st.sampled_from([0.0, 2.0, 30.0]),
+       st.sampled_from([1 << 6, 1 << 12, 1 << 20]))
+def test_polish_groups_equals_reference_and_never_lengthens_the_step(seed, lanes, n, beta, budget):
+    from balanced_loader.planning.kernels.evaluate import items_step_ms_reference
+    from balanced_loader.planning.kernels.polish import polish_groups_kernel, polish_groups_reference
+
+    rng = np.random.default_rng(seed)
+    cap = 100
+    levels = lanes.bit_length()
+    tok = np.minimum(rng.integers(1, 2 * cap + 1, n), cap << (levels - 1)).astype(np.int64)  # each fits all lanes
+    width = np.left_shift(1, np.arange(levels)).astype(np.float64)
+    seg = tok[:, None] * rng.uniform(0.5, 2.0, n)[:, None] / width[None, :] + rng.uniform(0, 3) * tok[:, None]
+    seg[tok[:, None] > cap * width[None, :]] = np.inf
+    # groups in contract-2 order: microbatch k, aligned blocks of random levels that hold their docs
+    gl0, gdeg, item_g = [], [], np.empty(n, np.int64)
+    lane, room = 0, 0
+    for i in range(n):
+        lv = int(rng.integers(int(np.ceil(np.log2(-(-tok[i] // cap)))), levels))
+        if not gl0 or rng.random() < 0.6 or gdeg[-1] != 1 << lv or tok[i] > room:  # a new group, next block
+            lane = -(-lane // (1 << lv)) * (1 << lv)
+            if lane + (1 << lv) > lanes:  # the next microbatch
+                lane = 0
+            gl0.append(lane)
+            gdeg.append(1 << lv)
+            lane += 1 << lv
+            room = cap << lv
+        item_g[i] = len(gl0) - 1
+        room -= tok[i]
+    gl0, gdeg = np.asarray(gl0, np.int64), np.asarray(gdeg, np.int64)
+    glev = np.log2(gdeg).astype(np.int64)
+    got = polish_groups_kernel(gl0, gdeg, glev, item_g, tok, seg, beta, cap, lanes, budget)
+    ref = polish_groups_reference(gl0, gdeg, glev, item_g, tok, seg, beta, cap, lanes, budget)
+    assert np.array_equal(got, ref)
+
+    def step(groups):  # the plan as items: a group's docs share its (order, first lane)
+        order = np.arange(len(gl0))
+        s = seg[np.arange(n), glev[groups]]
+        return items_step_ms_reference(order[groups], gl0[groups], gdeg[groups], s, beta, 1, lanes)
+
+    assert (np.bincount(got, weights=tok, minlength=len(gl0)) <= gdeg * cap).all()  # every group within its cap
+    assert step(got) <= step(item_g) + 1e-9
