@@ -15,7 +15,9 @@ order) by contract-2 time wins, so the result is never slower than the greedy pl
 also tried with up to two 1-lane groups per lane and microbatch: a lane free early takes a second
 group of short docs that a late lane would otherwise hold. Last, hydra's plan (with ``min_degree: 1``) and
 BatchAda's on the same pool compete with the result (contract-2 time, ties keep FlexSP's; a note names the
-winner): flexsp is never behind either of them.
+winner): flexsp is never behind either of them. Where ``tp`` is free, :func:`try_shapes` (``make_plan``'s hook)
+compares hydra's plan on lanes of tensor-parallel ranks too, so flexsp is never behind hydra as ``make_plan``
+gives it.
 
 Knobs (``PlanConfig.extra``): ``min_degree`` (default 1), ``num_m`` (5), ``node_limit`` (50),
 ``rel_gap`` (0.002), ``buckets`` (16), ``max_solves`` (12 HiGHS solves per step: under 2 s of planning at 64 lanes),
@@ -48,7 +50,7 @@ from balanced_loader.planning.config import PlanConfig
 from balanced_loader.planning.policies.common import check_fits, one_pool_plan, pool_setup, sp_degrees
 from balanced_loader.planning.solvers.sp_plan import FlexSPOptions, plan_microbatches, pool_time
 
-__all__ = ["FlexSPOptions", "plan_microbatches", "plan_step", "pool_time"]
+__all__ = ["FlexSPOptions", "plan_microbatches", "plan_step", "pool_time", "try_shapes"]
 
 
 def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int) -> StepPlan:
@@ -90,3 +92,22 @@ def _never_behind(plan: StepPlan, items: BatchItems, cost: CostModel, config: Pl
         return plan, ()
     return best.with_timing(notes=()), (f"flexsp: {name}'s plan kept ({best_ms:.1f} ms; FlexSP's own "
                                         f"{step_ms(plan, cost):.1f} ms)",)
+
+
+def try_shapes(items: BatchItems, cost: CostModel, config: PlanConfig, step: int, plan: StepPlan) -> StepPlan:
+    """``plan`` (flexsp's, on one-rank lanes), or hydra's plan on lanes of 2, 4, .. tensor-parallel ranks where
+    that is faster (:func:`balanced_loader.planning.policies.hydra.try_shapes`, the same conditions: the plan
+    needs CP, ``tp`` and ``pp`` are free, the lanes alike; ``make_plan`` calls this only on one top-level pool).
+    Only where hydra's plan competes at all (``min_degree: 1``)."""
+    from balanced_loader.planning.policies import hydra
+    from balanced_loader.simulate import step_ms
+
+    if FlexSPOptions.from_config(config).min_degree != 1:
+        return plan
+    cand = hydra.try_shapes(items, cost, replace(config, policy="hydra", extra={}), step, plan)
+    if cand is plan:
+        return plan
+    ms, own = step_ms(cand, cost), step_ms(plan, cost)
+    kept = [n for n in cand.notes if not n.startswith("hydra: lanes of tp")]
+    return cand.with_timing(notes=(*kept, f"flexsp: hydra's plan on lanes of tp {cand.pools[0].tp} kept ({ms:.1f} ms; "
+                                          f"on one-rank lanes {own:.1f} ms)"))
