@@ -96,18 +96,15 @@ def _never_behind(plan: StepPlan, items: BatchItems, cost: CostModel, config: Pl
 
 def try_shapes(items: BatchItems, cost: CostModel, config: PlanConfig, step: int, plan: StepPlan) -> StepPlan:
     """``plan`` (flexsp's, on one-rank lanes), or hydra's plan on lanes of 2, 4, .. tensor-parallel ranks where
-    that is faster (:func:`balanced_loader.planning.policies.hydra.try_shapes`, the same conditions: the plan
-    needs CP, ``tp`` and ``pp`` are free, the lanes alike; ``make_plan`` calls this only on one top-level pool).
-    Only where hydra's plan competes at all (``min_degree: 1``)."""
+    that is faster (:func:`balanced_loader.planning.policies.hydra.tp_lanes_plan`: the plan needs CP, ``tp`` and
+    ``pp`` are free; ``make_plan`` calls this only on one top-level pool of alike lanes). Only where hydra's plan
+    competes at all (``min_degree: 1``)."""
     from balanced_loader.planning.policies import hydra
-    from balanced_loader.simulate import step_ms
 
     if FlexSPOptions.from_config(config).min_degree != 1:
         return plan
-    cand = hydra.try_shapes(items, cost, replace(config, policy="hydra", extra={}), step, plan)
-    if cand is plan:
+    best, ms, own = hydra.tp_lanes_plan(items, cost, replace(config, extra={}), step, plan)
+    if best is plan:
         return plan
-    ms, own = step_ms(cand, cost), step_ms(plan, cost)
-    kept = [n for n in cand.notes if not n.startswith("hydra: lanes of tp")]
-    return cand.with_timing(notes=(*kept, f"flexsp: hydra's plan on lanes of tp {cand.pools[0].tp} kept ({ms:.1f} ms; "
-                                          f"on one-rank lanes {own:.1f} ms)"))
+    return best.with_timing(notes=(*best.notes, f"flexsp: hydra's plan on lanes of tp {best.pools[0].tp} kept "
+                                                f"({ms:.1f} ms; on one-rank lanes {own:.1f} ms)"))

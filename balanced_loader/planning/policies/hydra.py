@@ -293,35 +293,45 @@ def plan_step(items: BatchItems, cost: CostModel, config: PlanConfig, step: int)
 def try_shapes(items: BatchItems, cost: CostModel, config: PlanConfig, step: int, plan: StepPlan) -> StepPlan:
     """``plan`` (hydra's on one-rank lanes: :func:`plan_step`), or, where it needs CP, neither ``tp`` nor ``pp`` is
     fixed and the lanes are alike (``make_plan`` calls this only then), the plan on lanes of
-    2, 4, .. tensor-parallel ranks (the cost file's ``(tp, 1)`` shapes, while each is faster): a TP pair holds
-    twice the tokens of a lane at less than twice its speed cost, so long docs need less CP (the sweep found
-    ``hydraulis``' tp-2 pools 0.6-1.8% faster on the llama3 preset at 32K). ``extra["shapes"] = False`` keeps
-    one-rank lanes."""
+    2, 4, .. tensor-parallel ranks (:func:`tp_lanes_plan`): a TP pair holds twice the tokens of a lane at less
+    than twice its speed cost, so long docs need less CP (the sweep found ``hydraulis``' tp-2 pools 0.6-1.8%
+    faster on the llama3 preset at 32K). ``extra["shapes"] = False`` keeps one-rank lanes."""
     tries = config.extra.get("shapes", True)
     if not isinstance(tries, bool):
         raise ValueError(f"policy 'hydra': option 'shapes' must be true or false, got {tries!r}")
-    if not tries or config.tp is not None or config.pp is not None or not any(
-            len(g.lanes) > 1 for mb in plan.pools[0].microbatches for g in mb):
+    if not tries:
         return plan
+    best, best_ms, lanes_ms = tp_lanes_plan(items, cost, config, step, plan)
+    if best is plan:
+        return plan
+    note = f"hydra: lanes of tp {best.pools[0].tp} kept ({best_ms:.1f} ms; one-rank lanes {lanes_ms:.1f} ms)"
+    return best.with_timing(notes=(*best.notes, note))
+
+
+def tp_lanes_plan(items: BatchItems, cost: CostModel, config: PlanConfig, step: int, plan: StepPlan
+                  ) -> tuple[StepPlan, float, float]:
+    """``(best, its ms, plan's ms)``: hydra's plan on lanes of 2, 4, .. TP ranks (the cost file's ``(tp, 1)``
+    shapes, each kept while it is :data:`SHAPE_GAIN` faster) against ``plan`` (any policy's, on one-rank lanes),
+    where ``plan`` needs CP and neither ``tp`` nor ``pp`` is fixed; ``best is plan`` when none is faster."""
     from balanced_loader.simulate import step_ms  # contract 2 on the plans (imported where the shapes are compared)
 
     best, best_ms = plan, step_ms(plan, cost)
     lanes_ms = best_ms
+    if config.tp is not None or config.pp is not None or not any(
+            len(g.lanes) > 1 for mb in plan.pools[0].microbatches for g in mb):
+        return best, best_ms, lanes_ms
     usable = {s.tp for s in cost.shapes() if s.pp == 1}
     tp = 2
     while tp in usable and config.world_size % tp == 0:
         try:
-            cand = plan_step(items, cost, replace(config, tp=tp), step)
+            cand = plan_step(items, cost, replace(config, policy="hydra", tp=tp), step)
         except ValueError:  # a doc no group of this shape holds
             break
         ms = step_ms(cand, cost)
         if ms >= best_ms * (1 - SHAPE_GAIN):
             break
         best, best_ms, tp = cand, ms, 2 * tp
-    if best is plan:
-        return plan
-    note = f"hydra: lanes of tp {best.pools[0].tp} kept ({best_ms:.1f} ms; one-rank lanes {lanes_ms:.1f} ms)"
-    return best.with_timing(notes=(*best.notes, note))
+    return best, best_ms, lanes_ms
 
 
 def _portfolio(items: BatchItems, setup, tgt: LoadTarget, desc: np.ndarray, top: int, own: portfolio.Arrays,

@@ -70,12 +70,20 @@ class Evaluator:
         the lanes) and the longest item's least group time
         (:func:`balanced_loader.planning.solvers.bound.step_lower_bound`'s first two terms)."""
         cap = self.sc.max_tokens_per_lane
+        s = self.s if idx is None else self.s[idx]
+        deg = np.left_shift(1, np.arange(top + 1)).astype(np.float64)  # [levels]
+        seg = self.seg_table(top, idx)  # [n, levels]
+        area = float(((deg[None, :] * seg).min(axis=1) + self.sc.microbatch_ms * s / cap).sum()) / self.lanes
+        return max(area, float(self.sc.microbatch_ms + seg.min(axis=1).max()))
+
+    def seg_table(self, top: int, idx: np.ndarray | None = None) -> np.ndarray:
+        """``[n, top + 1]`` each item's segment ms (:meth:`seg`) on ``2**v`` lanes, ``inf`` where it does not fit
+        (``s > 2**v * cap``), for the items ``idx`` (default all)."""
         s, work = (self.s, self.work) if idx is None else (self.s[idx], self.work[idx])
         deg = np.left_shift(1, np.arange(top + 1)).astype(np.float64)  # [levels]
         seg = work[:, None] / deg[None, :] + self.comm[None, :top + 1] * s[:, None]  # [n, levels]
-        seg[s[:, None] > cap * deg[None, :]] = np.inf  # memory
-        area = float(((deg[None, :] * seg).min(axis=1) + self.sc.microbatch_ms * s / cap).sum()) / self.lanes
-        return max(area, float(self.sc.microbatch_ms + seg.min(axis=1).max()))
+        seg[s[:, None] > self.sc.max_tokens_per_lane * deg[None, :]] = np.inf  # memory
+        return seg
 
     def seg(self, deg: np.ndarray) -> np.ndarray:
         """``[n]`` the time each item adds to a group of its degree (``ShapeCost.segment_ms``)."""
@@ -399,10 +407,7 @@ def polish_groups(ev: Evaluator, plan: Arrays) -> Arrays:
     gdeg = np.ones(len(keys), np.int64)
     gdeg[group] = deg
     levels = np.log2(gdeg).astype(np.int64)
-    top = int(levels.max())
-    widths = np.left_shift(1, np.arange(top + 1)).astype(np.float64)  # [levels]
-    seg = ev.work[:, None] / widths[None, :] + ev.comm[None, :top + 1] * ev.s[:, None]  # [n, levels] ms
-    seg[ev.s[:, None] > ev.sc.max_tokens_per_lane * widths[None, :]] = np.inf  # memory
+    seg = ev.seg_table(int(levels.max()))  # [n, levels] ms
     got = polish_groups_kernel(keys % ev.lanes, gdeg, levels, group.reshape(-1).astype(np.int64), ev.lengths, seg,
                                float(ev.sc.microbatch_ms), int(ev.sc.max_tokens_per_lane), ev.lanes,
                                GROUP_POLISH_VISITS)
