@@ -182,6 +182,10 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if bool in inner and len(inner) > 1:  # bool | str: true / false, else the other type's rules
+            if isinstance(value, bool):
+                return value
+            inner.remove(bool)
         if len(inner) > 1 and isinstance(value, (list, tuple)):  # X | tuple[...]: a list reads as the tuple
             inner.sort(key=lambda a: typing.get_origin(a) is not tuple)
         return _convert(value, inner[0], where)

@@ -142,7 +142,9 @@ class TrainConfig:
     recompute: bool = False  # activation checkpointing: keep each block's input, recompute its inside in backward
     calibrate: bool = False  # closed loop: fit the cost model and per-rank speeds online (options: calibration:)
     trace: bool = False  # write the measured run as OUT/trace.json (Chrome / Perfetto trace events)
-    overlap: bool = True  # pull/push buckets in flight beside forward/backward (parallel_runtime.training.overlap)
+    # pull/push buckets in flight beside forward/backward (parallel_runtime.training.overlap): true, false or auto
+    # (on GPUs; on CPU only where this machine's ranks x world.threads leave a core free: overlap_wanted)
+    overlap: bool | str = "auto"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -389,6 +391,8 @@ def validate(r: Recipe) -> None:
                          f"tokens); on world.device cuda use auto (flash-attention when installed, else per-doc "
                          f"SDPA), flash or loop")
     _positive(t.checkpoint_every, "train.checkpoint_every", zero=True)
+    if isinstance(t.overlap, str) and t.overlap != "auto":
+        raise ValueError(f"train.overlap must be true, false or auto, got '{t.overlap}'")
     r.cost_model()  # a missing or malformed cost file fails here
     if r.model.hf is not None:
         _validate_hf(r)

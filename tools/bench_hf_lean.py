@@ -1,9 +1,9 @@
 """CPU cost of the lean activations (``parallel_runtime/hf/lean.py``) on one microbatch of a transformers Llama.
 
 The benchmark's 27.5M shape (hidden 512, MLP 1,536, 8 layers, byte vocabulary), one thread, one microbatch of
-``--tokens`` tokens: forward and backward of the plain model, of the model with both lean changes, and with
-each alone, alternated ``--repeats`` times (the order flipping each round); medians of CPU time, as ratios to
-the plain model's.
+``--tokens`` tokens: forward and backward of the plain model, of the model with both lean changes, with
+each alone, and with the norms checkpointed (lean's norms before ``RMSNormKeepInput``), alternated
+``--repeats`` times (the order flipping each round); medians of CPU time, as ratios to the plain model's.
 
     python tools/bench_hf_lean.py --repeats 8
 """
@@ -22,14 +22,17 @@ from parallel_runtime.hf import lean
 
 
 def variant(base: torch.nn.Module, kind: str) -> torch.nn.Module:
-    """A copy of ``base`` with ``kind`` of the lean changes: plain, lean (both), mlp or norm."""
+    """A copy of ``base`` with ``kind`` of the lean changes: plain, lean (both), mlp, norm (the norm function) or
+    ckpt (the norms checkpointed instead, as lean did before the function)."""
     m = copy.deepcopy(base)
     for mod in m.modules():
         if kind in ("lean", "mlp") and type(mod).__name__ in lean.SWIGLU_MLPS:
             mod.forward = types.MethodType(lean._swiglu_forward(mod.forward, lambda: True), mod)
             down = mod.down_proj
             down.forward = types.MethodType(lean._down_forward(down.forward), down)
-        elif kind in ("lean", "norm") and "RMSNorm" in type(mod).__name__:
+        elif kind in ("lean", "norm") and type(mod).__name__ in lean.EXACT_NORMS:
+            mod.forward = types.MethodType(lean._norm_forward(mod.forward, lambda: True), mod)
+        elif kind == "ckpt" and "RMSNorm" in type(mod).__name__:
             mod.forward = lean._checkpointed(mod.forward, lambda: True)
     return m
 
@@ -46,7 +49,7 @@ def main() -> int:
     cfg = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                       num_key_value_heads=8, vocab_size=256, max_position_embeddings=max(4096, a.tokens))
     base = LlamaForCausalLM(cfg).train()
-    models = {k: variant(base, k) for k in ("plain", "lean", "mlp", "norm")}
+    models = {k: variant(base, k) for k in ("plain", "lean", "mlp", "norm", "ckpt")}
     ids = torch.randint(0, 256, (1, a.tokens))  # [1, T]
     pos = torch.arange(a.tokens)[None]  # [1, T]
 

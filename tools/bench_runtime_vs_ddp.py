@@ -13,8 +13,11 @@ all-reduce on the last microbatch (``no_sync`` before), ``clip_grad_norm_`` and 
 Every run is a fresh ``accelerate launch`` of 2 processes; the configurations run one after the other
 in rounds (the order rotates each round), so load from other jobs hits them alike. A step's time is
 the time between rank 0's consecutive step lines (data, plan, forward/backward, communication and
-optimizer: the whole iteration, timed the same way for the runtime and the loop); a run's figure is
-the median over its timed steps, and the summary takes medians over rounds. Beside it, the CPU time
+optimizer: the whole iteration, timed the same way for the runtime and the loop); a run's tokens/s is its
+timed steps' tokens over their summed time (the steps hold different token counts, 7,249 to 8,192 here:
+the median step time, the figure before 2026-12-05, picked one step's time, which flipped between a full
+step and a short one), a round's ratio is the runtime's tokens/s over the loop's (the same steps, the same
+tokens), and the summary takes medians over rounds; the median step time is printed beside it. Beside it, the CPU time
 of all the run's processes per timed step (user + system of every thread: compute, communication,
 the loader's planner), which other jobs on a shared machine disturb far less than wall time. Peak
 memory is sampled
@@ -168,6 +171,7 @@ def run_one(config: str, work: Path, *, steps: int, warmup: int, shards: str, to
     first = max(warmup, 1)
     times = [stamps[s] - stamps[s - 1] for s in range(first, steps)]
     return {"config": config, "step_s": statistics.median(times), "steps_s": [round(t, 3) for t in times],
+            "tokens_per_s": sum(toks[s] for s in range(first, steps)) / sum(times),
             "cpu_s": (cpu[steps - 1] - cpu[first - 1]) / (steps - first),
             "tokens": statistics.mean(toks[s] for s in range(max(warmup, 1), steps)),
             "rss_mb": max(sampler.rss.values(), default=0) / 2**20,
@@ -181,12 +185,12 @@ def summarize(got: dict[str, list[dict]], base: str) -> str:
     b = got.get(base)
     for cfg, runs in got.items():
         step = statistics.median(r["step_s"] for r in runs)
-        tps = statistics.median(r["tokens"] / r["step_s"] for r in runs)
+        tps = statistics.median(r["tokens_per_s"] for r in runs)
         rss = statistics.median(r["rss_mb"] for r in runs)
         hwm = statistics.median(r["hwm_mb"] for r in runs)
         cpu = statistics.median(r["cpu_s"] for r in runs)
         if b:
-            per = [x["step_s"] / r["step_s"] for x, r in zip(b, runs)]
+            per = [r["tokens_per_s"] / x["tokens_per_s"] for x, r in zip(b, runs)]
             ratio = f"{statistics.median(per):9.3f}"
             rounds = ",".join(f"{v:.2f}" for v in per)
             mem = f"{rss / statistics.median(x['rss_mb'] for x in b):9.3f}"
@@ -205,11 +209,12 @@ def figures(got: dict[str, list[dict]]) -> list:
     base = got["ddp"]
     out = []
     setting = ("27.5M decoder 512x8, stdlib corpus, 8,192 tokens per step, microbatch cap 1,024, hydra, 2 gloo ranks "
-               f"of 1 thread, {len(base)} rounds of alternated launches")
+               f"of 1 thread, {len(base)} rounds of alternated launches; a launch's tokens/s: its timed steps' tokens "
+               "over their time")
     for name, what, topic in (("native", "the native decoder", "native vs loop"),
                               ("hf", "the same Llama through model.hf", "HF vs loop")):
         runs = got[name]
-        per = [x["step_s"] / r["step_s"] for x, r in zip(base, runs)]  # same tokens: tokens/s ratio
+        per = [r["tokens_per_s"] / x["tokens_per_s"] for x, r in zip(base, runs)]
         cpu = statistics.median(x["cpu_s"] for x in base) / statistics.median(r["cpu_s"] for r in runs)
         rss, rss_base = (statistics.median(r["rss_mb"] for r in rr) for rr in (runs, base))
         for kind, figure, target, value in (
@@ -257,7 +262,8 @@ def main() -> None:
             res = run_one(c, work, steps=a.steps, warmup=a.warmup, shards=shards, tokens=a.tokens, cap=a.cap,
                           tag=f"r{r}-{i}")
             got[c].append(res)
-            print(f"round {r} {c}: step {res['step_s']:.2f} s {res['steps_s']}, CPU {res['cpu_s']:.2f} s/step, "
+            print(f"round {r} {c}: {res['tokens_per_s']:.0f} tokens/s, step {res['step_s']:.2f} s {res['steps_s']}, "
+                  f"CPU {res['cpu_s']:.2f} s/step, "
                   f"peak RSS {res['rss_mb']:.0f} MB (VmHWM {res['hwm_mb']:.0f}), load {res['load']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(got, indent=1))

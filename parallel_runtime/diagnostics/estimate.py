@@ -271,7 +271,7 @@ def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flas
 
     from parallel_runtime.groups import GroupCache, declared_groups
     from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
-    from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap
+    from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, overlap_wanted
     from parallel_runtime.training.params import param_specs
     from parallel_runtime.training.plan_check import check_plan_runs_here
     from parallel_runtime.training.rank_step import execute_step
@@ -292,14 +292,15 @@ def run_rank(ctx: Context, rank: int, steps: Sequence[int], *, recipe=None, flas
         trace.phase = "setup"
         groups = GroupCache(rank=rank)
         groups.ensure(declared_groups(declared_topologies(recipe), w.cp_engine, w.cp_inner))
-        xgroup = exchange_group(world) if t.overlap else None
+        on = overlap_wanted(t.overlap, gpu=True)  # the GPU run this estimates
+        xgroup = exchange_group(world) if on else None
         fr.label(xgroup, "exchange")
         with tracker.kind("optimizer"):
             opt = ShardedOptimizer(layout, ((s.name, torch.empty(s.shape)) for s in specs), recipe.optimizer,
                                    rank=rank, device=cpu, group=xgroup)
-        xc = ctx.exchange_class(opt, bucket_elems=bucket_limit(BUCKET_ELEMS, world, gpu=True) if t.overlap else None)
+        xc = ctx.exchange_class(opt, bucket_elems=bucket_limit(BUCKET_ELEMS, world, gpu=True) if on else None)
         xc.tracker = tracker
-        overlap = Overlap(xc) if t.overlap else None
+        overlap = Overlap(xc) if on else None
         rt = Runtime(recipe.model, rank=rank, device=cpu, dtype=DTYPES[t.dtype], attention=t.attention,
                      groups=groups, specs=specs, layout=layout)
         for s in steps:

@@ -60,7 +60,7 @@ def measured(recipe, tokens: int, device: torch.device) -> dict[str, Any]:
     from parallel_runtime.groups import GroupCache
     from parallel_runtime.topology import Topology
     from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
-    from parallel_runtime.training.overlap import Overlap
+    from parallel_runtime.training.overlap import Overlap, overlap_wanted
     from parallel_runtime.training.params import init_params, param_specs
     from parallel_runtime.training.rank_step import execute_step
     from parallel_runtime.training.runtime import DTYPES, Runtime
@@ -78,7 +78,7 @@ def measured(recipe, tokens: int, device: torch.device) -> dict[str, Any]:
             opt = ShardedOptimizer(FlatLayout(specs, 1), init_params(recipe.model, recipe.seed), recipe.optimizer,
                                    rank=0, device=device)
             xc = ShardExchange(opt)
-            overlap = Overlap(xc) if t.overlap else None
+            overlap = Overlap(xc) if overlap_wanted(t.overlap, gpu=True) else None  # as the estimate it checks
             rt = Runtime(recipe.model, rank=0, device=device, dtype=DTYPES[t.dtype], attention=t.attention,
                          groups=GroupCache(rank=0), specs=specs, layout=opt.layout)
             topo = Topology.from_plan(plan)

@@ -41,6 +41,19 @@ from parallel_runtime.training.exchange import tp_group_needs
 from parallel_runtime.training.layout import LocalParam, grad_of
 from parallel_runtime.training.transport import InFlight, ShardExchange
 
+
+def overlap_wanted(setting: bool | str, *, gpu: bool, busy_cores: int = 0, cores: int = 1) -> bool:
+    """``train.overlap`` for a run: ``true`` / ``false`` as given; ``auto`` on GPUs (the collectives run beside
+    the kernels), and on CPU only where the compute threads of this machine's ranks (``busy_cores``: ranks x
+    ``world.threads``) leave one of its ``cores`` free. Why: where the ranks fill every core, the overlap's
+    collectives (a gloo group of their own, a bucket per 2 MB, a thread that wakes for each) run on the
+    compute's cores and hide nothing; measured on 2 ranks of 1 thread on 2 cores (HF Llama 27.5M,
+    docs/results/hf_speed.md), with it the ranks spent 4% more CPU per step for fewer tokens/s."""
+    if isinstance(setting, bool):
+        return setting
+    return gpu or busy_cores < cores
+
+
 DEPTH = 2  # buckets in flight at once (each a pair of reusable buffers)
 BUCKET_ELEMS = 1 << 19  # elements per bucket buffer when overlapping: DEPTH x 2 x 2 MB in flight
 

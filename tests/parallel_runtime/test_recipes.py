@@ -70,6 +70,8 @@ def _raw() -> dict:
     (["policy.compare=[fastest]"], "policy.compare: unknown policy 'fastest'"),
     (["cost.preset=analytic:tiny@cpu"], "cost: give exactly one of cost.file"),
     (["policy.plan_source=rank0"], "policy.plan_source must be one of local, broadcast"),
+    (["train.overlap=sometimes"], "train.overlap must be true, false or auto, got 'sometimes'"),
+    (["train.overlap=1"], "train.overlap: expected a string, got 1"),
 ])
 def test_bad_recipes_fail_with_one_line_naming_the_field(sets: list[str], message: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -85,6 +87,20 @@ def test_missing_seed_and_bad_set_syntax() -> None:
         recipe_from_dict(raw)
     with pytest.raises(ValueError, match="expected key=value"):
         apply_overrides(_raw(), ["optimizer.lr"])
+
+
+def test_overlap_is_auto_by_default_and_takes_true_or_false() -> None:
+    from parallel_runtime.training.overlap import overlap_wanted
+
+    path = str(RECIPES / "cpu-hetero.yaml")
+    assert load_recipe(path).train.overlap == "auto"
+    assert [load_recipe(path, [f"train.overlap={v}"]).train.overlap for v in ("true", "false", "auto")] == \
+        [True, False, "auto"]
+    # auto: on GPUs; on CPU only where the ranks' compute threads leave a core free; true / false as given
+    assert overlap_wanted("auto", gpu=True, busy_cores=64, cores=8)
+    assert not overlap_wanted("auto", gpu=False, busy_cores=2, cores=2)  # 2 ranks x 1 thread on 2 cores
+    assert overlap_wanted("auto", gpu=False, busy_cores=2, cores=4)
+    assert overlap_wanted(True, gpu=False, busy_cores=8, cores=2) and not overlap_wanted(False, gpu=True)
 
 
 def test_overrides_reach_nested_fields() -> None:

@@ -6,6 +6,7 @@ from a checkpoint)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +123,50 @@ def test_lean_activations_give_the_same_gradients_and_keep_less(model_type: str)
         TINY["intermediate_size"]
     # silu(gate) and silu(gate) * up (down_proj's input), each norm's normalized input
     assert peak - peak_lean >= 4 * t * (layers * (2 * mlp + 2 * hidden) + hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_norm_is_the_norm_bit_for_bit_and_keeps_its_input_only(dtype: torch.dtype) -> None:
+    """lean's RMSNorm function against transformers' own norm module: the same output and gradients bit for bit
+    (fp32 and bf16, where the norm runs in fp32 and casts back), keeping its input and the [T, 1] root only;
+    a norm class of another formula stays checkpointed (the same gradients too)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from parallel_runtime.hf import lean
+
+    class OtherRMSNorm(torch.nn.Module):  # a formula lean does not know: (1 + weight), as Gemma's
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(64) * 0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            xf = x.float()
+            return ((1 + self.weight) * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    g = torch.Generator().manual_seed(3)
+    for cls in (LlamaRMSNorm, OtherRMSNorm):
+        base = LlamaRMSNorm(64, eps=1e-5) if cls is LlamaRMSNorm else OtherRMSNorm()
+        with torch.no_grad():
+            base.weight.uniform_(0.5, 1.5, generator=g)
+        x0 = (torch.randn(1, 37, 64, generator=g) * 3).to(dtype)
+        up = torch.randn(1, 37, 64, generator=g).to(dtype)
+        runs = []
+        for slim in (False, True):
+            mod = copy.deepcopy(base).to(dtype)
+            if slim:
+                assert lean.install(mod, lambda: True) == 1
+            x = x0.clone().requires_grad_(True)
+            saved = SavedActivations(exclude=[mod.weight])
+            with saved.hooks():
+                y = mod(x)
+            y.backward(up)
+            runs.append((y.detach(), x.grad, mod.weight.grad, saved.peak))
+        (y, gx, gw, peak), (y2, gx2, gw2, peak2) = runs
+        assert torch.equal(y, y2) and torch.equal(gx, gx2) and torch.equal(gw, gw2), (cls.__name__, dtype)
+        itemsize = x0.element_size()
+        if cls is LlamaRMSNorm:  # its input and the fp32 [T, 1] root
+            assert peak2 == 37 * 64 * itemsize + 37 * 4, (peak2, peak)
+        assert peak2 < peak
 
 
 def test_recompute_of_a_model_without_checkpointing_fails_with_one_line() -> None:
