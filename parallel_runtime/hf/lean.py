@@ -59,16 +59,19 @@ class SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up, weight = ctx.saved_tensors
-        silu = F.silu(gate)
-        act = (silu * up).reshape(-1, up.shape[-1])  # [T, I], made again
         g2 = grad.reshape(-1, grad.shape[-1])  # [T, H]
-        # what autograd runs for linear (matmul folded to mm) and then MulBackward0 and SiluBackward0
-        grad_act = g2.mm(weight).view(up.shape) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
-        grad_w = g2.t().mm(act) if ctx.needs_input_grad[2] else None  # [H, I], as mm_mat2_backward makes it
+        silu = F.silu(gate)  # made again
+        # what autograd runs for linear (matmul folded to mm) and then MulBackward0 and SiluBackward0; each
+        # [T, I] temporary dropped as soon as it is used (the product right after its mm): this backward's
+        # high mark is 4 of them, not 6
+        grad_w = g2.t().mm((silu * up).reshape(-1, up.shape[-1])) if ctx.needs_input_grad[2] else None  # [H, I]
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        if grad_act is None:
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             return None, None, grad_w, grad_b
-        return torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu, grad_w, grad_b
+        grad_act = g2.mm(weight).view(up.shape)
+        grad_up = grad_act * silu
+        del silu
+        return torch.ops.aten.silu_backward(grad_act * up, gate), grad_up, grad_w, grad_b
 
 
 class RMSNormKeepInput(torch.autograd.Function):

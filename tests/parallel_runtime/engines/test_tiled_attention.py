@@ -134,3 +134,41 @@ def test_ring_block_pieces_cover_exactly_the_visible_pairs(lengths: tuple[int, .
                 part = torch.ones(qb - qa, kb - ka, dtype=torch.bool)
                 got[qa:qb, ka:kb] |= torch.tril(part) if causal else part
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("bounds", "heads", "kv_heads"), [((0, 96), 4, 4), ((0, 5, 40, 40, 71), 4, 2),
+                                                          ((0, 1, 2, 3), 2, 1)])
+def test_the_per_doc_loop_is_sdpa_per_doc_bit_for_bit_and_keeps_one_output(bounds: tuple[int, ...], heads: int,
+                                                                             kv_heads: int) -> None:
+    """The CPU per-doc loop as one autograd function (DocLoopAttention) against F.scaled_dot_product_attention per
+    doc and a concatenation: the same output and gradients bit for bit; it keeps one [T, H, D] output, the one
+    it returns, which the output projection keeps as a view (SDPA per doc kept its own outputs beside the
+    concatenation the projection keeps)."""
+    import torch.nn.functional as F
+
+    from parallel_runtime.engines.attention import _expand_kv, varlen_attention
+    from parallel_runtime.training.metrics import SavedActivations
+
+    g = torch.Generator().manual_seed(len(bounds))
+    t, d = bounds[-1], 8
+    q0, k0, v0 = (torch.randn(t, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    w0 = torch.randn(heads * d, 3, generator=g)  # the output projection
+    up = torch.randn(t, 3, generator=g)
+    runs = []
+    for fused in (True, False):
+        q, k, v, w = (x.clone().requires_grad_(True) for x in (q0, k0, v0, w0))
+        saved = SavedActivations(exclude=[q, k, v, w])
+        with saved.hooks():
+            if fused:
+                o = varlen_attention(q, k, v, torch.tensor(bounds), impl="loop", host_cu_seqlens=np.array(bounds))
+            else:
+                kx, vx = _expand_kv(k, heads), _expand_kv(v, heads)
+                o = torch.cat([F.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1)[None], kx[a:b].transpose(0, 1)[None], vx[a:b].transpose(0, 1)[None],
+                    is_causal=True, scale=d ** -0.5)[0].transpose(0, 1) for a, b in zip(bounds, bounds[1:]) if b > a])
+            y = o.reshape(t, -1) @ w
+        y.backward(up)
+        runs.append((o.detach(), q.grad, k.grad, v.grad, w.grad, saved.peak))
+    (*fused, peak_fused), (*plain, peak_plain) = runs
+    assert all(torch.equal(x, y) for x, y in zip(fused, plain, strict=True))
+    assert peak_plain - peak_fused >= t * heads * d * 4  # the concatenation's second copy of the output
