@@ -134,6 +134,11 @@ class Trainer:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks sharing this machine's cores
         overlap = distributed and overlap_wanted(recipe.train.overlap, gpu=self.device.type == "cuda",
                                                  busy_cores=local_ranks * w.threads, cores=available_cores())
+        if distributed and recipe.train.overlap == "auto" and self.device.type != "cuda":
+            # one answer for all ranks (machines may differ in cores): each creates the overlap's group, or none
+            agree = torch.tensor([int(overlap)])  # gloo: a CPU tensor
+            dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+            overlap = bool(agree.item())
         gpu = self.device.type == "cuda"  # buckets of at least 1 MiB per peer there (bucket_limit)
         self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
                                           hf.init_params() if hf else init_params(recipe.model, recipe.seed),
