@@ -145,30 +145,32 @@ class DocLoopAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...],
                 scale: float) -> torch.Tensor:
+        docs = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         out = q.new_zeros(q.shape)  # [T, H, D]
         lses = []  # [1, H, L] per doc
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b > a:
-                o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
-                    0.0, True, scale=scale)
-                out[a:b] = o[0].transpose(0, 1)
-                lses.append(lse)
+        for a, b in docs:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _heads_first(q[a:b]), _heads_first(k[a:b]), _heads_first(v[a:b]), 0.0, True, scale=scale)
+            out[a:b] = o[0].transpose(0, 1)
+            lses.append(lse)
         ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.bounds, ctx.scale = bounds, scale
+        ctx.docs, ctx.scale = docs, scale
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, *lses = ctx.saved_tensors
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        docs = [(a, b) for a, b in zip(ctx.bounds[:-1], ctx.bounds[1:]) if b > a]
-        for (a, b), lse in zip(docs, lses, strict=True):
+        for (a, b), lse in zip(ctx.docs, lses, strict=True):
             dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad[a:b].transpose(0, 1)[None], q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
-                v[a:b].transpose(0, 1)[None], out[a:b].transpose(0, 1)[None], lse, 0.0, True, scale=ctx.scale)
+                *(_heads_first(x[a:b]) for x in (grad, q, k, v, out)), lse, 0.0, True, scale=ctx.scale)
             dq[a:b], dk[a:b], dv[a:b] = dq_p[0].transpose(0, 1), dk_p[0].transpose(0, 1), dv_p[0].transpose(0, 1)
         return dq, dk, dv, None, None
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[L, H, D] -> [1, H, L, D]`` (a view): the layout torch's SDPA kernels take."""
+    return x.transpose(0, 1)[None]
 
 
 # ---- blocks with log-sum-exp (ring attention) -----------------------------------------

@@ -31,12 +31,15 @@ LMs the runtime accepts); the pull is complete after the first forward in any ca
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from balanced_loader.loader_args import available_cores
 from parallel_runtime.training.exchange import tp_group_needs
 from parallel_runtime.training.layout import LocalParam, grad_of
 from parallel_runtime.training.transport import InFlight, ShardExchange
@@ -52,6 +55,20 @@ def overlap_wanted(setting: bool | str, *, gpu: bool, busy_cores: int = 0, cores
     if isinstance(setting, bool):
         return setting
     return gpu or busy_cores < cores
+
+
+def run_overlap(setting: bool | str, *, gpu: bool, threads: int, world: int) -> bool:
+    """:func:`overlap_wanted` for this rank of a distributed run, the same on every rank: ``auto`` on CPU asks
+    this machine (its ranks, ``LOCAL_WORLD_SIZE``, else the world, x ``threads`` against its cores) and takes
+    the least answer of all ranks (machines may differ in cores, and the overlap's group is created by every
+    rank or none; a collective, so every rank calls it)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks sharing this machine's cores
+    on = overlap_wanted(setting, gpu=gpu, busy_cores=local_ranks * threads, cores=available_cores())
+    if setting == "auto" and not gpu:
+        agree = torch.tensor([int(on)])  # gloo: a CPU tensor
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+        on = bool(agree.item())
+    return on
 
 
 DEPTH = 2  # buckets in flight at once (each a pair of reusable buffers)

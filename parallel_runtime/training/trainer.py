@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from balanced_loader.loader import BalancedLoader, StepBatch
-from balanced_loader.loader_args import available_cores
 from balanced_loader.materialize import num_valid_tokens
 from balanced_loader.planning import fixed_pools
 from parallel_runtime.config import Recipe, dump_recipe
@@ -54,7 +53,7 @@ from parallel_runtime.training.breakdown import StepTimes
 from parallel_runtime.training.closed_loop import ClosedLoop
 from parallel_runtime.training.heap import set_heap_mmap_threshold
 from parallel_runtime.training.optimizer import FlatLayout, ShardedOptimizer
-from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, overlap_wanted
+from parallel_runtime.training.overlap import BUCKET_ELEMS, Overlap, run_overlap
 from parallel_runtime.training.params import init_params, local_params, param_specs
 from parallel_runtime.training.peaks import PeakProbe
 from parallel_runtime.training.recipe_setup import open_data, open_data_world, recipe_loader, run_device
@@ -131,15 +130,8 @@ class Trainer:
                                others=list(self.compare.values()), out_dir=out_dir, device=self.device)
         hf = HFModel(recipe.model.hf, seed=recipe.seed) if recipe.model.hf is not None else None  # model.hf
         specs = hf.specs if hf else param_specs(recipe.model)
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks sharing this machine's cores
-        overlap = distributed and overlap_wanted(recipe.train.overlap, gpu=self.device.type == "cuda",
-                                                 busy_cores=local_ranks * w.threads, cores=available_cores())
-        if distributed and recipe.train.overlap == "auto" and self.device.type != "cuda":
-            # one answer for all ranks (machines may differ in cores): each creates the overlap's group, or none
-            agree = torch.tensor([int(overlap)])  # gloo: a CPU tensor
-            dist.all_reduce(agree, op=dist.ReduceOp.MIN)
-            overlap = bool(agree.item())
         gpu = self.device.type == "cuda"  # buckets of at least 1 MiB per peer there (bucket_limit)
+        overlap = distributed and run_overlap(recipe.train.overlap, gpu=gpu, threads=w.threads, world=world)
         self.optimizer = ShardedOptimizer(FlatLayout(specs, world),
                                           hf.init_params() if hf else init_params(recipe.model, recipe.seed),
                                           recipe.optimizer, rank=rank, device=self.device,
